@@ -6,6 +6,7 @@ __all__ = [
     "BudgetTooSmall",
     "InvalidBudget",
     "NondeterministicRecompute",
+    "NotCallableBlock",
     "RecomputeInputModified",
     "RematError",
     "UnsupportedModel",
@@ -32,6 +33,10 @@ class BudgetTooSmall(RematError):
         super().__init__(message)
         self.budget_bytes = int(budget_bytes)
         self.minimum_bytes = int(minimum_bytes)
+
+
+class NotCallableBlock(RematError, TypeError):
+    """The block given to recompute or mark is not callable."""
 
 
 class NondeterministicRecompute(RematError):

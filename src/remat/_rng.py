@@ -1,0 +1,83 @@
+"""Capture and replay of random-number-generator and autocast state."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["ForwardState", "capture_forward_state", "replay_forward_state"]
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _devices_of(values: Iterable[Any]) -> list[torch.device]:
+    devices: dict[str, torch.device] = {}
+    for leaf in tree_leaves(list(values)):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+            devices[str(leaf.device)] = leaf.device
+    return list(devices.values())
+
+
+@dataclass
+class ForwardState:
+    """What a forward depended on besides its inputs: RNG states and autocast."""
+
+    cpu_rng: torch.Tensor | None
+    device_rng: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    autocast: dict[str, tuple[bool, torch.dtype, bool]] = field(default_factory=dict)
+
+
+def _device_module(device: torch.device) -> Any:
+    return torch.get_device_module(device.type)
+
+
+def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) -> ForwardState:
+    """Captures the RNG state of the CPU and of every device holding one of `values`.
+
+    The current CUDA device is included when CUDA is initialised, since kernels launched
+    by the function may draw from it even when no input lives there.
+    """
+    cpu_rng = None
+    device_rng: dict[torch.device, torch.Tensor] = {}
+    if preserve_rng_state:
+        cpu_rng = torch.get_rng_state()
+        devices = _devices_of(values)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            current = torch.device("cuda", torch.cuda.current_device())
+            if all(d != current for d in devices):
+                devices.append(current)
+        for device in devices:
+            module = _device_module(device)
+            index = device.index if device.index is not None else module.current_device()
+            device_rng[torch.device(device.type, index)] = module.get_rng_state(index)
+    autocast = {}
+    for device_type in _AUTOCAST_DEVICE_TYPES:
+        autocast[device_type] = (
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        )
+    return ForwardState(cpu_rng, device_rng, autocast)
+
+
+@contextlib.contextmanager
+def replay_forward_state(state: ForwardState) -> Iterator[None]:
+    """Runs the body with the captured RNG and autocast state; restores the RNG after."""
+    with contextlib.ExitStack() as stack:
+        if state.cpu_rng is not None:
+            cuda_devices = [d.index for d in state.device_rng if d.type == "cuda"]
+            stack.enter_context(torch.random.fork_rng(devices=cuda_devices, enabled=True))
+            torch.set_rng_state(state.cpu_rng)
+            for device, rng in state.device_rng.items():
+                _device_module(device).set_rng_state(rng, device.index)
+        for device_type, (enabled, dtype, cache) in state.autocast.items():
+            if device_type == "cuda" and not torch.cuda.is_available():
+                continue
+            stack.enter_context(
+                torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
+            )
+        yield

@@ -1,0 +1,123 @@
+"""Module marking: the PyTorch form of MindSpore's ``Cell.recompute()`` / ``Primitive.recompute()``.
+
+A marked module keeps its parameters, buffers, ``state_dict`` keys and hooks; only the
+way its ``forward`` runs changes: every call goes through :func:`remat.recompute`, so
+everything the module computes internally (its operations and submodules) is recomputed
+in backward, and only its output is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+from torch import nn
+
+from remat.errors import NotCallableBlock, RematError
+from remat.recompute import recompute
+
+__all__ = ["apply", "is_marked", "mark", "unmark"]
+
+_RECOMPUTE_OPTIONS = {"use_reentrant", "preserve_rng_state", "output_recompute"}
+
+Where = Union[Callable[[str, nn.Module], bool], type, tuple[type, ...]]
+
+
+class _RecomputedForward:
+    """Stands in an instance's ``forward``; picklable and deep-copyable with the module."""
+
+    def __init__(self, module: nn.Module, options: dict[str, Any], original: Any = None) -> None:
+        self.module = module
+        self.options = dict(options)
+        self.original = original  # an instance-level forward the module had before, if any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+        return recompute(forward, *args, **self.options, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_RecomputedForward, (self.module, self.options, self.original))
+
+    def __repr__(self) -> str:
+        return f"<recomputed forward of {type(self.module).__name__} {self.options}>"
+
+
+def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_options: Any) -> nn.Module:
+    """Marks `module` so that every call of it is recomputed in backward.
+
+    Args:
+        module: a block (``nn.Sequential``, a transformer layer, ...) or a single-operation
+            module (``nn.ReLU``, ``nn.GELU``, ``nn.Linear``).
+        output_recompute: do not keep the module's output either (see :func:`remat.recompute`).
+        **recompute_options: ``use_reentrant`` and ``preserve_rng_state``, as for
+            :func:`remat.recompute`.
+
+    Returns:
+        The same module, marked (marking again replaces the options).
+
+    Raises:
+        NotCallableBlock: `module` is not an ``nn.Module``.
+        RematError: an unknown option.
+    """
+    if not isinstance(module, nn.Module):
+        raise NotCallableBlock(
+            f"mark() takes an nn.Module, got {type(module).__name__}; to recompute a function, "
+            "call remat.recompute(function, *args)"
+        )
+    unknown = set(recompute_options) - _RECOMPUTE_OPTIONS
+    if unknown:
+        raise RematError(
+            f"unknown option(s) {sorted(unknown)} for mark(); accepted: {sorted(_RECOMPUTE_OPTIONS)}"
+        )
+    options = dict(recompute_options, output_recompute=output_recompute)
+    current = module.__dict__.get("forward")
+    original = current.original if isinstance(current, _RecomputedForward) else current
+    module.__dict__["forward"] = _RecomputedForward(module, options, original)
+    return module
+
+
+def unmark(module: nn.Module) -> nn.Module:
+    """Undoes :func:`mark`; does nothing to a module that is not marked."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _RecomputedForward):
+        if current.original is not None:
+            module.__dict__["forward"] = current.original
+        else:
+            del module.__dict__["forward"]
+    return module
+
+
+def is_marked(module: nn.Module) -> bool:
+    """Whether :func:`mark` applies to `module`."""
+    return isinstance(module.__dict__.get("forward"), _RecomputedForward)
+
+
+def apply(model: nn.Module, where: Where, **options: Any) -> nn.Module:
+    """Marks every submodule of `model` (the model itself included) selected by `where`.
+
+    Args:
+        model: the model to walk.
+        where: ``where(name, module) -> bool``, or a module class, or a tuple of classes.
+        **options: options for :func:`mark`.
+
+    Returns:
+        `model`, with the selected submodules marked.
+
+    Example::
+
+        remat.apply(model, nn.TransformerEncoderLayer)
+        remat.apply(model, lambda name, m: name.startswith("layers."))
+    """
+    if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(c, type) for c in where)):
+        classes = where
+        predicate: Callable[[str, nn.Module], bool] = lambda _name, m: isinstance(m, classes)
+    elif callable(where):
+        predicate = where  # type: ignore[assignment]
+    else:
+        raise RematError(
+            f"apply() needs where=a function (name, module) -> bool, a module class or a tuple of "
+            f"classes; got {type(where).__name__}"
+        )
+    selected = [m for name, m in model.named_modules() if predicate(name, m)]
+    for module in selected:
+        mark(module, **options)
+    return model

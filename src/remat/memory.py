@@ -1,0 +1,427 @@
+"""Exact accounting of live tensor memory, and memory budgets.
+
+:class:`MemoryTracker` is the ruler for every memory figure remat reports. It is a
+``TorchDispatchMode`` that sees every tensor an operator returns and follows the
+lifetime of each *storage* (not each tensor):
+
+* a view or the result of an in-place operation shares its input's storage and is
+  not counted again;
+* every allocation gets its own id, because storage addresses are reused as soon as a
+  block is freed;
+* the bytes of a storage are released the moment its last reference dies (a weak
+  finalizer on the storage object), so freed-then-reused memory is never double
+  counted, and nothing is estimated from process RSS;
+* storages that end up as the ``.grad`` of a leaf tensor (parameter gradients) are
+  excluded from every figure, whatever the moment they were allocated.
+
+Only storages allocated while the tracker is active are counted: the parameters, the
+optimizer state and the inputs created before the step are not activation memory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat.errors import InvalidBudget
+
+__all__ = [
+    "MemoryTracker",
+    "Section",
+    "available_memory_bytes",
+    "format_bytes",
+    "parse_budget",
+    "track_memory",
+]
+
+
+def format_bytes(n_bytes: float) -> str:
+    """Formats a byte count for people: ``1536`` -> ``"1.50 KiB"``."""
+    value = float(n_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024.0 or unit == "GiB":
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.2f} {unit}"
+        value /= 1024.0
+    return f"{sign}{value:.2f} TiB"  # pragma: no cover
+
+
+@dataclass
+class _Allocation:
+    allocation_id: int
+    nbytes: int
+    device: str
+    allocated_at: int
+    freed_at: int | None = None
+
+
+@dataclass
+class Section:
+    """A named window of a tracked run (see :meth:`MemoryTracker.section`).
+
+    Attributes:
+        name: the name given to :meth:`MemoryTracker.section`.
+        start_event: index of the first event inside the window.
+        stop_event: index one past the last event inside the window (``None`` while open).
+    """
+
+    name: str
+    start_event: int
+    stop_event: int | None = None
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Follows every storage allocated while active; reports exact live and peak bytes.
+
+    Use it as a context manager around a training step::
+
+        with remat.MemoryTracker() as tracker:
+            loss = model(x).sum()
+            loss.backward()
+        print(tracker.peak_bytes)
+
+    Figures exclude parameter gradients: any storage that is the ``.grad`` of a leaf
+    tensor seen by an operator during the run (or of a tensor given in ``exclude_grads_of``)
+    when the tracker is read is left out of every figure, from its allocation on.
+
+    Args:
+        exclude_grads_of: extra tensors (e.g. ``model.parameters()``) whose ``.grad``
+            storages must be excluded even if no operator saw them.
+        device: count only storages on this device type (``"cpu"``, ``"cuda"``); ``None``
+            counts all devices together.
+    """
+
+    def __init__(
+        self,
+        *,
+        exclude_grads_of: Any = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._device_type = None if device is None else torch.device(device).type
+        self._allocations: dict[int, _Allocation] = {}
+        self._live_by_key: dict[int, int] = {}  # storage _cdata -> allocation id
+        self._events: list[tuple[int, int]] = []  # (allocation id, +nbytes / -nbytes)
+        self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._extra_leaves: list[weakref.ref[torch.Tensor]] = []
+        if exclude_grads_of is not None:
+            for tensor in exclude_grads_of:
+                self._extra_leaves.append(weakref.ref(tensor))
+        self._sections: list[Section] = []
+        self._active = False
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ dispatch
+    def __enter__(self) -> "MemoryTracker":
+        self._active = True
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._active = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        input_keys: set[int] = set()
+        for leaf in tree_leaves((args, kwargs)):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.requires_grad and leaf.is_leaf and id(leaf) not in self._leaves:
+                self._leaves[id(leaf)] = weakref.ref(leaf)
+            key = _storage_key(leaf)
+            if key is not None:
+                input_keys.add(key)
+        out = func(*args, **kwargs)
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._observe(leaf, input_keys)
+        return out
+
+    def _observe(self, tensor: torch.Tensor, input_keys: set[int]) -> None:
+        if tensor.is_meta or tensor.layout != torch.strided:
+            return
+        if self._device_type is not None and tensor.device.type != self._device_type:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = storage._cdata
+        nbytes = int(storage.nbytes())
+        with self._lock:
+            allocation_id = self._live_by_key.get(key)
+            if allocation_id is None and key in input_keys:
+                # A view of (or an in-place result on) a storage that existed before
+                # the run, such as a parameter: not an allocation of this run.
+                return
+            if allocation_id is not None:
+                allocation = self._allocations[allocation_id]
+                if allocation.freed_at is None and nbytes != allocation.nbytes:
+                    # resize_ of a storage we already follow
+                    self._events.append((allocation_id, nbytes - allocation.nbytes))
+                    allocation.nbytes = nbytes
+                return
+            allocation_id = self._next_id
+            self._next_id += 1
+            self._allocations[allocation_id] = _Allocation(
+                allocation_id, nbytes, str(tensor.device), len(self._events)
+            )
+            self._live_by_key[key] = allocation_id
+            self._events.append((allocation_id, nbytes))
+        weakref.finalize(storage, self._on_free, key, allocation_id)
+
+    def _on_free(self, key: int, allocation_id: int) -> None:
+        with self._lock:
+            if self._live_by_key.get(key) == allocation_id:
+                del self._live_by_key[key]
+            allocation = self._allocations.get(allocation_id)
+            if allocation is None or allocation.freed_at is not None:
+                return
+            if not self._active:
+                # Freed after the run: the run's figures end at __exit__.
+                allocation.freed_at = len(self._events)
+                return
+            allocation.freed_at = len(self._events)
+            self._events.append((allocation_id, -allocation.nbytes))
+
+    # ------------------------------------------------------------------ sections
+    def section(self, name: str) -> "_SectionContext":
+        """Marks a window of the run, to read its peak later with :meth:`section_peak_bytes`."""
+        return _SectionContext(self, name)
+
+    def sections(self, name: str) -> list[Section]:
+        """All closed sections with this name, in order."""
+        return [s for s in self._sections if s.name == name and s.stop_event is not None]
+
+    # ------------------------------------------------------------------ figures
+    def _excluded_ids(self) -> set[int]:
+        keys: set[int] = set()
+        refs = list(self._leaves.values()) + self._extra_leaves
+        for ref in refs:
+            leaf = ref()
+            if leaf is None:
+                continue
+            grad = leaf.grad
+            if grad is None or grad.layout != torch.strided:
+                continue
+            keys.add(grad.untyped_storage()._cdata)
+        with self._lock:
+            return {self._live_by_key[k] for k in keys if k in self._live_by_key}
+
+    def _curve(self, start: int = 0, stop: int | None = None) -> tuple[int, int, int]:
+        """Returns (live before `start`, peak within [start, stop), live at `stop`)."""
+        excluded = self._excluded_ids()
+        with self._lock:
+            events = list(self._events)
+        stop = len(events) if stop is None else stop
+        live = 0
+        for allocation_id, delta in events[:start]:
+            if allocation_id not in excluded:
+                live += delta
+        before = live
+        peak = live
+        for allocation_id, delta in events[start:stop]:
+            if allocation_id in excluded:
+                continue
+            live += delta
+            peak = max(peak, live)
+        return before, peak, live
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest live byte count reached during the run (parameter gradients excluded)."""
+        return self._curve()[1]
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated during the run and still alive now (parameter gradients excluded)."""
+        return self._curve()[2]
+
+    @property
+    def n_events(self) -> int:
+        """Number of allocation and free events so far."""
+        return len(self._events)
+
+    def section_peak_bytes(self, name: str, index: int = -1) -> tuple[int, int, int]:
+        """(live at start, peak inside, live at end) of a closed section."""
+        sections = self.sections(name)
+        if not sections:
+            raise KeyError(f"no closed section named {name!r}")
+        section = sections[index]
+        return self._curve(section.start_event, section.stop_event)
+
+    def timeline(self) -> list[int]:
+        """Live bytes after each allocation or free event (parameter gradients excluded)."""
+        excluded = self._excluded_ids()
+        with self._lock:
+            events = list(self._events)
+        live = 0
+        out: list[int] = []
+        for allocation_id, delta in events:
+            if allocation_id in excluded:
+                continue
+            live += delta
+            out.append(live)
+        return out
+
+    def allocations(self) -> Iterator[tuple[int, str, int, int | None]]:
+        """Yields (nbytes, device, allocated_at event, freed_at event) for each allocation."""
+        with self._lock:
+            items = list(self._allocations.values())
+        for a in items:
+            yield a.nbytes, a.device, a.allocated_at, a.freed_at
+
+
+class _SectionContext:
+    def __init__(self, tracker: MemoryTracker, name: str) -> None:
+        self._tracker = tracker
+        self._section = Section(name, 0)
+
+    def __enter__(self) -> Section:
+        self._section.start_event = self._tracker.n_events
+        self._tracker._sections.append(self._section)
+        return self._section
+
+    def __exit__(self, *exc: Any) -> None:
+        self._section.stop_event = self._tracker.n_events
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    if tensor.is_meta or tensor.layout != torch.strided:
+        return None
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def track_memory(**options: Any) -> MemoryTracker:
+    """Shorthand for :class:`MemoryTracker` (``with remat.track_memory() as t: ...``)."""
+    return MemoryTracker(**options)
+
+
+# ---------------------------------------------------------------------- budgets
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+BUDGET_FORMS = (
+    "an int number of bytes (e.g. 268435456); a string with a unit such as '512MiB', "
+    "'1.5GB', '300kB'; a float in (0, 1] for that fraction of the activation memory "
+    "without recompute (e.g. 0.5); or None for the memory the device has free"
+)
+
+#: Fraction of the free device memory remat leaves untouched when the budget is None.
+SAFETY_MARGIN = 0.1
+
+
+def available_memory_bytes(device: str | torch.device = "cpu") -> int:
+    """Memory the device has free now: free CUDA memory, or available RAM on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def parse_budget(
+    budget: int | float | str | None,
+    *,
+    reference_bytes: int | None = None,
+    device: str | torch.device = "cpu",
+) -> int:
+    """Turns any accepted form of a memory budget into bytes.
+
+    Args:
+        budget: see ``BUDGET_FORMS``: bytes (int), a string with a unit, a fraction
+            (float in (0, 1]) of ``reference_bytes``, or None for the free device memory
+            minus a safety margin.
+        reference_bytes: the activation memory without recompute, needed for fractions.
+        device: the device whose free memory ``None`` means.
+
+    Raises:
+        InvalidBudget: the value is not one of the accepted forms.
+    """
+    if budget is None:
+        return int(available_memory_bytes(device) * (1.0 - SAFETY_MARGIN))
+    if isinstance(budget, bool):
+        raise InvalidBudget(f"budget {budget!r} is a bool; use {BUDGET_FORMS}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise InvalidBudget(f"budget must be positive, got {budget} bytes; use {BUDGET_FORMS}")
+        return budget
+    if isinstance(budget, float):
+        if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
+            raise InvalidBudget(
+                f"a float budget is a fraction in (0, 1], got {budget!r}; use {BUDGET_FORMS}"
+            )
+        if reference_bytes is None:
+            raise InvalidBudget(
+                f"the fractional budget {budget} needs the activation memory without recompute; "
+                "measure the model first or give the budget in bytes"
+            )
+        return max(1, int(reference_bytes * budget))
+    if isinstance(budget, str):
+        text = budget.strip()
+        if text.lower() in {"none", "auto", "free"}:
+            return parse_budget(None, reference_bytes=reference_bytes, device=device)
+        match = _BUDGET_RE.match(text)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise InvalidBudget(f"cannot read the budget {budget!r}; use {BUDGET_FORMS}")
+        number = float(match.group(1))
+        unit = match.group(2).lower()
+        if unit == "" and "." in match.group(1) and number <= 1.0:
+            return parse_budget(number, reference_bytes=reference_bytes, device=device)
+        value = int(number * _UNITS[unit])
+        if value <= 0:
+            raise InvalidBudget(f"budget must be positive, got {budget!r}; use {BUDGET_FORMS}")
+        return value
+    raise InvalidBudget(f"budget of type {type(budget).__name__} is not understood; use {BUDGET_FORMS}")
+
+
+def sum_tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind these tensors."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage._cdata] = int(storage.nbytes())
+    return sum(seen.values())

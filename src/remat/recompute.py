@@ -1,0 +1,553 @@
+"""``recompute(function, *args, ...)``: run a block without keeping its activations.
+
+Two implementations stand behind one function:
+
+* the default, **hook-based** one (``use_reentrant=False``): the block runs once with
+  autograd recording the graph as usual, but every tensor the graph saves for backward
+  is replaced by a small handle (``torch.autograd.graph.saved_tensors_hooks``). When the
+  backward pass first needs one of them, the block is run again from its kept inputs and
+  the handles are filled. It supports everything autograd supports: nested structures,
+  ``torch.autograd.grad``, ``backward(inputs=...)``, nesting, DDP.
+* the **reentrant** one (``use_reentrant=True``): a custom ``torch.autograd.Function``
+  runs the block under ``no_grad`` and, in its backward, runs it again with grad enabled
+  and calls ``torch.autograd.backward`` on the result.
+
+.. warning::
+   The recomputed forward must do the same thing as the original: same operations on
+   same-shaped tensors. remat replays the RNG state (``preserve_rng_state=True``) and the
+   autocast state, and keeps the running statistics of normalisation layers from being
+   updated twice, but other global state the block reads (a Python counter, a flag that
+   changed between forward and backward) is the block's responsibility; use
+   :func:`remat.is_recomputing` to skip side effects. remat raises
+   :class:`~remat.NondeterministicRecompute` when the recomputed forward saves tensors of
+   another shape, dtype or device than the original, and
+   :class:`~remat.RecomputeInputModified` when a kept input was modified in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from remat import _state
+from remat._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat.errors import (
+    NondeterministicRecompute,
+    NotCallableBlock,
+    RecomputeInputModified,
+    RematError,
+)
+
+__all__ = ["recompute"]
+
+
+def recompute(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    output_recompute: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Runs ``function(*args, **kwargs)`` and recomputes its activations in backward.
+
+    Nothing the block computes internally is kept for the backward pass; only its inputs
+    are. When backward reaches the block, it is run again and its gradients are computed
+    exactly as without recompute.
+
+    Args:
+        function: any callable: an ``nn.Module``, a bound method or a plain function.
+        *args: positional arguments; tensors may be nested in tuples, lists and dicts,
+            and non-tensor values are passed through unchanged.
+        use_reentrant: ``False`` (default) uses saved-tensor hooks; ``True`` uses a custom
+            autograd Function (no ``torch.autograd.grad``, no ``backward(inputs=...)``).
+        preserve_rng_state: replay the CPU and device RNG states so that dropout and
+            every other random operation draw the same numbers in the recompute.
+        output_recompute: do not keep the block's outputs either: a later recomputed
+            block that takes them as inputs gets them by recomputing this one (adjacent
+            recomputed blocks are merged). Needs ``use_reentrant=False``.
+        **kwargs: keyword arguments for ``function``.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        NotCallableBlock: ``function`` is not callable.
+        RematError: an option combination that is not supported.
+    """
+    if not callable(function):
+        raise NotCallableBlock(
+            f"recompute() needs a callable block (an nn.Module or a function), got "
+            f"{type(function).__name__}; pass the module or function itself, not its output"
+        )
+    if use_reentrant:
+        if output_recompute:
+            raise RematError(
+                "output_recompute=True needs the hook-based implementation; "
+                "call recompute(..., use_reentrant=False, output_recompute=True)"
+            )
+        return _recompute_reentrant(function, args, kwargs, preserve_rng_state)
+    return _recompute_with_hooks(function, args, kwargs, preserve_rng_state, output_recompute)
+
+
+# =========================================================================== hooks
+# NOTE [nested recompute frames]
+# A *frame* is one execution of a recomputed block. Every tensor saved for backward while
+# a block runs for the first time becomes a handle numbered in the order it was saved,
+# and the numbering belongs to the outermost frame (the root): blocks nested inside a
+# block that is running for the first time simply run inside it. When backward needs a
+# handle that holds nothing, the frame that owns it is recomputed ("fill" mode): its
+# saved tensors are stored into the root's handles, in the same order. A nested block
+# met during that recompute does not materialise anything: it becomes a child frame that
+# keeps its own inputs and takes ownership of the handles its operations would fill
+# ("skip" mode), and it is recomputed in turn only when backward reaches one of them.
+# This is what makes the optimal schedules of the planner executable: a region's body
+# is a sequence of stored stages and nested regions, and only the stored stages'
+# activations are materialised when the region is recomputed.
+#
+# Each recomputed tensor lives in its handle, and the handle lives exactly as long as the
+# autograd node that saved it: the memory is released as soon as that node has run.
+
+
+class _StopRecompute(BaseException):
+    """Raised inside a recompute once every needed handle is filled."""
+
+
+class _Handle:
+    __slots__ = ("root", "index", "value", "__weakref__")
+
+    def __init__(self, root: "_Root", index: int) -> None:
+        self.root = root
+        self.index = index
+        self.value: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_Meta":
+        return _Meta(t.shape, t.dtype, t.device)
+
+
+class _OutputOf:
+    """A lazy input: output number `leaf` of a frame run with output_recompute=True."""
+
+    __slots__ = ("frame", "leaf")
+
+    def __init__(self, frame: "_Frame", leaf: int) -> None:
+        self.frame = frame
+        self.leaf = leaf
+
+
+# id(tensor) -> (weakref to tensor, frame, flat output index) for output_recompute blocks
+_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], "_Frame", int]] = {}
+
+
+class _Frame:
+    def __init__(
+        self,
+        root: "_Root | None",
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        preserve_rng_state: bool,
+        start: int,
+    ) -> None:
+        # A child refers to its root weakly: the root owns its children (through
+        # `owners`), and the root stays alive as long as one of its handles does.
+        self._root_ref = None if root is None else weakref.ref(root)
+        self.function = function
+        self.name = getattr(function, "__qualname__", None) or type(function).__name__
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.inputs: list[Any] = []
+        self.versions: list[int | None] = []
+        for value in flat:
+            lazy = _lazy_output(value)
+            if lazy is not None:
+                self.inputs.append(lazy)
+                self.versions.append(None)
+            elif isinstance(value, torch.Tensor):
+                self.inputs.append((value.detach(), value.requires_grad))
+                self.versions.append(value._version)
+            else:
+                self.inputs.append(value)
+                self.versions.append(None)
+        self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+        self.start = start
+        self.stop: int | None = None
+        self.cursor = start
+        self.output_recompute = False
+        self.cached_outputs: list[Any] | None = None
+
+    @property
+    def root(self) -> "_Root":
+        if self._root_ref is None:
+            return self  # type: ignore[return-value]
+        root = self._root_ref()
+        if root is None:  # pragma: no cover - a child only runs while its root lives
+            raise RematError("internal error: a recompute frame outlived its root")
+        return root
+
+    # -- inputs
+    def _materialise_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat: list[Any] = []
+        for position, (value, version) in enumerate(zip(self.inputs, self.versions)):
+            if isinstance(value, _OutputOf):
+                tensor = value.frame.outputs_for_recompute()[value.leaf]
+                flat.append(tensor.detach().requires_grad_(tensor.requires_grad))
+            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+                tensor, requires_grad = value
+                if version is not None and tensor._version != version:
+                    raise RecomputeInputModified(
+                        f"input {position} of the recomputed block {self.name!r} was modified in "
+                        f"place after the forward (version {version} -> {tensor._version}); the "
+                        "recompute would see other values. Clone it before modifying it, or do not "
+                        "recompute this block"
+                    )
+                alias = tensor.detach()
+                if requires_grad and (alias.is_floating_point() or alias.is_complex()):
+                    alias.requires_grad_(True)
+                flat.append(alias)
+            else:
+                flat.append(value)
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return args, kwargs
+
+    def release_inputs(self) -> None:
+        self.inputs = []
+
+    # -- running
+    def run(self, mode: str) -> Any:
+        """Re-runs the block in `mode` ("fill" or "outputs")."""
+        if not self.inputs and self.spec.num_leaves:
+            raise RematError(
+                f"the recomputed block {self.name!r} was asked to run again after its inputs were "
+                "released; this happens when backward runs twice through a recomputed block "
+                "without retain_graph=True"
+            )
+        args, kwargs = self._materialise_inputs()
+        self.cursor = self.start
+        root = self.root
+        last_needed = root.last_needed(self) if mode == "fill" else None
+        if mode == "fill" and last_needed is None:
+            return None
+        _STACK.push(_Context("fill", self, last_needed))
+        try:
+            with torch.enable_grad(), replay_forward_state(self.state), _state.recomputing():
+                try:
+                    out = self.function(*args, **kwargs)
+                except _StopRecompute:
+                    out = None
+        finally:
+            _STACK.pop()
+        if mode == "fill":
+            self._finish_fill()
+        return out
+
+    def _finish_fill(self) -> None:
+        root = self.root
+        if root.last_needed(self) is not None:
+            raise NondeterministicRecompute(
+                f"the recompute of block {self.name!r} saved {self.cursor - self.start} tensors "
+                f"for backward, the original forward saved {(self.stop or 0) - self.start}; the block "
+                "must run the same operations when it is recomputed (check control flow that "
+                "depends on global state, and use remat.is_recomputing() for side effects)"
+            )
+        # Every live handle this frame owned is filled or owned by a child: the kept
+        # inputs are no longer needed (the first operations hold them if they saved them).
+        if not self.output_recompute:
+            self.release_inputs()
+
+    def outputs_for_recompute(self) -> list[torch.Tensor]:
+        if self.cached_outputs is None:
+            out = self.run("outputs")
+            self.cached_outputs = [leaf for leaf in tree_leaves(out)]
+        return self.cached_outputs
+
+
+class _Root(_Frame):
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(None, *a, start=0, **k)
+        self.handles: list[weakref.ref[_Handle]] = []
+        self.metas: list[_Meta] = []
+        self.owners: list[_Frame | None] = []
+
+    def last_needed(self, frame: _Frame) -> int | None:
+        """Index of the last live, empty handle `frame` is responsible for."""
+        stop = frame.stop if frame.stop is not None else len(self.handles)
+        for index in range(stop - 1, frame.start - 1, -1):
+            handle = self.handles[index]()
+            if handle is not None and handle.value is None and _owner(self, index) is frame:
+                return index
+        return None
+
+
+_ROOT_OWNER: Any = object()  # owner entry meaning "the root itself" (no reference cycle)
+
+
+def _owner(root: "_Root", index: int) -> "_Frame | None":
+    owner = root.owners[index]
+    return root if owner is _ROOT_OWNER else owner
+
+
+class _Context:
+    __slots__ = ("mode", "frame", "last_needed", "hooks")
+
+    def __init__(self, mode: str, frame: _Frame, last_needed: int | None = None) -> None:
+        self.mode = mode  # "discard", "fill" or "skip"
+        self.frame = frame
+        self.last_needed = last_needed
+
+
+class _Stack:
+    """The thread-local stack of active frames, kept in step with the saved-tensor hooks."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+
+    @property
+    def items(self) -> list[_Context]:
+        items = getattr(self._local, "items", None)
+        if items is None:
+            items = self._local.items = []
+        return items
+
+    def top(self) -> _Context | None:
+        items = self.items
+        return items[-1] if items else None
+
+    def push(self, context: _Context) -> None:
+        self.items.append(context)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks.__enter__()
+        context.hooks = hooks  # type: ignore[attr-defined]
+
+    def pop(self) -> None:
+        context = self.items.pop()
+        context.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+_STACK = _Stack()
+
+
+def _pack(tensor: torch.Tensor) -> Any:
+    context = _STACK.top()
+    if context is None:  # pragma: no cover - hooks are pushed with a context
+        return tensor
+    frame = context.frame
+    root = frame.root
+    if context.mode == "discard":
+        index = len(root.handles)
+        handle = _Handle(root, index)
+        root.handles.append(weakref.ref(handle))
+        root.metas.append(_Meta.of(tensor))
+        root.owners.append(_ROOT_OWNER)
+        return handle
+    index = frame.cursor
+    frame.cursor += 1
+    if context.mode == "skip":
+        if index < len(root.owners):
+            root.owners[index] = frame
+        return None
+    # fill
+    if frame.stop is not None and index >= frame.stop or index >= len(root.handles):
+        raise NondeterministicRecompute(
+            f"the recompute of block {frame.name!r} saved more tensors for backward than the "
+            f"original forward ({index - frame.start + 1} > {(frame.stop or len(root.handles)) - frame.start}); "
+            "the block must run the same operations when it is recomputed"
+        )
+    handle = root.handles[index]()
+    if handle is not None and handle.value is None and _owner(root, index) is frame:
+        expected = root.metas[index]
+        if _Meta.of(tensor) != expected:
+            raise NondeterministicRecompute(
+                f"the recompute of block {frame.name!r} saved a tensor of shape {tuple(tensor.shape)}, "
+                f"{tensor.dtype} on {tensor.device} where the original forward saved "
+                f"{tuple(expected.shape)}, {expected.dtype} on {expected.device} (saved tensor "
+                f"#{index - frame.start}); the block must compute the same thing when recomputed"
+            )
+        handle.value = tensor.detach()
+        root.owners[index] = None
+    if context.last_needed is not None and index >= context.last_needed:
+        # Everything this frame must provide is there (children met on the way own the
+        # rest): the remainder of the block need not run.
+        raise _StopRecompute
+    return None
+
+
+def _unpack(handle: Any) -> torch.Tensor:
+    if not isinstance(handle, _Handle):
+        if handle is None:
+            raise RematError(
+                "a tensor saved during a recompute was used by backward; this is a bug in remat "
+                "or a graph built from a recomputed output, which is not supported"
+            )
+        return handle
+    root = handle.root
+    while handle.value is None:
+        owner = _owner(root, handle.index)
+        if owner is None:
+            raise NondeterministicRecompute(
+                f"the recompute of block {root.name!r} did not produce saved tensor #{handle.index}; "
+                "the block must run the same operations when it is recomputed"
+            )
+        owner.run("fill")
+        if handle.value is None and _owner(root, handle.index) is owner:
+            raise NondeterministicRecompute(
+                f"the recompute of block {owner.name!r} stopped before producing saved tensor "
+                f"#{handle.index - owner.start}; the block must run the same operations when recomputed"
+            )
+    return handle.value
+
+
+def _lazy_output(value: Any) -> _OutputOf | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    entry = _RECOMPUTABLE_OUTPUTS.get(id(value))
+    if entry is None or entry[0]() is not value:
+        return None
+    return _OutputOf(entry[1], entry[2])
+
+
+def _register_outputs(frame: _Frame, out: Any) -> None:
+    for leaf_index, leaf in enumerate(tree_leaves(out)):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            key = id(leaf)
+            _RECOMPUTABLE_OUTPUTS[key] = (
+                weakref.ref(leaf, lambda _ref, key=key: _RECOMPUTABLE_OUTPUTS.pop(key, None)),
+                frame,
+                leaf_index,
+            )
+
+
+def _recompute_with_hooks(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+    output_recompute: bool,
+) -> Any:
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    context = _STACK.top()
+    if context is None:
+        root = _Root(function, args, kwargs, preserve_rng_state)
+        root.output_recompute = output_recompute
+        _STACK.push(_Context("discard", root))
+        try:
+            out = function(*args, **kwargs)
+        finally:
+            _STACK.pop()
+        root.stop = len(root.handles)
+        if output_recompute:
+            _register_outputs(root, out)
+        return out
+    if context.mode == "discard" or context.mode == "skip":
+        # Inside a block running for the first time (or a child being skipped over):
+        # everything here is discarded anyway, so the nested block is just a call.
+        return function(*args, **kwargs)
+    # fill: this nested block becomes a child frame that owns its handles.
+    parent = context.frame
+    child = _Frame(parent.root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    _STACK.push(_Context("skip", child))
+    try:
+        out = function(*args, **kwargs)
+    finally:
+        _STACK.pop()
+    parent.cursor = child.cursor
+    child.stop = child.cursor
+    return out
+
+
+# =========================================================================== reentrant
+class _ReentrantFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: "_ReentrantCall", _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        ctx.requires = [t.requires_grad for t in tensors]
+        with torch.no_grad():
+            out = call.run(list(tensors))
+        flat, spec = tree_flatten(out)
+        call.out_spec = spec
+        call.out_constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
+        ctx.n_outputs = len(tensors_out)
+        return tensors_out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RematError(
+                "recompute(..., use_reentrant=True) does not support torch.autograd.grad() or "
+                "backward(inputs=...); use the default use_reentrant=False"
+            )
+        saved = ctx.saved_tensors
+        inputs = []
+        for tensor, requires in zip(saved, ctx.requires):
+            alias = tensor.detach()
+            alias.requires_grad_(requires)
+            inputs.append(alias)
+        call: _ReentrantCall = ctx.call
+        with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
+            out = call.run(inputs)
+        outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+        return (None, None) + input_grads
+
+
+class _ReentrantCall:
+    def __init__(self, function: Callable[..., Any], args: Any, kwargs: Any, state: ForwardState) -> None:
+        self.function = function
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        self.constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        self.state = state
+        self.out_spec: Any = None
+        self.out_constants: list[Any] = []
+
+    def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        flat, _ = tree_flatten((args, kwargs))
+        return [flat[i] for i in self.positions]
+
+    def run(self, tensors: list[torch.Tensor]) -> Any:
+        flat = list(self.constants)
+        for position, tensor in zip(self.positions, tensors):
+            flat[position] = tensor
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return self.function(*args, **kwargs)
+
+
+def _recompute_reentrant(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], preserve_rng_state: bool
+) -> Any:
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    flat, _ = tree_flatten((args, kwargs))
+    state = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+    call = _ReentrantCall(function, args, kwargs, state)
+    tensors = call.tensors(args, kwargs)
+    # The anchor makes the output require grad even when no input does, so that the
+    # parameters used inside the block still receive their gradients.
+    anchor = torch.empty((), requires_grad=True)
+    outs = _ReentrantFunction.apply(call, anchor, *tensors)
+    outs_iter = iter(outs)
+    flat_out = [next(outs_iter) if c is None else c for c in call.out_constants]
+    return tree_unflatten(flat_out, call.out_spec)
+
+
+def _tree_detach(value: Any) -> Any:
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
