@@ -121,11 +121,13 @@ class MemoryTracker(TorchDispatchMode):
                 self._extra_leaves.append(weakref.ref(tensor))
         self._sections: list[Section] = []
         self._active = False
+        self._frozen_excluded: set[int] | None = None
         self._next_id = 0
 
     # ------------------------------------------------------------------ dispatch
     def __enter__(self) -> "MemoryTracker":
         self._active = True
+        self._frozen_excluded = None
         super().__enter__()
         return self
 
@@ -134,6 +136,9 @@ class MemoryTracker(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._active = False
+            # Which storages are parameter gradients is decided now, at the end of the
+            # run: zeroing or restoring .grad afterwards does not change the figures.
+            self._frozen_excluded = self._excluded_ids()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -199,6 +204,12 @@ class MemoryTracker(TorchDispatchMode):
             allocation.freed_at = len(self._events)
             self._events.append((allocation_id, -allocation.nbytes))
 
+    def is_tracked(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage was allocated during this run and is still alive."""
+        key = _storage_key(tensor)
+        with self._lock:
+            return key is not None and key in self._live_by_key
+
     # ------------------------------------------------------------------ sections
     def section(self, name: str) -> "_SectionContext":
         """Marks a window of the run, to read its peak later with :meth:`section_peak_bytes`."""
@@ -210,6 +221,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ figures
     def _excluded_ids(self) -> set[int]:
+        if self._frozen_excluded is not None:
+            return self._frozen_excluded
         keys: set[int] = set()
         refs = list(self._leaves.values()) + self._extra_leaves
         for ref in refs:

@@ -551,3 +551,51 @@ def _recompute_reentrant(
 
 def _tree_detach(value: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+# =========================================================================== regions
+class RegionRecording:
+    """A recomputed region whose first forward spans several calls (used by the executor).
+
+    The executor of a plan cannot wrap a region of a user's forward in one function call:
+    the region starts in one stage call and ends in another, with the user's own code in
+    between. It opens a recording with the function that *replays* the region from its
+    kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
+    tensors saved inside stage calls are discarded (the user's code between stages keeps
+    what it saves as usual, so the replay never needs to run it).
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        preserve_rng_state: bool = True,
+    ) -> None:
+        self._root = _Root(function, args, kwargs, preserve_rng_state)
+
+    def stage(self) -> "_DiscardingStage":
+        """Context manager: the tensors saved inside it are recomputed in backward."""
+        return _DiscardingStage(self._root)
+
+    def close(self) -> None:
+        """Ends the region's first forward."""
+        self._root.stop = len(self._root.handles)
+
+
+class _DiscardingStage:
+    def __init__(self, root: _Root) -> None:
+        self._root = root
+
+    def __enter__(self) -> None:
+        _STACK.push(_Context("discard", self._root))
+
+    def __exit__(self, *exc: Any) -> None:
+        _STACK.pop()
+
+
+def active_mode() -> str | None:
+    """The recompute mode of the current thread: None, "discard", "fill" or "skip"."""
+    context = _STACK.top()
+    return None if context is None else context.mode

@@ -1,0 +1,225 @@
+"""Finding the chain of stages in a model, and how each stage's input is built.
+
+A *stage* is one call of a submodule in the model's forward. For an ``nn.Sequential``
+the stages are its leaves (nested ``Sequential`` containers are flattened). For any
+other model remat watches one forward and looks for the longest run of submodule calls
+made one after another by the same ``forward``, each taking the previous one's output
+(the blocks of a ``ModuleList`` loop, the layers of a torchvision-style ResNet); side
+inputs such as attention masks are kept as they are. What runs before the chain (the
+*prefix*: embeddings, a stem) and after it (the *suffix*: a head, the loss) runs
+normally and is accounted for as fixed memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.errors import UnsupportedModel
+
+__all__ = ["Chain", "InputLink", "discover_chain", "sequential_chain"]
+
+
+@dataclass
+class Chain:
+    """The stages of a model, in call order.
+
+    Attributes:
+        names: qualified name of each stage module.
+        modules: the stage modules.
+        whole_model: True when the stages are all the model does (an ``nn.Sequential``):
+            there is no prefix or suffix.
+    """
+
+    names: list[str]
+    modules: list[nn.Module]
+    whole_model: bool = True
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+def _flatten_sequential(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    if isinstance(module, nn.Sequential) and len(module) > 0:
+        out: list[tuple[str, nn.Module]] = []
+        for name, child in module.named_children():
+            out.extend(_flatten_sequential(f"{prefix}.{name}" if prefix else name, child))
+        return out
+    return [(prefix or type(module).__name__, module)]
+
+
+def sequential_chain(model: nn.Sequential) -> Chain:
+    """The stages of an ``nn.Sequential``: its leaves, nested Sequentials flattened."""
+    pairs = _flatten_sequential("", model)
+    seen: set[int] = set()
+    for name, module in pairs:
+        if id(module) in seen:
+            raise UnsupportedModel(
+                f"the module {name!r} appears twice in the Sequential; remat needs each stage to be "
+                "a distinct module (copy it, or recompute it with remat.mark)"
+            )
+        seen.add(id(module))
+    return Chain([n for n, _ in pairs], [m for _, m in pairs], whole_model=True)
+
+
+# ----------------------------------------------------------------------- discovery
+@dataclass
+class _Call:
+    module: nn.Module
+    name: str
+    parent: int | None  # index of the enclosing call, None for the model itself
+    inputs: list[int] = field(default_factory=list)  # ids of input tensors
+    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    linked: bool = False  # takes (identically) a tensor output of the previous sibling call
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
+    """Watches one forward of `model` (without grad) and returns its longest chain.
+
+    Raises:
+        UnsupportedModel: no run of at least two linked submodule calls was found.
+    """
+    if isinstance(model, nn.Sequential):
+        return sequential_chain(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    calls: list[_Call] = []
+    stack: list[int] = []
+    call_counts: dict[int, int] = {}
+
+    def pre_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any) -> None:
+        if id(module) not in names:
+            return
+        parent = stack[-1] if stack else None
+        call = _Call(module, names[id(module)], parent)
+        call.inputs = [id(t) for t in _tensor_leaves((hook_args, hook_kwargs))]
+        calls.append(call)
+        stack.append(len(calls) - 1)
+        call_counts[id(module)] = call_counts.get(id(module), 0) + 1
+
+    def post_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any, output: Any) -> None:
+        if id(module) not in names or not stack:
+            return
+        index = stack.pop()
+        calls[index].outputs = [weakref.ref(t) for t in _tensor_leaves(output)]
+
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(_with_kwargs_pre(pre_hook)),
+        nn.modules.module.register_module_forward_hook(_with_kwargs_post(post_hook), always_call=True),
+    ]
+    keep_alive: list[Any] = []
+    try:
+        with torch.no_grad():
+            keep_alive.append(model(*args, **kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    # Children of each call, in order; a link means the call takes a tensor that is
+    # (identically) an output of the sibling called just before it.
+    children: dict[int | None, list[int]] = {}
+    for index, call in enumerate(calls):
+        children.setdefault(call.parent, []).append(index)
+    best: list[int] = []
+    for siblings in children.values():
+        run: list[int] = []
+        for position, index in enumerate(siblings):
+            call = calls[index]
+            if call_counts.get(id(call.module), 0) != 1:
+                run = []
+                continue
+            previous = calls[siblings[position - 1]] if position > 0 else None
+            linked = previous is not None and _takes_output_of(call, previous)
+            if run and linked:
+                run.append(index)
+            else:
+                run = [index]
+            if len(run) > len(best):
+                best = list(run)
+    stages = _expand_sequentials([(calls[i].name, calls[i].module) for i in best])
+    if len(stages) < 2:
+        raise UnsupportedModel(
+            f"remat found no chain in {type(model).__name__}: no two submodules are called one "
+            "after another, each taking the previous one's output, exactly once per forward. "
+            "Wrap the model's repeated blocks in an nn.Sequential or nn.ModuleList called in a "
+            "loop, or mark blocks to recompute by hand with remat.mark / remat.apply"
+        )
+    del keep_alive
+    return Chain([n for n, _ in stages], [m for _, m in stages], whole_model=False)
+
+
+def _takes_output_of(call: _Call, previous: _Call) -> bool:
+    outputs = {id(t) for ref in previous.outputs if (t := ref()) is not None}
+    return any(i in outputs for i in call.inputs)
+
+
+def _expand_sequentials(pairs: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in pairs:
+        out.extend(_flatten_sequential(name, module))
+    return out
+
+
+def _with_kwargs_pre(hook: Any) -> Any:
+    def wrapper(module: nn.Module, args: Any) -> None:
+        hook(module, args, {})
+
+    return wrapper
+
+
+def _with_kwargs_post(hook: Any) -> Any:
+    def wrapper(module: nn.Module, args: Any, output: Any) -> None:
+        hook(module, args, {}, output)
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------- input links
+class InputLink:
+    """How to rebuild a stage's inputs from the previous stage's output.
+
+    Each tensor of the stage's (args, kwargs) that *is* a tensor output of the previous
+    stage is remembered by its position in that output; every other value (a mask, a
+    position table, a flag) is kept as it is.
+    """
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], previous_output: Any) -> None:
+        flat, self._spec = tree_flatten((args, kwargs))
+        previous = _tensor_leaves(previous_output) if previous_output is not None else []
+        positions = {id(t): i for i, t in enumerate(previous)}
+        self._sources: list[tuple[str, Any]] = []
+        for value in flat:
+            if isinstance(value, torch.Tensor) and id(value) in positions:
+                self._sources.append(("link", positions[id(value)]))
+            elif isinstance(value, torch.Tensor):
+                self._sources.append(("kept", (value.detach(), value.requires_grad)))
+            else:
+                self._sources.append(("kept", value))
+        self.n_linked = sum(1 for kind, _ in self._sources if kind == "link")
+
+    def build(self, previous_output: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The stage's (args, kwargs), with linked tensors taken from `previous_output`."""
+        previous = _tensor_leaves(previous_output) if previous_output is not None else []
+        flat: list[Any] = []
+        for kind, value in self._sources:
+            if kind == "link":
+                flat.append(previous[value])
+            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+                tensor, requires_grad = value
+                alias = tensor.detach()
+                if requires_grad:
+                    alias.requires_grad_(True)
+                flat.append(alias)
+            else:
+                flat.append(value)
+        args, kwargs = tree_unflatten(flat, self._spec)
+        return args, kwargs

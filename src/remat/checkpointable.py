@@ -1,0 +1,247 @@
+"""``remat.Checkpointable``: the optimal recompute schedule for a model, under a byte budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from remat.chain import Chain, discover_chain
+from remat.errors import BudgetTooSmall
+from remat.execute import ChainExecutor, expand_groups
+from remat.measure import ChainMeasurement, measure_chain
+from remat.memory import parse_budget
+from remat.plan.schedule import Schedule, simulate
+from remat.plan.solvers import get_solver
+
+__all__ = ["Checkpointable", "PlannedChain"]
+
+logger = logging.getLogger("remat")
+
+
+@dataclass
+class PlannedChain:
+    """A measured chain with its plan: what :meth:`Checkpointable.compute_sequence` returns.
+
+    Printing it shows the plan: budget, predicted peak, predicted step time and overhead,
+    and a per-stage table. The whole-step figures add the memory held outside the chain
+    (``fixed_bytes``: the prefix's activations for a model that is not a plain Sequential).
+
+    Attributes:
+        schedule: the solver's schedule over the grouped stages (the chain's own figures).
+        measurement: the measured figures it was planned from.
+        budget_bytes: the whole-step activation budget.
+        predicted_peak_bytes: predicted peak activation memory of a training step.
+    """
+
+    schedule: Schedule
+    measurement: ChainMeasurement
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+
+    @property
+    def predicted_time_s(self) -> float:
+        """Predicted time of the chain's forward and backward, recomputations included."""
+        return self.schedule.predicted_time_s
+
+    @property
+    def overhead(self) -> float:
+        """Predicted extra time over no recompute, as a fraction (0.25 = 25% slower)."""
+        base = self.measurement.profile.total_time_s
+        return self.schedule.overhead_s / base if base > 0 else 0.0
+
+    @property
+    def forward_counts(self) -> tuple[int, ...]:
+        """How many times each planned stage's forward runs per step."""
+        return self.schedule.forward_counts
+
+    def __str__(self) -> str:
+        fixed = self.measurement.fixed_bytes
+        text = str(self.schedule)
+        if fixed:
+            from remat.memory import format_bytes
+
+            text += (
+                f"\nmemory held outside the chain (before it): {format_bytes(fixed)}; "
+                f"predicted whole-step peak: {format_bytes(self.predicted_peak_bytes)}"
+            )
+        return text
+
+
+class Checkpointable(nn.Module):
+    """Wraps a model and trains it with the fastest recompute schedule that fits a budget.
+
+    The model is an ``nn.Sequential`` (nested Sequentials are flattened into one chain)
+    or any module whose forward runs a chain of blocks (see :func:`remat.chain.discover_chain`).
+    In training mode with gradients enabled, the forward runs the planned schedule; in
+    eval mode or under ``torch.no_grad()`` it is the model's plain forward.
+
+    The first training call measures the model on its inputs (unless :meth:`measure` was
+    called), solves, and caches the plan for that input signature (shapes, dtypes,
+    devices); a new signature measures and plans again.
+
+    Args:
+        model: the model to wrap (registered as ``self.model``).
+        mem_limit: the activation memory budget of a training step: bytes (int), a string
+            with a unit ("512MiB", "1.5GB"), a fraction in (0, 1] of the activation memory
+            without recompute, or None for the memory the device has free (minus a margin).
+        solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
+        slots: memory discretisation of the dynamic program.
+        preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
+        loss_fn: ``loss_fn(output) -> None`` that runs the backward during measurement
+            (default: backward of the sum of the outputs).
+
+    .. warning::
+       The forward must run the chain's stages once each, in the same order, at every
+       training call, and must not keep references to the outputs of stages other than
+       the last (e.g. a list of all hidden states): remat frees them, and a model that
+       keeps them uses more memory than planned.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mem_limit: int | float | str | None = None,
+        *,
+        solver: str = "optimal",
+        slots: int = 500,
+        preserve_rng_state: bool = True,
+        loss_fn: Any = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Checkpointable wraps an nn.Module, got {type(model).__name__}")
+        self.model = model
+        parse_budget(mem_limit, reference_bytes=1) if not isinstance(mem_limit, float) else None
+        self.mem_limit = mem_limit
+        self.solver_name = solver
+        self.slots = slots
+        self.preserve_rng_state = preserve_rng_state
+        self._loss_fn = loss_fn
+        self._chains: dict[Hashable, Chain] = {}
+        self._measurements: dict[Hashable, ChainMeasurement] = {}
+        self._plans: dict[tuple[Hashable, Any], tuple[PlannedChain, ChainExecutor]] = {}
+        self._last_key: Hashable | None = None
+        get_solver(solver)  # fail now on an unknown solver name
+
+    # ------------------------------------------------------------------ public
+    def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
+        """Measures every stage on these inputs (one step, plus one untracked for times).
+
+        The model is left as it was: parameters, ``.grad``, buffers and RNG states.
+        """
+        key = _signature(sample_inputs, sample_kwargs)
+        chain = self._chain_for(key, sample_inputs, sample_kwargs)
+        measurement = measure_chain(self.model, chain, sample_inputs, sample_kwargs, backward=self._loss_fn)
+        self._measurements[key] = measurement
+        self._last_key = key
+        logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
+        return measurement
+
+    def compute_sequence(self, mem_limit: int | float | str | None | object = ...) -> PlannedChain:
+        """Solves for the last measured input signature and returns the printable plan.
+
+        Args:
+            mem_limit: a budget in any accepted form; default: the one given at construction.
+
+        Raises:
+            BudgetTooSmall: no schedule fits; ``.minimum_bytes`` is the smallest budget that does.
+        """
+        if self._last_key is None:
+            raise RuntimeError("call measure(*sample_inputs) (or run a training step) before compute_sequence()")
+        return self._plan(self._last_key, self.mem_limit if mem_limit is ... else mem_limit)[0]
+
+    @property
+    def plan(self) -> PlannedChain | None:
+        """The plan of the most recent training call, if any."""
+        if self._last_key is None:
+            return None
+        for (key, _budget), (planned, _executor) in self._plans.items():
+            if key == self._last_key:
+                return planned
+        return None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)
+        key = _signature(args, kwargs)
+        if key not in self._measurements:
+            self.measure(*args, **kwargs)
+        self._last_key = key
+        _planned, executor = self._plan(key, self.mem_limit)
+        return executor(self.model, args, kwargs)
+
+    # ------------------------------------------------------------------ internals
+    def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
+        chain = self._chains.get(key)
+        if chain is None:
+            if isinstance(self.model, nn.Sequential):
+                chain = discover_chain(self.model, args, kwargs)
+            else:
+                from remat.measure import preserved_model_state
+
+                devices = [p.device for p in self.model.parameters()]
+                with preserved_model_state(self.model, devices):
+                    chain = discover_chain(self.model, args, kwargs)
+            self._chains[key] = chain
+        return chain
+
+    def _plan(self, key: Hashable, mem_limit: Any) -> tuple[PlannedChain, ChainExecutor]:
+        budget_key = repr(mem_limit)
+        cached = self._plans.get((key, budget_key))
+        if cached is not None:
+            return cached
+        measurement = self._measurements[key]
+        profile = measurement.profile
+        fixed = measurement.fixed_bytes
+        store_all = simulate(profile, get_solver("none")(profile, None).items)
+        reference = store_all.peak_bytes + fixed
+        device = profile.metadata.get("device", "cpu")
+        budget = parse_budget(mem_limit, reference_bytes=reference, device=device)
+        chain_budget = budget - fixed
+        solver = get_solver(self.solver_name, slots=self.slots) if self.solver_name == "optimal" else get_solver(self.solver_name)
+        try:
+            if chain_budget <= 0:
+                raise BudgetTooSmall("", budget_bytes=chain_budget, minimum_bytes=0)
+            schedule = solver(profile, chain_budget)
+        except BudgetTooSmall as error:
+            minimum = _minimum_budget(solver, profile) + fixed
+            from remat.memory import format_bytes
+
+            raise BudgetTooSmall(
+                f"no recompute schedule fits a budget of {budget} bytes ({format_bytes(budget)}); the "
+                f"smallest feasible budget for this model and input is {minimum} bytes "
+                f"({format_bytes(minimum)}). Raise mem_limit to at least that, or use a smaller batch",
+                budget_bytes=budget,
+                minimum_bytes=minimum,
+            ) from None
+        planned = PlannedChain(schedule, measurement, budget, schedule.predicted_peak_bytes + fixed)
+        chain = self._chains[key]
+        executor = ChainExecutor(
+            chain, expand_groups(schedule.items, measurement.groups), preserve_rng_state=self.preserve_rng_state
+        )
+        self._plans[(key, budget_key)] = (planned, executor)
+        return planned, executor
+
+
+def _minimum_budget(solver: Any, profile: Any) -> int:
+    try:
+        solver(profile, 1)
+    except BudgetTooSmall as error:
+        return error.minimum_bytes
+    return 1
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    leaves, spec = tree_flatten((args, kwargs))
+    parts: list[Any] = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
+        else:
+            parts.append(repr(leaf))
+    return tuple(parts)

@@ -1,0 +1,412 @@
+"""Measuring a chain: what each stage costs in time and in exact bytes.
+
+One training step of the model is run with every stage call watched:
+
+* a :class:`~remat.memory.MemoryTracker` follows every allocation, and each stage's
+  forward and backward is a window of its event stream, so peaks are exact;
+* a transparent saved-tensor hook records which storages each stage keeps for its
+  backward (the storages of parameters and of anything that existed before the step are
+  not counted; the stage's input and output storages are reported as flags);
+* tensor hooks on each stage's outputs mark where its backward starts.
+
+A second, untracked step gives the times (the tracker slows small operations down).
+The model is left as it was: parameter ``.grad``, every buffer (BatchNorm statistics)
+and the RNG states are restored.
+
+Stages are then *grouped*: a stage whose backward does not keep its input (a ReLU, a
+dropout, a view) or that modifies its input in place is fused with the stage before it,
+so that every boundary of the planned chain is an activation that the next stage keeps.
+That makes the planner's memory model exact (see ``remat.plan.schedule.simulate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from remat.chain import Chain
+from remat.errors import RematError, UnsupportedModel
+from remat.memory import MemoryTracker
+from remat.plan.profile import ChainProfile
+
+__all__ = ["ChainMeasurement", "StageMeasurement", "measure_chain"]
+
+
+@dataclass
+class StageMeasurement:
+    """Raw figures of one stage call (before grouping)."""
+
+    name: str
+    forward_time_s: float = 0.0
+    backward_time_s: float = 0.0
+    forward_window: tuple[int, int] = (0, 0)
+    backward_window: tuple[int, int] | None = None
+    input_storages: dict[int, int] = field(default_factory=dict)  # storage key -> bytes
+    output_storages: dict[int, int] = field(default_factory=dict)
+    saved_storages: dict[int, int] = field(default_factory=dict)
+    gradient_bytes_in: int = 0  # bytes of the gradient of this stage's input
+    modifies_input: bool = False
+    input_requires_grad: bool = False
+
+
+@dataclass
+class ChainMeasurement:
+    """Everything measured on a chain, and the grouped profile the planner uses.
+
+    Attributes:
+        stages: per stage call figures.
+        groups: (first, stop) stage indices of each planned stage.
+        profile: the grouped :class:`~remat.plan.profile.ChainProfile`.
+        fixed_bytes: bytes held through the whole step outside the chain (the prefix's
+            activations and the chain input when the model computes it).
+        measured_peak_bytes: peak of the measured step (every activation stored).
+        end_peak_bytes: peak after the chain's backward (the prefix's backward).
+    """
+
+    stages: list[StageMeasurement]
+    groups: list[tuple[int, int]]
+    profile: ChainProfile
+    fixed_bytes: int
+    measured_peak_bytes: int
+    end_peak_bytes: int
+
+
+class _Watch:
+    """Installed on the stage modules while measuring."""
+
+    def __init__(self, chain: Chain, tracker: MemoryTracker | None, synchronize: Callable[[], None]) -> None:
+        self.chain = chain
+        self.tracker = tracker
+        self.synchronize = synchronize
+        self.stages = [StageMeasurement(name) for name in chain.names]
+        self.current: int | None = None
+        self.next_stage = 0
+        self.grad_ready_time: dict[int, float] = {}
+        self.grad_ready_event: dict[int, int] = {}
+        self.output_grad_bytes = 0
+        self.chain_output_ids: set[int] = set()
+
+    def event(self) -> int:
+        return self.tracker.n_events if self.tracker is not None else 0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.current is not None and self.tracker is not None:
+            key = _key(tensor)
+            if key is not None and self.tracker.is_tracked(tensor):
+                self.stages[self.current].saved_storages[key] = int(tensor.untyped_storage().nbytes())
+        return tensor.detach() if tensor.layout == torch.strided else tensor
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if index != self.next_stage:
+            raise UnsupportedModel(
+                f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} "
+                "was expected; remat needs the chain's stages to run once each, in order, in every "
+                "forward. Use remat.mark for models whose forward varies"
+            )
+        self.next_stage += 1
+        stage = self.stages[index]
+        inputs = _tensors((args, kwargs))
+        stage.input_storages = _storages(inputs, self.tracker)
+        stage.input_requires_grad = any(t.requires_grad for t in inputs)
+        versions = [t._version for t in inputs]
+        self.current = index
+        self.synchronize()
+        start_time = time.perf_counter()
+        start_event = self.event()
+        try:
+            out = call_original(module, args, kwargs)
+        finally:
+            self.current = None
+        self.synchronize()
+        stage.forward_time_s = time.perf_counter() - start_time
+        stage.forward_window = (start_event, self.event())
+        stage.modifies_input = any(t._version != v for t, v in zip(inputs, versions))
+        outputs = _tensors(out)
+        stage.output_storages = _storages(outputs, self.tracker)
+        if torch.is_grad_enabled():
+            self._watch_gradients(index, [t for t in outputs if t.requires_grad])
+            if index == 0:
+                self._watch_gradients(-1, [t for t in inputs if t.requires_grad])
+        return out
+
+    def _watch_gradients(self, index: int, tensors: list[torch.Tensor]) -> None:
+        # Plain tensor hooks (they also fire for the tensor backward starts from). The
+        # last one to fire marks the moment the whole gradient is there.
+        received: dict[int, int] = {}
+        for position, tensor in enumerate(tensors):
+            tensor.register_hook(lambda g, i=index, p=position, r=received: self._grad_ready(i, p, g, r))
+
+    def _grad_ready(self, index: int, position: int, grad: torch.Tensor, received: dict[int, int]) -> None:
+        # The gradient of stage `index`'s output is there: its backward starts now, and
+        # the backward of stage index + 1 has just ended.
+        self.synchronize()
+        self.grad_ready_time[index] = time.perf_counter()
+        self.grad_ready_event[index] = self.event()
+        received[position] = int(grad.numel() * grad.element_size()) if grad is not None else 0
+        nbytes = sum(received.values())
+        if index == -1:
+            self.stages[0].gradient_bytes_in = nbytes
+        elif index + 1 < len(self.stages):
+            self.stages[index + 1].gradient_bytes_in = nbytes
+        else:
+            self.output_grad_bytes = nbytes
+
+
+def call_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Calls a stage module with its own forward (hooks included) while it is intercepted."""
+    forward = module.__dict__.pop("forward")
+    try:
+        return module(*args, **kwargs)
+    finally:
+        module.__dict__["forward"] = forward
+
+
+@contextlib.contextmanager
+def intercept_stages(chain: Chain, owner: Any) -> Iterator[None]:
+    """Routes every call of the chain's stage modules to ``owner.call(index, module, args, kwargs)``.
+
+    The stage's own module hooks still run around the call; the override is an instance
+    attribute removed on exit, whatever happens.
+    """
+    installed: list[nn.Module] = []
+    try:
+        for index, module in enumerate(chain.modules):
+            if "forward" in module.__dict__:
+                raise UnsupportedModel(
+                    f"stage {chain.names[index]!r} has its forward replaced on the instance (is it "
+                    "marked with remat.mark?); unmark it before using remat.Checkpointable"
+                )
+            module.__dict__["forward"] = _ForwardThroughOwner(owner, index, module)
+            installed.append(module)
+        yield
+    finally:
+        for module in installed:
+            module.__dict__.pop("forward", None)
+
+
+class _ForwardThroughOwner:
+    """Stands in a stage module's ``forward`` while remat runs the chain."""
+
+    def __init__(self, owner: Any, index: int, module: nn.Module) -> None:
+        self.owner = owner
+        self.index = index
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner.call(self.index, self.module, args, kwargs)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def _key(tensor: torch.Tensor) -> int | None:
+    if tensor.layout != torch.strided or tensor.is_meta:
+        return None
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _storages(tensors: list[torch.Tensor], tracker: MemoryTracker | None) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        key = _key(t)
+        if key is not None and (tracker is None or tracker.is_tracked(t)):
+            out[key] = int(t.untyped_storage().nbytes())
+    return out
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _default_backward(output: Any) -> None:
+    tensors = [t for t in _tensors(output) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    if not tensors:
+        raise RematError(
+            "the model's output does not require grad, so there is no backward to plan; "
+            "check that the model is in training mode and its parameters require grad"
+        )
+    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+@contextlib.contextmanager
+def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
+    """Restores parameter gradients, every buffer and the RNG states on exit."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            for p, _ in grads:
+                p.grad = None
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+
+
+def measure_chain(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    backward: Callable[[Any], None] | None = None,
+) -> ChainMeasurement:
+    """Measures one training step of `model`, stage by stage, and groups the stages.
+
+    Args:
+        model: the model (its forward must call the chain's stages once each, in order).
+        chain: the stages.
+        args: sample positional inputs.
+        kwargs: sample keyword inputs.
+        backward: runs the backward from the model's output (default: sum of the outputs).
+    """
+    backward = backward or _default_backward
+    devices = sorted({t.device for t in _tensors((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
+    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    synchronize = _synchronizer(device)
+    with preserved_model_state(model, devices):
+        tracker = MemoryTracker(device=device.type)
+        watch = _Watch(chain, tracker, lambda: None)
+        with intercept_stages(chain, watch), tracker, torch.autograd.graph.saved_tensors_hooks(
+            watch.pack, lambda t: t
+        ):
+            output = model(*args, **kwargs)
+            chain_end_event = tracker.n_events
+            backward(output)
+            del output
+        if watch.next_stage != len(chain):
+            raise UnsupportedModel(
+                f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
+                "every stage to run once per forward"
+            )
+        for p in model.parameters():
+            p.grad = None
+        timing = _Watch(chain, None, synchronize)
+        with intercept_stages(chain, timing):
+            synchronize()
+            output = model(*args, **kwargs)
+            backward(output)
+            synchronize()
+            end_time = time.perf_counter()
+            del output
+    return _assemble(chain, watch, timing, tracker, chain_end_event, end_time)
+
+
+def _assemble(
+    chain: Chain,
+    watch: _Watch,
+    timing: _Watch,
+    tracker: MemoryTracker,
+    chain_end_event: int,
+    end_time: float,
+) -> ChainMeasurement:
+    n = len(chain)
+    stages = watch.stages
+    # Backward windows and times: stage i's backward runs from the moment its output's
+    # gradient is complete to the moment its input's gradient is.
+    end_event = tracker.n_events
+    for i in range(n):
+        start = watch.grad_ready_event.get(i)
+        stop = watch.grad_ready_event.get(i - 1, end_event) if i > 0 else watch.grad_ready_event.get(-1, end_event)
+        if start is not None:
+            stages[i].backward_window = (start, stop)
+        t_start = timing.grad_ready_time.get(i)
+        t_stop = timing.grad_ready_time.get(i - 1, end_time) if i > 0 else timing.grad_ready_time.get(-1, end_time)
+        if t_start is not None:
+            stages[i].backward_time_s = max(0.0, t_stop - t_start)
+        stages[i].forward_time_s = timing.stages[i].forward_time_s
+
+    if stages[0].modifies_input:
+        raise UnsupportedModel(
+            f"the first stage {chain.names[0]!r} modifies its input in place; remat cannot keep the "
+            "chain input for a recompute. Make that operation out of place (e.g. nn.ReLU(inplace=False))"
+        )
+    groups: list[tuple[int, int]] = []
+    for i in range(n):
+        keeps_input = any(k in stages[i].saved_storages for k in stages[i].input_storages)
+        fuse = i > 0 and (stages[i].modifies_input or not keeps_input or not stages[i].input_storages)
+        if fuse and groups:
+            groups[-1] = (groups[-1][0], i + 1)
+        else:
+            groups.append((i, i + 1))
+
+    fixed_before, _, _ = tracker._curve(stages[0].forward_window[0], stages[0].forward_window[0])
+    _, measured_peak, _ = tracker._curve()
+    last_b0 = stages[0].backward_window
+    end_peak = tracker._curve(last_b0[1], None)[1] if last_b0 is not None else 0
+
+    names, ft, bt, act, grad, saved, s_in, s_out, f_tmp, b_tmp = ([] for _ in range(10))
+    act.append(_bytes(stages[0].input_storages) if not chain.whole_model else 0)
+    grad.append(stages[0].gradient_bytes_in)
+    for first, stop in groups:
+        members = stages[first:stop]
+        input_storages = members[0].input_storages
+        output_storages = members[-1].output_storages
+        saved_all: dict[int, int] = {}
+        for m in members:
+            saved_all.update(m.saved_storages)
+        internal = {k: v for k, v in saved_all.items() if k not in input_storages and k not in output_storages}
+        out_bytes = _bytes(output_storages)
+        s_bytes = _bytes(internal)
+        names.append(chain.names[first] if stop - first == 1 else f"{chain.names[first]}..{chain.names[stop - 1]}")
+        ft.append(sum(m.forward_time_s for m in members))
+        bt.append(sum(m.backward_time_s for m in members))
+        act.append(out_bytes)
+        saved.append(s_bytes)
+        s_in.append(any(k in saved_all for k in input_storages))
+        s_out.append(any(k in saved_all for k in output_storages))
+        fw_start, fw_stop = members[0].forward_window[0], members[-1].forward_window[1]
+        before, peak, _ = tracker._curve(fw_start, fw_stop)
+        f_tmp.append(max(0, peak - before - out_bytes - s_bytes))
+        windows = [m.backward_window for m in members]
+        if all(w is not None for w in windows):
+            b_start, b_stop = windows[-1][0], windows[0][1]  # type: ignore[index]
+            before_b, peak_b, _ = tracker._curve(b_start, b_stop)
+            g_in = members[0].gradient_bytes_in
+            b_tmp.append(max(0, peak_b - before_b - g_in))
+        else:
+            b_tmp.append(0)
+        grad.append(0)  # filled below
+    # gradient of each group's output = gradient of the next group's input
+    for g, (first, stop) in enumerate(groups):
+        if g + 1 < len(groups):
+            grad[g + 1] = stages[groups[g + 1][0]].gradient_bytes_in
+    # The chain output's gradient appears with the loss; whatever runs after the chain
+    # (a head, the loss) is charged at that moment, as extra bytes of that gradient.
+    last_forward_end = stages[-1].forward_window[1]
+    b_last = stages[-1].backward_window
+    suffix_stop = b_last[0] if b_last is not None else tracker.n_events
+    suffix_before, suffix_peak, _ = tracker._curve(last_forward_end, suffix_stop)
+    grad[-1] = max(watch.output_grad_bytes, suffix_peak - suffix_before)
+    profile = ChainProfile(
+        names=tuple(names),
+        forward_time_s=tuple(ft),
+        backward_time_s=tuple(bt),
+        activation_bytes=tuple(act),
+        gradient_bytes=tuple(grad),
+        saved_bytes=tuple(saved),
+        saves_input=tuple(s_in),
+        saves_output=tuple(s_out),
+        forward_temp_bytes=tuple(f_tmp),
+        backward_temp_bytes=tuple(b_tmp),
+        metadata={"fixed_bytes": int(fixed_before), "measured_peak_bytes": int(measured_peak)},
+    )
+    return ChainMeasurement(stages, groups, profile, int(fixed_before), int(measured_peak), int(end_peak))
+
+
+def _bytes(storages: dict[int, int]) -> int:
+    return int(sum(storages.values()))
