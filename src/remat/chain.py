@@ -95,6 +95,7 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     calls: list[_Call] = []
     stack: list[int] = []
     call_counts: dict[int, int] = {}
+    last_child: dict[int | None, int] = {}
 
     def pre_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any) -> None:
         if id(module) not in names:
@@ -102,6 +103,10 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         parent = stack[-1] if stack else None
         call = _Call(module, names[id(module)], parent)
         call.inputs = [id(t) for t in _tensor_leaves((hook_args, hook_kwargs))]
+        previous = last_child.get(parent)
+        # Decided now, while the previous call's outputs are certainly alive.
+        call.linked = previous is not None and _takes_output_of(call, calls[previous])
+        last_child[parent] = len(calls)
         calls.append(call)
         stack.append(len(calls) - 1)
         call_counts[id(module)] = call_counts.get(id(module), 0) + 1
@@ -132,14 +137,12 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     best: list[int] = []
     for siblings in children.values():
         run: list[int] = []
-        for position, index in enumerate(siblings):
+        for index in siblings:
             call = calls[index]
             if call_counts.get(id(call.module), 0) != 1:
                 run = []
                 continue
-            previous = calls[siblings[position - 1]] if position > 0 else None
-            linked = previous is not None and _takes_output_of(call, previous)
-            if run and linked:
+            if run and call.linked:
                 run.append(index)
             else:
                 run = [index]
