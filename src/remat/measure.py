@@ -49,7 +49,8 @@ class StageMeasurement:
     backward_window: tuple[int, int] | None = None
     input_storages: dict[int, int] = field(default_factory=dict)  # storage key -> bytes
     output_storages: dict[int, int] = field(default_factory=dict)
-    saved_storages: dict[int, int] = field(default_factory=dict)
+    saved_storages: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (bytes, allocated at)
+    escaped_storages: dict[int, int] = field(default_factory=dict)  # outputs the next stage does not take
     gradient_bytes_in: int = 0  # bytes of the gradient of this stage's input
     modifies_input: bool = False
     input_requires_grad: bool = False
@@ -90,6 +91,7 @@ class _Watch:
         self.grad_ready_time: dict[int, float] = {}
         self.grad_ready_event: dict[int, int] = {}
         self.output_grad_bytes = 0
+        self.gradient_allocations: set[int] = set()
         self.chain_output_ids: set[int] = set()
 
     def event(self) -> int:
@@ -98,8 +100,12 @@ class _Watch:
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.current is not None and self.tracker is not None:
             key = _key(tensor)
-            if key is not None and self.tracker.is_tracked(tensor):
-                self.stages[self.current].saved_storages[key] = int(tensor.untyped_storage().nbytes())
+            allocated_at = self.tracker.allocated_at(tensor) if key is not None else None
+            if allocated_at is not None:
+                self.stages[self.current].saved_storages[key] = (
+                    int(tensor.untyped_storage().nbytes()),
+                    allocated_at,
+                )
         return tensor.detach() if tensor.layout == torch.strided else tensor
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -113,6 +119,16 @@ class _Watch:
         stage = self.stages[index]
         inputs = _tensors((args, kwargs))
         stage.input_storages = _storages(inputs, self.tracker)
+        if index > 0:
+            # The boundary is what this stage takes from the previous one; any other
+            # output of the previous stage escapes to the model's own code.
+            previous = self.stages[index - 1]
+            linked = {k: v for k, v in previous.output_storages.items() if k in stage.input_storages}
+            previous.escaped_storages = {
+                k: v for k, v in previous.output_storages.items() if k not in linked
+            }
+            previous.output_storages = linked
+            stage.input_storages = linked
         stage.input_requires_grad = any(t.requires_grad for t in inputs)
         versions = [t._version for t in inputs]
         self.current = index
@@ -149,6 +165,10 @@ class _Watch:
         self.grad_ready_time[index] = time.perf_counter()
         self.grad_ready_event[index] = self.event()
         received[position] = int(grad.numel() * grad.element_size()) if grad is not None else 0
+        if self.tracker is not None and grad is not None:
+            allocation_id = self.tracker.allocation_id(grad)
+            if allocation_id is not None:
+                self.gradient_allocations.add(allocation_id)
         nbytes = sum(received.values())
         if index == -1:
             self.stages[0].gradient_bytes_in = nbytes
@@ -286,6 +306,8 @@ def measure_chain(
         ):
             output = model(*args, **kwargs)
             chain_end_event = tracker.n_events
+            alive_after_forward = tracker.live_storage_allocations()
+            output_bytes = _bytes(_storages(_tensors(output), tracker))
             backward(output)
             del output
         if watch.next_stage != len(chain):
@@ -303,7 +325,7 @@ def measure_chain(
             synchronize()
             end_time = time.perf_counter()
             del output
-    return _assemble(chain, watch, timing, tracker, chain_end_event, end_time)
+    return _assemble(chain, watch, timing, tracker, alive_after_forward, output_bytes, end_time)
 
 
 def _assemble(
@@ -311,7 +333,8 @@ def _assemble(
     watch: _Watch,
     timing: _Watch,
     tracker: MemoryTracker,
-    chain_end_event: int,
+    alive_after_forward: dict[int, int],
+    output_bytes: int,
     end_time: float,
 ) -> ChainMeasurement:
     n = len(chain)
@@ -345,6 +368,29 @@ def _assemble(
             groups.append((i, i + 1))
 
     fixed_before, _, _ = tracker._curve(stages[0].forward_window[0], stages[0].forward_window[0])
+    # Outputs that escape to the model's code (a key/value cache, attention weights) and
+    # are still alive when the forward returns are held through the backward too.
+    escaped = {k: v for st in stages for k, v in st.escaped_storages.items() if k in alive_after_forward}
+    # Likewise for what a stage allocates and something else than autograd keeps (a
+    # cache object filled in place): alive after the forward, neither saved for
+    # backward nor passed on to the next stage.
+    saved_keys = {k for st in stages for k in st.saved_storages}
+    boundary_keys = {k for st in stages for k in st.output_storages}
+    windows = [st.forward_window for st in stages]
+    for key, allocated_at in alive_after_forward.items():
+        if key in saved_keys or key in boundary_keys or key in escaped:
+            continue
+        if any(start <= allocated_at < stop for start, stop in windows):
+            escaped[key] = tracker.storage_bytes(key)
+    fixed_before += _bytes(escaped)
+    # The model's output: the training loop usually holds it through the backward.
+    fixed_before += output_bytes
+    # What a stage's backward leaves behind besides its input's gradient (the partial
+    # gradient of a weight used twice, waiting for the other use) lives on after it.
+    for st in stages:
+        if st.backward_window is not None:
+            leftover = tracker.surviving_allocations(*st.backward_window)
+            fixed_before += sum(v for k, v in leftover.items() if k not in watch.gradient_allocations)
     _, measured_peak, _ = tracker._curve()
     last_b0 = stages[0].backward_window
     end_peak = tracker._curve(last_b0[1], None)[1] if last_b0 is not None else 0
@@ -356,10 +402,17 @@ def _assemble(
         members = stages[first:stop]
         input_storages = members[0].input_storages
         output_storages = members[-1].output_storages
-        saved_all: dict[int, int] = {}
+        saved_all: dict[int, tuple[int, int]] = {}
         for m in members:
             saved_all.update(m.saved_storages)
-        internal = {k: v for k, v in saved_all.items() if k not in input_storages and k not in output_storages}
+        fw_start, fw_stop = members[0].forward_window[0], members[-1].forward_window[1]
+        # Saved storages allocated before the group (side inputs such as a mask) are
+        # held by the model anyway: only what the group allocates counts as its own.
+        internal = {
+            k: nbytes
+            for k, (nbytes, allocated_at) in saved_all.items()
+            if k not in input_storages and k not in output_storages and fw_start <= allocated_at < fw_stop
+        }
         out_bytes = _bytes(output_storages)
         s_bytes = _bytes(internal)
         names.append(chain.names[first] if stop - first == 1 else f"{chain.names[first]}..{chain.names[stop - 1]}")
@@ -369,7 +422,6 @@ def _assemble(
         saved.append(s_bytes)
         s_in.append(any(k in saved_all for k in input_storages))
         s_out.append(any(k in saved_all for k in output_storages))
-        fw_start, fw_stop = members[0].forward_window[0], members[-1].forward_window[1]
         before, peak, _ = tracker._curve(fw_start, fw_stop)
         f_tmp.append(max(0, peak - before - out_bytes - s_bytes))
         windows = [m.backward_window for m in members]

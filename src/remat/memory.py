@@ -93,7 +93,8 @@ class MemoryTracker(TorchDispatchMode):
 
     Figures exclude parameter gradients: any storage that is the ``.grad`` of a leaf
     tensor seen by an operator during the run (or of a tensor given in ``exclude_grads_of``)
-    when the tracker is read is left out of every figure, from its allocation on.
+    when the run ends, and any gradient that flowed into such a ``.grad`` (the partial
+    gradients of a weight used twice), is left out of every figure, from its allocation on.
 
     Args:
         exclude_grads_of: extra tensors (e.g. ``model.parameters()``) whose ``.grad``
@@ -122,6 +123,8 @@ class MemoryTracker(TorchDispatchMode):
         self._sections: list[Section] = []
         self._active = False
         self._frozen_excluded: set[int] | None = None
+        self._gradient_ids: set[int] = set()
+        self._hooks: list[Any] = []
         self._next_id = 0
 
     # ------------------------------------------------------------------ dispatch
@@ -135,6 +138,9 @@ class MemoryTracker(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
             self._active = False
             # Which storages are parameter gradients is decided now, at the end of the
             # run: zeroing or restoring .grad afterwards does not change the figures.
@@ -148,6 +154,7 @@ class MemoryTracker(TorchDispatchMode):
                 continue
             if leaf.requires_grad and leaf.is_leaf and id(leaf) not in self._leaves:
                 self._leaves[id(leaf)] = weakref.ref(leaf)
+                self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
             key = _storage_key(leaf)
             if key is not None:
                 input_keys.add(key)
@@ -210,6 +217,45 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             return key is not None and key in self._live_by_key
 
+    def allocated_at(self, tensor: torch.Tensor) -> int | None:
+        """Event index at which `tensor`'s storage was allocated, or None if not tracked."""
+        key = _storage_key(tensor)
+        with self._lock:
+            allocation_id = self._live_by_key.get(key) if key is not None else None
+            return None if allocation_id is None else self._allocations[allocation_id].allocated_at
+
+    def allocation_id(self, tensor: torch.Tensor) -> int | None:
+        """The id of the live tracked allocation behind `tensor`, or None."""
+        key = _storage_key(tensor)
+        with self._lock:
+            return self._live_by_key.get(key) if key is not None else None
+
+    def surviving_allocations(self, start: int, stop: int) -> dict[int, int]:
+        """Allocation id -> bytes, for what was allocated in [start, stop) and still lived at `stop`.
+
+        Parameter gradients are left out.
+        """
+        excluded = self._excluded_ids()
+        with self._lock:
+            return {
+                a.allocation_id: a.nbytes
+                for a in self._allocations.values()
+                if start <= a.allocated_at < stop
+                and (a.freed_at is None or a.freed_at > stop)
+                and a.allocation_id not in excluded
+            }
+
+    def live_storage_allocations(self) -> dict[int, int]:
+        """Storage key -> allocation event index, for the tracked storages alive now."""
+        with self._lock:
+            return {k: self._allocations[i].allocated_at for k, i in self._live_by_key.items()}
+
+    def storage_bytes(self, key: int) -> int:
+        """Bytes of a live tracked storage, by key (0 if it is not alive)."""
+        with self._lock:
+            allocation_id = self._live_by_key.get(key)
+            return 0 if allocation_id is None else self._allocations[allocation_id].nbytes
+
     # ------------------------------------------------------------------ sections
     def section(self, name: str) -> "_SectionContext":
         """Marks a window of the run, to read its peak later with :meth:`section_peak_bytes`."""
@@ -220,6 +266,15 @@ class MemoryTracker(TorchDispatchMode):
         return [s for s in self._sections if s.name == name and s.stop_event is not None]
 
     # ------------------------------------------------------------------ figures
+    def _on_leaf_gradient(self, grad: torch.Tensor) -> None:
+        # A gradient on its way into a leaf's .grad (for a tied weight, one of several
+        # partial gradients summed there) is parameter-gradient memory.
+        key = _storage_key(grad)
+        with self._lock:
+            allocation_id = self._live_by_key.get(key) if key is not None else None
+            if allocation_id is not None:
+                self._gradient_ids.add(allocation_id)
+
     def _excluded_ids(self) -> set[int]:
         if self._frozen_excluded is not None:
             return self._frozen_excluded
@@ -234,7 +289,7 @@ class MemoryTracker(TorchDispatchMode):
                 continue
             keys.add(grad.untyped_storage()._cdata)
         with self._lock:
-            return {self._live_by_key[k] for k in keys if k in self._live_by_key}
+            return {self._live_by_key[k] for k in keys if k in self._live_by_key} | self._gradient_ids
 
     def _curve(self, start: int = 0, stop: int | None = None) -> tuple[int, int, int]:
         """Returns (live before `start`, peak within [start, stop), live at `stop`)."""
