@@ -1,6 +1,7 @@
 """remat: train PyTorch models in less memory by recomputing activations in backward."""
 
 from remat._state import is_recomputing
+from remat.checkpointable import Checkpointable, PlannedChain
 from remat.errors import (
     BudgetTooSmall,
     InvalidBudget,
@@ -18,10 +19,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetTooSmall",
+    "Checkpointable",
     "InvalidBudget",
     "MemoryTracker",
     "NondeterministicRecompute",
     "NotCallableBlock",
+    "PlannedChain",
     "RecomputeInputModified",
     "RematError",
     "UnsupportedModel",

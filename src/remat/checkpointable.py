@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -93,7 +94,9 @@ class Checkpointable(nn.Module):
         slots: memory discretisation of the dynamic program.
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
         loss_fn: ``loss_fn(output) -> None`` that runs the backward during measurement
-            (default: backward of the sum of the outputs).
+            (default: backward of the sum of the outputs). Give your real loss when it
+            uses much memory (a cross entropy over a large vocabulary).
+        margin: fraction of the budget kept free when planning (see NOTE [planning margin]).
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -111,6 +114,7 @@ class Checkpointable(nn.Module):
         slots: int = 500,
         preserve_rng_state: bool = True,
         loss_fn: Any = None,
+        margin: float = 0.02,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -126,7 +130,10 @@ class Checkpointable(nn.Module):
         self._measurements: dict[Hashable, ChainMeasurement] = {}
         self._plans: dict[tuple[Hashable, Any], tuple[PlannedChain, ChainExecutor]] = {}
         self._last_key: Hashable | None = None
-        get_solver(solver)  # fail now on an unknown solver name
+        if not 0.0 <= margin < 0.5:
+            raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
+        self.margin = margin
+        self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
@@ -176,6 +183,11 @@ class Checkpointable(nn.Module):
         return executor(self.model, args, kwargs)
 
     # ------------------------------------------------------------------ internals
+    def _solver(self) -> Any:
+        if self.solver_name in ("optimal", "auto"):
+            return get_solver(self.solver_name, slots=self.slots)
+        return get_solver(self.solver_name)
+
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
         if chain is None:
@@ -202,14 +214,19 @@ class Checkpointable(nn.Module):
         reference = store_all.peak_bytes + fixed
         device = profile.metadata.get("device", "cpu")
         budget = parse_budget(mem_limit, reference_bytes=reference, device=device)
-        chain_budget = budget - fixed
-        solver = get_solver(self.solver_name, slots=self.slots) if self.solver_name == "optimal" else get_solver(self.solver_name)
+        # NOTE [planning margin]
+        # The plan must fit with a margin for what per-stage measurement cannot attribute
+        # (framework bookkeeping tensors, a loss slightly larger than the one measured):
+        # the chain is planned for (1 - margin) of the budget, less the fixed memory.
+        chain_budget = int(budget * (1.0 - self.margin)) - fixed
+        solver = self._solver()
         try:
             if chain_budget <= 0:
                 raise BudgetTooSmall("", budget_bytes=chain_budget, minimum_bytes=0)
-            schedule = solver(profile, chain_budget)
-        except BudgetTooSmall as error:
-            minimum = _minimum_budget(solver, profile) + fixed
+            else:
+                schedule = solver(profile, chain_budget)
+        except BudgetTooSmall:
+            minimum = math.ceil((_minimum_budget(solver, profile) + fixed) / (1.0 - self.margin))
             from remat.memory import format_bytes
 
             raise BudgetTooSmall(
