@@ -14,6 +14,7 @@ from remat.errors import (
 from remat.marking import apply, is_marked, mark, unmark
 from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
 from remat.recompute import recompute
+from remat.residuals import SavedTensor, format_saved_residuals, saved_residuals
 
 __version__ = "0.1.0"
 
@@ -27,14 +28,17 @@ __all__ = [
     "PlannedChain",
     "RecomputeInputModified",
     "RematError",
+    "SavedTensor",
     "UnsupportedModel",
     "apply",
     "format_bytes",
+    "format_saved_residuals",
     "is_marked",
     "is_recomputing",
     "mark",
     "parse_budget",
     "recompute",
+    "saved_residuals",
     "track_memory",
     "unmark",
 ]
