@@ -17,6 +17,8 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.recompute_depth = 0
         self.guard_depth = 0
+        # (module, buffers before its recomputed forward), innermost call last
+        self.stat_snapshots: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
 
 
 _LOCAL = _Local()
@@ -50,8 +52,18 @@ def recomputing() -> Iterator[None]:
 # would update them a second time (torch.utils.checkpoint has this defect). The output of
 # a training-mode normalisation depends only on the batch, not on the running statistics,
 # so the guard lets the recomputed forward run unchanged and puts the three buffers back,
-# bit for bit, the moment it returns (or raises). It works through global module hooks
-# that exist only while some thread recomputes, and act only in that thread.
+# bit for bit, the moment it returns. It works through global module hooks that exist
+# only while some thread recomputes, and act only in that thread.
+#
+# Two details matter:
+# * A recompute is cut short by a BaseException raised from a saved-tensor hook once it
+#   has produced what backward needs, often inside the normalisation op itself (after it
+#   updated the statistics). nn.Module runs "always call" forward hooks only on Exception,
+#   so the snapshots live on a thread-local stack and the guard restores whatever is left
+#   on it when it exits, however it exits.
+# * The op saved the running buffers for backward (the reentrant recompute checks their
+#   version). Training-mode backward does not read their values, so they are restored
+#   without bumping the version counter; a bump would make backward fail.
 
 _GUARD_LOCK = threading.Lock()
 _GUARD_USERS = 0
@@ -70,23 +82,33 @@ def _has_running_stats(module: nn.Module) -> bool:
 def _pre_hook(module: nn.Module, args: Any) -> None:
     if _LOCAL.recompute_depth == 0 or not _has_running_stats(module):
         return
-    snapshots = module.__dict__.setdefault("_remat_stat_snapshots", [])
-    snapshots.append(
-        {name: buf.detach().clone() for name, buf in module.named_buffers(recurse=False) if buf is not None}
-    )
+    snapshot = {
+        name: buf.detach().clone() for name, buf in module.named_buffers(recurse=False) if buf is not None
+    }
+    _LOCAL.stat_snapshots.append((module, snapshot))
+
+
+def _restore(module: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and name in snapshot:
+            with torch.autograd._unsafe_preserve_version_counter(buf), torch.no_grad():
+                buf.copy_(snapshot[name])
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    snapshots = module.__dict__.get("_remat_stat_snapshots")
-    if _LOCAL.recompute_depth == 0 or not snapshots:
+    if _LOCAL.recompute_depth == 0:
         return
-    snapshot = snapshots.pop()
-    if not snapshots:
-        del module.__dict__["_remat_stat_snapshots"]
-    with torch.no_grad():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and name in snapshot:
-                buf.copy_(snapshot[name])
+    stack = _LOCAL.stat_snapshots
+    for position in range(len(stack) - 1, -1, -1):
+        if stack[position][0] is module:
+            _restore(*stack.pop(position))
+            return
+
+
+def _restore_all() -> None:
+    stack = _LOCAL.stat_snapshots
+    while stack:
+        _restore(*stack.pop())
 
 
 @contextlib.contextmanager
@@ -112,6 +134,7 @@ def running_stats_guard() -> Iterator[None]:
         yield
     finally:
         _LOCAL.guard_depth -= 1
+        _restore_all()
         with _GUARD_LOCK:
             _GUARD_USERS -= 1
             if _GUARD_USERS == 0:
