@@ -78,6 +78,19 @@ def recompute(
     Raises:
         NotCallableBlock: ``function`` is not callable.
         RematError: an option combination that is not supported.
+
+    .. note::
+       Under ``DistributedDataParallel`` the default implementation works with every DDP
+       option (``find_unused_parameters=True``, ``static_graph=True``, a block called
+       several times). The reentrant one runs the block under ``no_grad`` in the forward
+       and gives its parameters their gradients from a backward pass of its own, inside
+       the outer one. DDP accepts that only when every parameter takes part in exactly
+       one such pass per step and none is unused: use DDP's default options then, and
+       ``static_graph=True`` otherwise. With ``find_unused_parameters=True`` DDP sees
+       the block's parameters as unused at the end of the forward and raises ("marked as
+       ready twice") when their gradients come; with a block called twice and neither
+       option, DDP reduces a parameter's gradient after the first of its passes and the
+       ranks end up with different gradients, with no error.
     """
     if not callable(function):
         raise NotCallableBlock(
