@@ -150,6 +150,17 @@ class _Meta:
         return _Meta(t.shape, t.dtype, t.device)
 
 
+class _Span:
+    """Where a nested block's handles start and stop in its root, and its own nested blocks."""
+
+    __slots__ = ("start", "stop", "children")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.stop: int | None = None
+        self.children: list[_Span] = []
+
+
 class _OutputOf:
     """A lazy input: output number `leaf` of a frame run with output_recompute=True."""
 
@@ -199,6 +210,8 @@ class _Frame:
         self.cursor = start
         self.output_recompute = False
         self.cached_outputs: list[Any] | None = None
+        # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
+        self.span: _Span | None = None
 
     @property
     def root(self) -> "_Root":
@@ -292,6 +305,7 @@ class _Root(_Frame):
         self.handles: list[weakref.ref[_Handle]] = []
         self.metas: list[_Meta] = []
         self.owners: list[_Frame | None] = []
+        self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
 
     def last_needed(self, frame: _Frame) -> int | None:
         """Index of the last live, empty handle `frame` is responsible for."""
@@ -312,12 +326,13 @@ def _owner(root: "_Root", index: int) -> "_Frame | None":
 
 
 class _Context:
-    __slots__ = ("mode", "frame", "last_needed", "hooks")
+    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks")
 
     def __init__(self, mode: str, frame: _Frame, last_needed: int | None = None) -> None:
         self.mode = mode  # "discard", "fill" or "skip"
         self.frame = frame
         self.last_needed = last_needed
+        self.children_met = 0  # nested blocks met so far by this fill
 
 
 class _Stack:
@@ -456,30 +471,80 @@ def _recompute_with_hooks(
     if context is None:
         root = _Root(function, args, kwargs, preserve_rng_state)
         root.output_recompute = output_recompute
+        root.span = _Span(0)
+        root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
         try:
             out = function(*args, **kwargs)
         finally:
             _STACK.pop()
-        root.stop = len(root.handles)
+            root.open_spans.clear()
+        root.stop = root.span.stop = len(root.handles)
         if output_recompute:
             _register_outputs(root, out)
         return out
-    if context.mode == "discard" or context.mode == "skip":
-        # Inside a block running for the first time (or a child being skipped over):
-        # everything here is discarded anyway, so the nested block is just a call.
+    if context.mode == "discard":
+        # Inside a block running for the first time: everything here is discarded
+        # anyway, so the nested block is just a call; only where it starts and stops
+        # is recorded.
+        root = context.frame.root
+        if not root.open_spans:
+            return function(*args, **kwargs)
+        span = _Span(len(root.handles))
+        root.open_spans[-1].children.append(span)
+        root.open_spans.append(span)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            root.open_spans.pop()
+            span.stop = len(root.handles)
+    if context.mode == "skip":
+        # Inside a child being skipped over: the child owns all of it.
         return function(*args, **kwargs)
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
-    child = _Frame(parent.root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    root = parent.root
+    child = _Frame(root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    span = _recorded_span(parent, context)
+    if span is not None:
+        child.span = span
+        child.stop = span.stop
+        for index in range(span.start, span.stop):  # type: ignore[arg-type]
+            if _owner(root, index) is parent:
+                root.owners[index] = child
+        if context.last_needed is not None:
+            last_needed = root.last_needed(parent)
+            if last_needed is None:
+                # The parent needs nothing from here on: the child keeps its inputs and
+                # runs when backward reaches it.
+                raise _StopRecompute
+            context.last_needed = last_needed
     _STACK.push(_Context("skip", child))
     try:
         out = function(*args, **kwargs)
     finally:
         _STACK.pop()
+    if span is not None and child.cursor != span.stop:
+        raise NondeterministicRecompute(
+            f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
+            f"tensors for backward, its first forward saved {span.stop - span.start}; "  # type: ignore[operator]
+            "the block must run the same operations when it is recomputed"
+        )
     parent.cursor = child.cursor
     child.stop = child.cursor
     return out
+
+
+def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:
+    """The span the first forward recorded for the nested block `parent` meets now."""
+    ordinal = context.children_met
+    context.children_met += 1
+    if parent.span is None or ordinal >= len(parent.span.children):
+        return None
+    span = parent.span.children[ordinal]
+    if span.start != parent.cursor or span.stop is None:
+        return None
+    return span
 
 
 # =========================================================================== reentrant
@@ -496,6 +561,7 @@ class _ReentrantFunction(torch.autograd.Function):
         call.out_constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
         tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
         ctx.n_outputs = len(tensors_out)
+        ctx.out_metas = [_Meta.of(t) for t in tensors_out]
         return tensors_out
 
     @staticmethod
