@@ -122,6 +122,13 @@ def recompute(
 # is a sequence of stored stages and nested regions, and only the stored stages'
 # activations are materialised when the region is recomputed.
 #
+# The first forward records where each nested block's handles start and stop (a tree of
+# spans). When a recompute meets a nested block, the child takes its whole span at once;
+# if the recompute needs nothing beyond that span, it stops right there instead of
+# running the child only to throw its work away, and the child first runs when backward
+# reaches it. So a block nested last in its parent runs once per recompute of its own,
+# not once more for its parent's.
+#
 # Each recomputed tensor lives in its handle, and the handle lives exactly as long as the
 # autograd node that saved it: the memory is released as soon as that node has run.
 
@@ -571,16 +578,35 @@ class _ReentrantFunction(torch.autograd.Function):
                 "recompute(..., use_reentrant=True) does not support torch.autograd.grad() or "
                 "backward(inputs=...); use the default use_reentrant=False"
             )
-        saved = ctx.saved_tensors
+        call: _ReentrantCall = ctx.call
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:
+            # autograd checks the version of every saved tensor (the kept inputs here)
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RecomputeInputModified(
+                f"an input of the recomputed block {call.name!r} was modified in place after the "
+                "forward; the recompute would see other values. Clone it before modifying it, or "
+                "do not recompute this block"
+            ) from error
         inputs = []
         for tensor, requires in zip(saved, ctx.requires):
             alias = tensor.detach()
             alias.requires_grad_(requires)
             inputs.append(alias)
-        call: _ReentrantCall = ctx.call
         with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
             out = call.run(inputs)
         outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        metas = [_Meta.of(t) for t in outs]
+        if metas != ctx.out_metas:
+            raise NondeterministicRecompute(
+                f"the recompute of block {call.name!r} returned tensors "
+                f"{[(tuple(m.shape), m.dtype, str(m.device)) for m in metas]} where the original "
+                f"forward returned {[(tuple(m.shape), m.dtype, str(m.device)) for m in ctx.out_metas]}; "
+                "the block must compute the same thing when it is recomputed (check control flow "
+                "that depends on global state, and use remat.is_recomputing() for side effects)"
+            )
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -591,6 +617,7 @@ class _ReentrantFunction(torch.autograd.Function):
 class _ReentrantCall:
     def __init__(self, function: Callable[..., Any], args: Any, kwargs: Any, state: ForwardState) -> None:
         self.function = function
+        self.name = getattr(function, "__qualname__", None) or type(function).__name__
         flat, self.spec = tree_flatten((args, kwargs))
         self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         self.constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
