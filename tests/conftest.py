@@ -1,0 +1,44 @@
+"""Shared fixtures: a fixed seed for every test, a check that remat leaves no state behind."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+_recompute_module = importlib.import_module("remat.recompute")
+_state_module = importlib.import_module("remat._state")
+
+
+def remat_leftovers() -> list[str]:
+    """What remat's recompute machinery still holds in this thread (empty when idle)."""
+    leftovers = []
+    if _recompute_module._STACK.items:
+        leftovers.append(f"recompute frame stack: {_recompute_module._STACK.items}")
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        leftovers.append("saved-tensor hooks still installed")
+    if _state_module.is_recomputing():
+        leftovers.append("is_recomputing() is True")
+    if _state_module._GUARD_HANDLES or getattr(_state_module._LOCAL, "stat_snapshots", None):
+        leftovers.append("running-statistics guard still installed")
+    return leftovers
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def clean_remat_state() -> None:
+    """Fails the test if remat's recompute machinery is left holding state after it."""
+    assert remat_leftovers() == []
+    yield
+    assert remat_leftovers() == []
+
+
+@pytest.fixture(params=[False, True], ids=["hooks", "reentrant"])
+def use_reentrant(request: pytest.FixtureRequest) -> bool:
+    """Both implementations of recompute."""
+    return request.param

@@ -1,0 +1,799 @@
+"""remat.recompute: exactness against plain autograd, in both implementations, and its errors.
+
+Every comparison is bit for bit (``torch.equal``): a recompute runs the very same
+operations on the very same values, so anything short of identical is a defect.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import remat
+from remat import (
+    MemoryTracker,
+    NondeterministicRecompute,
+    NotCallableBlock,
+    RecomputeInputModified,
+    RematError,
+)
+
+pytestmark = pytest.mark.usefixtures("clean_remat_state")
+
+
+# ----------------------------------------------------------------------------- helpers
+class Counted(nn.Module):
+    """Wraps a module; counts its forward calls and records is_recomputing() in each."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.recomputing: list[bool] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.recomputing.append(remat.is_recomputing())
+        return self.inner(*args, **kwargs)
+
+
+def weighted_loss(out: Any) -> torch.Tensor:
+    """A loss whose gradient differs per element, over every floating tensor in `out`."""
+    total = torch.zeros(())
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+            weights = torch.linspace(-1.0, 2.0, leaf.numel()).reshape(leaf.shape)
+            total = total + (leaf.float() * weights).sum() + leaf.float().pow(2).sum()
+    return total
+
+
+def train_step(
+    model: nn.Module,
+    forward: Callable[[nn.Module, Any], Any],
+    inputs: Any,
+    *,
+    seed: int = 1,
+) -> dict[str, Any]:
+    """Runs forward + backward from a fixed RNG state; returns everything that must match."""
+    inputs = tree_map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), inputs)
+    torch.manual_seed(seed)
+    out = forward(model, inputs)
+    weighted_loss(out).backward()
+    return {
+        "outputs": [t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor)],
+        "param_grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "input_grads": [
+            None if t.grad is None else t.grad.clone()
+            for t in tree_leaves(inputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ],
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "rng_after": torch.get_rng_state(),
+    }
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, tree)
+
+
+def assert_identical(expected: dict[str, Any], actual: dict[str, Any]) -> None:
+    assert len(expected["outputs"]) == len(actual["outputs"])
+    for a, b in zip(expected["outputs"], actual["outputs"]):
+        assert a.dtype == b.dtype and torch.equal(a, b), "outputs differ"
+    assert expected["param_grads"].keys() == actual["param_grads"].keys()
+    for name, grad in expected["param_grads"].items():
+        other = actual["param_grads"][name]
+        assert (grad is None) == (other is None), f"grad of {name}: {grad} vs {other}"
+        if grad is not None:
+            assert torch.equal(grad, other), f"grad of {name} differs"
+    assert len(expected["input_grads"]) == len(actual["input_grads"])
+    for a, b in zip(expected["input_grads"], actual["input_grads"]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b), "input grads differ"
+    for name, buf in expected["buffers"].items():
+        assert torch.equal(buf, actual["buffers"][name]), f"buffer {name} differs"
+    assert torch.equal(expected["rng_after"], actual["rng_after"]), "global RNG state differs"
+
+
+def compare(
+    make: Callable[[], nn.Module],
+    plain: Callable[[nn.Module, Any], Any],
+    rematerialised: Callable[[nn.Module, Any], Any],
+    inputs: Any,
+    *,
+    steps: int = 1,
+) -> None:
+    """Trains two copies of a model for `steps` steps, plainly and with recompute."""
+    model_a = make()
+    model_b = copy.deepcopy(model_a)
+    for step in range(steps):
+        expected = train_step(model_a, plain, inputs, seed=step)
+        actual = train_step(model_b, rematerialised, inputs, seed=step)
+        assert_identical(expected, actual)
+        for model in (model_a, model_b):  # a step of plain SGD, so later steps differ
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+
+
+def call(model: nn.Module, x: Any) -> Any:
+    return model(x)
+
+
+# ----------------------------------------------------------------------------- models
+def mlp_with_dropout() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Linear(16, 16),
+        nn.GELU(),
+        nn.Dropout(0.2),
+        nn.Linear(16, 4),
+    )
+
+
+def conv_net_with_batchnorm() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 3),
+    )
+
+
+def transformer_block() -> nn.Module:
+    return nn.TransformerEncoderLayer(
+        d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True
+    )
+
+
+class HandWrittenBlock(nn.Module):
+    """A pre-norm transformer block written out: attention, MLP, dropout, LayerNorm."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attention = (q @ k.transpose(-1, -2) / (width // self.heads) ** 0.5).softmax(-1)
+        attention = self.drop(attention)
+        mixed = (attention @ v).transpose(1, 2).reshape(batch, length, width)
+        x = x + self.drop(self.proj(mixed))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per-block"])
+def test_mlp_with_dropout_matches_plain_autograd(use_reentrant: bool, per_block: bool) -> None:
+    def rematerialised(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        if not per_block:
+            return remat.recompute(model, x, use_reentrant=use_reentrant)
+        x = remat.recompute(model[:3], x, use_reentrant=use_reentrant)
+        x = remat.recompute(model[3:6], x, use_reentrant=use_reentrant)
+        return model[6](x)
+
+    compare(mlp_with_dropout, call, rematerialised, torch.randn(5, 8, requires_grad=True), steps=2)
+
+
+def test_conv_net_with_batchnorm_matches_plain_autograd(use_reentrant: bool) -> None:
+    def rematerialised(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        x = remat.recompute(model[:3], x, use_reentrant=use_reentrant)
+        x = remat.recompute(model[3:6], x, use_reentrant=use_reentrant)
+        return model[6:](x)
+
+    compare(conv_net_with_batchnorm, call, rematerialised, torch.randn(4, 3, 6, 6), steps=3)
+
+
+@pytest.mark.parametrize("make", [transformer_block, HandWrittenBlock], ids=["torch-layer", "hand-written"])
+def test_transformer_block_matches_plain_autograd(use_reentrant: bool, make: Callable[[], nn.Module]) -> None:
+    def rematerialised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(model, x, use_reentrant=use_reentrant)
+
+    compare(make, call, rematerialised, torch.randn(2, 5, 16, requires_grad=True), steps=2)
+
+
+class Structured(nn.Module):
+    """Takes nested structures, a kwarg and a non-tensor argument; returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(
+        self, pair: tuple[torch.Tensor, list[torch.Tensor]], scale: float, *, extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        a, (b, c) = pair
+        hidden = torch.tanh(self.linear(a) * scale + b * c)
+        return {
+            "hidden": hidden,
+            "pair": (hidden * extra["weight"], extra["bias"].exp()),
+            "note": extra["note"],
+        }
+
+
+def test_nested_structures_kwargs_and_constants(use_reentrant: bool) -> None:
+    inputs = {
+        "pair": (torch.randn(3, 4, requires_grad=True), [torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)]),
+        "extra": {"weight": torch.randn(4, requires_grad=True), "bias": torch.randn(2, requires_grad=True), "note": "x"},
+    }
+
+    def plain(model: nn.Module, i: dict[str, Any]) -> Any:
+        out = model(i["pair"], 0.5, extra=i["extra"])
+        assert out["note"] == "x"
+        return out
+
+    def rematerialised(model: nn.Module, i: dict[str, Any]) -> Any:
+        out = remat.recompute(model, i["pair"], 0.5, extra=i["extra"], use_reentrant=use_reentrant)
+        assert isinstance(out, dict) and out["note"] == "x" and isinstance(out["pair"], tuple)
+        return out
+
+    compare(Structured, plain, rematerialised, inputs)
+
+
+def test_tuple_output(use_reentrant: bool) -> None:
+    def plain(model: nn.Module, x: torch.Tensor) -> Any:
+        y = model(x)
+        return y, y.sin(), 3
+
+    def rematerialised(model: nn.Module, x: torch.Tensor) -> Any:
+        out = remat.recompute(plain, model, x, use_reentrant=use_reentrant)
+        assert isinstance(out, tuple) and out[2] == 3
+        return out
+
+    compare(lambda: nn.Linear(3, 3), plain, rematerialised, torch.randn(2, 3, requires_grad=True))
+
+
+def test_inputs_without_grad_still_give_parameter_grads(use_reentrant: bool) -> None:
+    x = torch.randn(4, 8)  # requires_grad=False, as a first layer's input is
+    compare(mlp_with_dropout, call, lambda m, x: remat.recompute(m, x, use_reentrant=use_reentrant), x)
+    model = mlp_with_dropout()
+    remat.recompute(model, x, use_reentrant=use_reentrant).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_plain_function_and_bound_method(use_reentrant: bool) -> None:
+    weight = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def function(x: torch.Tensor, *, power: int) -> torch.Tensor:
+        return (x @ weight).pow(power)
+
+    out = remat.recompute(function, x, power=3, use_reentrant=use_reentrant)
+    out.sum().backward()
+    expected_w, expected_x = torch.autograd.grad(function(x, power=3).sum(), (weight, x))
+    assert torch.equal(weight.grad, expected_w) and torch.equal(x.grad, expected_x)
+    linear = nn.Linear(3, 3)
+    y = remat.recompute(linear.forward, x, use_reentrant=use_reentrant)
+    assert torch.equal(y, linear(x))
+
+
+def test_no_grad_mode_just_calls(use_reentrant: bool) -> None:
+    block = Counted(nn.Linear(3, 3))
+    with torch.no_grad():
+        out = remat.recompute(block, torch.randn(2, 3), use_reentrant=use_reentrant)
+    assert not out.requires_grad and block.calls == 1
+
+
+def test_no_warning_in_default_use(use_reentrant: bool) -> None:
+    model = conv_net_with_batchnorm()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(2, 3, 6, 6)  # an input that does not require grad
+        out = remat.recompute(model[:3], x, use_reentrant=use_reentrant)
+        out = remat.recompute(model[3:6], out, use_reentrant=use_reentrant)
+        model[6:](out).sum().backward()
+        marked = remat.mark(nn.Sequential(nn.Linear(3, 3), nn.GELU()), use_reentrant=use_reentrant)
+        marked(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert [str(w.message) for w in caught] == []
+
+
+# ----------------------------------------------------------------------------- RNG
+def test_dropout_is_replayed_bit_for_bit(use_reentrant: bool) -> None:
+    def rematerialised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # the RNG is drawn from between and inside the blocks
+        x = remat.recompute(model[:3], x, use_reentrant=use_reentrant)
+        x = x + torch.rand_like(x)
+        return remat.recompute(model[3:], x, use_reentrant=use_reentrant)
+
+    def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = model[:3](x)
+        x = x + torch.rand_like(x)
+        return model[3:](x)
+
+    compare(mlp_with_dropout, plain, rematerialised, torch.randn(16, 8, requires_grad=True), steps=2)
+
+
+def test_without_preserved_rng_state_dropout_masks_differ() -> None:
+    # The counter-test of the one above: the replay is what makes it exact. (Only the
+    # hook-based mode: it checks shapes, not values, so a wrong mask goes unnoticed.)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    x = torch.randn(32, 8)
+    torch.manual_seed(3)
+    model(x).sum().backward()
+    expected = model[0].weight.grad.clone()
+    model.zero_grad()
+    torch.manual_seed(3)
+    remat.recompute(model, x, preserve_rng_state=False).sum().backward()
+    assert not torch.equal(model[0].weight.grad, expected)
+
+
+# ----------------------------------------------------------------------------- grad APIs
+def test_autograd_grad_and_backward_inputs_in_hook_mode() -> None:
+    model = mlp_with_dropout()
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(5)
+    plain = weighted_loss(model(x))
+    expected = torch.autograd.grad(plain, [x, *model.parameters()])
+
+    torch.manual_seed(5)
+    loss = weighted_loss(remat.recompute(model, x))
+    actual = torch.autograd.grad(loss, [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+
+    torch.manual_seed(5)
+    loss = weighted_loss(remat.recompute(model, x))
+    loss.backward(inputs=[x, model[0].weight])
+    assert torch.equal(x.grad, expected[0]) and torch.equal(model[0].weight.grad, expected[1])
+    assert model[0].bias.grad is None and model[3].weight.grad is None
+
+
+def test_double_backward_through_recompute() -> None:
+    linear = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def grad_norm(block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(torch.tanh(block(x)).sum(), x, create_graph=True)
+        return g.pow(2).sum()
+
+    (expected,) = torch.autograd.grad(grad_norm(linear, x), x)
+    (actual,) = torch.autograd.grad(grad_norm(lambda t: remat.recompute(linear, t), x), x)
+    assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize("api", ["grad", "backward-inputs"])
+def test_reentrant_mode_refuses_grad_apis_naming_the_other_mode(api: str) -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    linear = nn.Linear(3, 3)
+    loss = remat.recompute(linear, x, use_reentrant=True).sum()
+    with pytest.raises(RematError, match="use_reentrant=False"):
+        if api == "grad":
+            torch.autograd.grad(loss, x)
+        else:
+            loss.backward(inputs=[x])
+    # the failed backward left nothing behind: a plain step works
+    linear(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_reentrant_refuses_output_recompute() -> None:
+    with pytest.raises(RematError, match="use_reentrant=False"):
+        remat.recompute(nn.Linear(2, 2), torch.randn(1, 2), use_reentrant=True, output_recompute=True)
+
+
+# ----------------------------------------------------------------------------- autocast
+def test_autocast_is_reentered_during_recompute(use_reentrant: bool) -> None:
+    def with_autocast(inner: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
+        def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = inner(model, x)
+            assert out.dtype == torch.bfloat16
+            return out
+
+        return forward
+
+    make = lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))  # noqa: E731
+    compare(
+        make,
+        with_autocast(call),
+        with_autocast(lambda m, x: remat.recompute(m, x, use_reentrant=use_reentrant)),
+        torch.randn(4, 8, requires_grad=True),
+    )
+
+
+# ----------------------------------------------------------------------------- is_recomputing
+def test_is_recomputing_only_during_recompute(use_reentrant: bool) -> None:
+    block = Counted(nn.Linear(3, 3))
+    assert not remat.is_recomputing()
+    out = remat.recompute(block, torch.randn(2, 3, requires_grad=True), use_reentrant=use_reentrant)
+    assert block.recomputing == [False] and not remat.is_recomputing()
+    out.sum().backward()
+    assert block.recomputing == [False, True] and not remat.is_recomputing()
+
+
+def test_is_recomputing_is_thread_local(use_reentrant: bool) -> None:
+    inside = threading.Event()
+    other_done = threading.Event()
+    seen_by_other: list[bool] = []
+
+    class Waits(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if remat.is_recomputing():
+                inside.set()
+                assert other_done.wait(10)
+            return torch.tanh(x)  # saves its output: backward needs a recompute
+
+    other_bn = nn.BatchNorm1d(3)
+    reference_bn = copy.deepcopy(other_bn)
+    batch = torch.randn(4, 3)
+
+    def other_thread() -> None:
+        assert inside.wait(10)
+        seen_by_other.append(remat.is_recomputing())
+        other_bn(batch)  # the running-statistics guard must not touch this thread
+        seen_by_other.append(remat.is_recomputing())
+        other_done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    x = torch.randn(4, 3, requires_grad=True)
+    remat.recompute(Waits(), x, use_reentrant=use_reentrant).sum().backward()
+    thread.join(10)
+    assert seen_by_other == [False, False]
+    reference_bn(batch)
+    for name, buf in reference_bn.named_buffers():
+        assert torch.equal(buf, dict(other_bn.named_buffers())[name])
+
+
+# ----------------------------------------------------------------------------- normalisation
+def norm_layers() -> list[Callable[[], nn.Module]]:
+    return [
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU()),
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.Tanh()),
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, momentum=None), nn.Tanh()),
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.InstanceNorm2d(3, track_running_stats=True), nn.Tanh()),
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.Tanh(), nn.BatchNorm2d(3, affine=False)),
+    ]
+
+
+@pytest.mark.parametrize("make", norm_layers(), ids=["bn1d", "bn2d", "bn2d-cumulative", "instancenorm", "bn-last"])
+def test_running_statistics_equal_plain_training(use_reentrant: bool, make: Callable[[], nn.Module]) -> None:
+    x = torch.randn(5, 4) if isinstance(make()[0], nn.Linear) else torch.randn(3, 2, 4, 4)
+    compare(make, call, lambda m, x: remat.recompute(m, x, use_reentrant=use_reentrant), x, steps=4)
+    model = make()
+    for _ in range(4):
+        remat.recompute(model, x, use_reentrant=use_reentrant).sum().backward()
+    norm = next(m for m in model if isinstance(m, nn.modules.batchnorm._NormBase))
+    assert not torch.equal(norm.running_var, torch.ones_like(norm.running_var))  # they were updated
+    if not isinstance(norm, nn.InstanceNorm2d):  # instance norm does not count batches
+        assert int(norm.num_batches_tracked) == 4
+
+
+def test_running_statistics_with_nested_recompute(use_reentrant: bool) -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6))
+
+    def rematerialised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def outer(x: torch.Tensor) -> torch.Tensor:
+            x = remat.recompute(model[:3], x, use_reentrant=use_reentrant)
+            return remat.recompute(model[3:], x, use_reentrant=use_reentrant)
+
+        return remat.recompute(outer, x, use_reentrant=use_reentrant)
+
+    compare(make, call, rematerialised, torch.randn(5, 4), steps=3)
+
+
+# ----------------------------------------------------------------------------- nesting
+def make_sub_blocks(n: int, width: int = 8) -> list[Counted]:
+    return [Counted(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1))) for _ in range(n)]
+
+
+def test_nested_recompute_counts_and_exactness() -> None:
+    subs = make_sub_blocks(3)
+    plain_subs = copy.deepcopy(subs)
+
+    def outer(x: torch.Tensor, blocks: list[nn.Module], nested: bool) -> torch.Tensor:
+        for block in blocks:
+            x = remat.recompute(block, x) if nested else block(x)
+        return x
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(2)
+    expected = weighted_loss(outer(x, plain_subs, nested=False))
+    expected_grads = torch.autograd.grad(expected, [x, *[p for s in plain_subs for p in s.parameters()]])
+
+    torch.manual_seed(2)
+    loss = weighted_loss(remat.recompute(outer, x, subs, nested=True))
+    assert [s.calls for s in subs] == [1, 1, 1]
+    grads = torch.autograd.grad(loss, [x, *[p for s in subs for p in s.parameters()]])
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a, b) for a, b in zip(expected_grads, grads))
+    # Backward reaches sub 3 first: the outer block is recomputed up to sub 3's input
+    # (subs 1 and 2 run without keeping anything; sub 3, whose output the outer block no
+    # longer needs, does not run), then sub 3, 2 and 1 are each recomputed from the
+    # inputs the outer recompute left them.
+    assert [s.calls for s in subs] == [3, 3, 2]
+    assert [s.recomputing for s in subs] == [[False, True, True]] * 2 + [[False, True]]
+
+
+def test_deeper_nesting_counts_and_exactness() -> None:
+    leaves = make_sub_blocks(4)
+
+    def mid(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            x = remat.recompute(block, x)
+        return x
+
+    def top(x: torch.Tensor) -> torch.Tensor:
+        x = remat.recompute(mid, leaves[:2], x)
+        return remat.recompute(mid, leaves[2:], x)
+
+    plain_leaves = copy.deepcopy(leaves)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(4)
+    h = x
+    for leaf in plain_leaves:
+        h = leaf(h)
+    expected = torch.autograd.grad(weighted_loss(h), [x, *[p for s in plain_leaves for p in s.parameters()]])
+
+    torch.manual_seed(4)
+    loss = weighted_loss(remat.recompute(top, x))
+    actual = torch.autograd.grad(loss, [x, *[p for s in leaves for p in s.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+    # Each level recomputes everything it nests except its last block: leaf 4 runs in the
+    # forward and in its own recompute; leaf 1 in the forward and once at every level.
+    assert [s.calls for s in leaves] == [4, 3, 3, 2]
+
+
+def test_nested_recompute_in_reentrant_mode_is_exact() -> None:
+    subs = make_sub_blocks(3)
+    plain_subs = copy.deepcopy(subs)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        for block in subs:
+            x = remat.recompute(block, x, use_reentrant=True)
+        return x
+
+    torch.manual_seed(2)
+    h = x
+    for block in plain_subs:
+        h = block(h)
+    weighted_loss(h).backward()
+    expected = [p.grad for s in plain_subs for p in s.parameters()]
+    x.grad = None
+
+    torch.manual_seed(2)
+    weighted_loss(remat.recompute(outer, x, use_reentrant=True)).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(expected, [p for s in subs for p in s.parameters()]))
+    # the outer recompute runs every sub once (no grad kept), then each sub once more
+    assert [s.calls for s in subs] == [3, 3, 3]
+
+
+def test_nested_recompute_with_operations_between_blocks() -> None:
+    # The outer block's own operations after the last nested block make the outer
+    # recompute run that block too (skipping what it saves), to get at what follows.
+    subs = make_sub_blocks(2)
+    plain_subs = copy.deepcopy(subs)
+
+    def outer(x: torch.Tensor, blocks: list[nn.Module], nested: bool) -> torch.Tensor:
+        x = (remat.recompute(blocks[0], x) if nested else blocks[0](x)).sin()
+        return (remat.recompute(blocks[1], x) if nested else blocks[1](x)).exp()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(2)
+    expected = torch.autograd.grad(
+        weighted_loss(outer(x, plain_subs, False)), [x, *[p for s in plain_subs for p in s.parameters()]]
+    )
+    torch.manual_seed(2)
+    loss = weighted_loss(remat.recompute(outer, x, subs, True))
+    actual = torch.autograd.grad(loss, [x, *[p for s in subs for p in s.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+    assert [s.calls for s in subs] == [3, 3]
+
+
+@pytest.mark.parametrize(("outer_reentrant", "inner_reentrant"), [(False, True), (True, False)])
+def test_nesting_one_mode_in_the_other(outer_reentrant: bool, inner_reentrant: bool) -> None:
+    subs = make_sub_blocks(3)
+    plain_subs = copy.deepcopy(subs)
+
+    def outer(x: torch.Tensor, blocks: list[nn.Module], nested: bool) -> torch.Tensor:
+        for i, block in enumerate(blocks):
+            x = remat.recompute(block, x, use_reentrant=inner_reentrant) if nested else block(x)
+            x = x.exp() if i % 2 else x.sin()
+        return x
+
+    x = torch.randn(4, 8, requires_grad=True)
+    compare_params = [x, *[p for s in subs for p in s.parameters()]]
+    torch.manual_seed(2)
+    weighted_loss(outer(x, plain_subs, False)).backward()
+    expected = [x.grad.clone(), *[p.grad for s in plain_subs for p in s.parameters()]]
+    x.grad = None
+    torch.manual_seed(2)
+    weighted_loss(remat.recompute(outer, x, subs, True, use_reentrant=outer_reentrant)).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(expected, compare_params))
+
+
+def test_nested_recompute_lowers_the_peak() -> None:
+    # Three wide sub-blocks inside one recomputed block. Without nesting, recomputing
+    # the outer block materialises the internals of all three at once; with nesting,
+    # only one sub-block's internals are alive at a time.
+    width, hidden = 16, 256
+    subs = [nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(3)]
+    x = torch.randn(32, width, requires_grad=True)
+
+    def outer(x: torch.Tensor, nested: bool) -> torch.Tensor:
+        for block in subs:
+            x = remat.recompute(block, x) if nested else block(x)
+        return x
+
+    peaks = {}
+    for nested in (False, True):
+        x.grad = None
+        for p in [p for block in subs for p in block.parameters()]:
+            p.grad = None  # so that no gradient is accumulated (a transient buffer)
+        with MemoryTracker() as tracker:
+            remat.recompute(outer, x, nested).sum().backward()
+        peaks[nested] = tracker.peak_bytes
+    hidden_bytes = 32 * hidden * 4
+    # two of the three sub-blocks' hidden activations (2 x 2 tensors) are not kept
+    assert peaks[True] <= peaks[False] - 4 * hidden_bytes
+
+
+# ----------------------------------------------------------------------------- output_recompute
+def test_output_recompute_chained_blocks_free_the_output() -> None:
+    batch, width = 64, 32
+    first = Counted(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)))
+    second = Counted(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)))
+    x = torch.randn(batch, width, requires_grad=True)
+    output_bytes = batch * width * 4
+
+    def step(output_recompute: bool) -> tuple[int, list[torch.Tensor]]:
+        for p in [*first.parameters(), *second.parameters(), x]:
+            p.grad = None
+        with MemoryTracker() as tracker:
+            out = remat.recompute(
+                second, remat.recompute(first, x, output_recompute=output_recompute), output_recompute=output_recompute
+            )
+            kept = tracker.live_bytes
+            out.sum().backward()
+        return kept, [x.grad, *[p.grad for p in [*first.parameters(), *second.parameters()]]]
+
+    kept_plain, grads_plain = step(False)
+    assert [first.calls, second.calls] == [2, 2]
+    kept_lazy, grads_lazy = step(True)
+    # The first block's output is dropped after the forward, recomputed (once) when the
+    # second block's recompute needs it, and its activations are filled on the way.
+    assert [first.calls, second.calls] == [4, 4]
+    assert kept_lazy <= kept_plain - output_bytes
+    assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_lazy))
+
+
+def test_output_recompute_with_marked_blocks_matches_plain() -> None:
+    def make() -> nn.Sequential:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.2)) for _ in range(4)])
+
+    def rematerialised(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        for block in model:
+            x = remat.recompute(block, x, output_recompute=True)
+        return x
+
+    compare(make, call, rematerialised, torch.randn(4, 8, requires_grad=True), steps=2)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_not_callable_block() -> None:
+    with pytest.raises(NotCallableBlock, match="callable"):
+        remat.recompute(torch.randn(2), torch.randn(2))
+    assert issubclass(NotCallableBlock, RematError) and issubclass(NotCallableBlock, TypeError)
+
+
+class ShapeChangesEveryCall(nn.Module):
+    """Its shapes depend on a global counter: a recompute sees other shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x[: x.shape[0] - self.calls + 1]))
+
+
+class DtypeChangesEveryCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        dtype = torch.float32 if self.calls == 1 else torch.float64
+        return torch.tanh(x.to(dtype))
+
+
+class SavesFewerWhenRecomputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.tanh(x)
+        return y.exp() if self.calls == 1 else y + 1
+
+
+def assert_nothing_left_behind(rng_before: torch.Tensor, bn: nn.BatchNorm1d, bn_state: dict[str, torch.Tensor]) -> None:
+    from conftest import remat_leftovers
+
+    assert remat_leftovers() == []
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    for name, buf in bn.named_buffers():
+        assert torch.equal(buf, bn_state[name])
+    # a later plain step works
+    linear = nn.Linear(3, 3)
+    linear(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert linear.weight.grad is not None
+
+
+@pytest.mark.parametrize("block_type", [ShapeChangesEveryCall, DtypeChangesEveryCall, SavesFewerWhenRecomputed])
+def test_nondeterministic_recompute(use_reentrant: bool, block_type: type[nn.Module]) -> None:
+    if block_type is SavesFewerWhenRecomputed and use_reentrant:
+        pytest.skip("the reentrant mode checks outputs only; this block's outputs agree")
+    bn = nn.BatchNorm1d(4)
+    block = nn.Sequential(bn, block_type())
+    x = torch.randn(3, 4, requires_grad=True)
+    out = remat.recompute(block, x, use_reentrant=use_reentrant)
+    bn_state = {n: b.clone() for n, b in bn.named_buffers()}
+    rng_before = torch.get_rng_state()
+    with pytest.raises(NondeterministicRecompute, match="same"):
+        out.sum().backward()
+    assert_nothing_left_behind(rng_before, bn, bn_state)
+
+
+def test_input_modified_in_place(use_reentrant: bool) -> None:
+    bn = nn.BatchNorm1d(4)
+    block = nn.Sequential(nn.Linear(4, 4), bn, nn.Tanh())
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x * 2
+    out = remat.recompute(block, h, use_reentrant=use_reentrant)
+    h.add_(1)
+    bn_state = {n: b.clone() for n, b in bn.named_buffers()}
+    rng_before = torch.get_rng_state()
+    with pytest.raises(RecomputeInputModified, match="[Cc]lone"):
+        out.sum().backward()
+    assert_nothing_left_behind(rng_before, bn, bn_state)
+
+
+def test_input_modified_in_place_through_a_view(use_reentrant: bool) -> None:
+    base = torch.randn(6, 4, requires_grad=True).clone()
+    out = remat.recompute(nn.Linear(4, 4), base[:3], use_reentrant=use_reentrant)
+    base[3:].mul_(2)  # same storage, same version counter
+    with pytest.raises(RecomputeInputModified):
+        out.sum().backward()
+
+
+def test_backward_twice_needs_retain_graph(use_reentrant: bool) -> None:
+    linear = Counted(nn.Linear(3, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    out = remat.recompute(linear, x, use_reentrant=use_reentrant).sum()
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    assert torch.equal(x.grad, 2 * first)
+    with pytest.raises(RuntimeError):
+        out.backward()
