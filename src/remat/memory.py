@@ -93,8 +93,10 @@ class MemoryTracker(TorchDispatchMode):
 
     Figures exclude parameter gradients: any storage that is the ``.grad`` of a leaf
     tensor seen by an operator during the run (or of a tensor given in ``exclude_grads_of``)
-    when the run ends, and any gradient that flowed into such a ``.grad`` (the partial
-    gradients of a weight used twice), is left out of every figure, from its allocation on.
+    when the run ends, and any gradient handed to such a leaf's accumulation, is left out
+    of every figure, from its allocation on. (For a weight used twice in one graph, autograd
+    sums the partial gradients before handing them over: the first partial gradient, kept
+    until the second arrives, is activation-time memory and is counted.)
 
     Args:
         exclude_grads_of: extra tensors (e.g. ``model.parameters()``) whose ``.grad``
