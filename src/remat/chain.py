@@ -204,9 +204,9 @@ class InputLink:
             if isinstance(value, torch.Tensor) and id(value) in positions:
                 self._sources.append(("link", positions[id(value)]))
             elif isinstance(value, torch.Tensor):
-                self._sources.append(("kept", (value.detach(), value.requires_grad)))
+                self._sources.append(("tensor", (value.detach(), value.requires_grad)))
             else:
-                self._sources.append(("kept", value))
+                self._sources.append(("value", value))
         self.n_linked = sum(1 for kind, _ in self._sources if kind == "link")
 
     def build(self, previous_output: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -216,7 +216,7 @@ class InputLink:
         for kind, value in self._sources:
             if kind == "link":
                 flat.append(previous[value])
-            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+            elif kind == "tensor":
                 tensor, requires_grad = value
                 alias = tensor.detach()
                 if requires_grad:
