@@ -1,0 +1,171 @@
+"""``remat.bench``: the side-by-side benchmark behind ``remat bench``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from remat.bench import (
+    BASELINE,
+    CHECKPOINT_SEQUENTIAL,
+    BenchmarkResult,
+    run_benchmark,
+    save_plot,
+)
+from remat.checkpointable import Checkpointable
+from remat.errors import RematError
+from remat.models import mlp_chain
+
+WIDTH = 16
+
+
+def make_batch() -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(8, WIDTH, generator=generator)
+    return (inputs,), torch.randn(8, WIDTH, generator=generator)
+
+
+def tiny_model() -> nn.Sequential:
+    return mlp_chain(depth=6, width=WIDTH)
+
+
+@pytest.fixture(scope="module")
+def result() -> BenchmarkResult:
+    torch.manual_seed(0)
+    return run_benchmark(
+        tiny_model, make_batch, F.mse_loss, budgets=(1.0, "0.5", "min", 1), steps=2, warmup=1, threads=1
+    )
+
+
+def test_rows_cover_every_strategy_in_order(result: BenchmarkResult) -> None:
+    assert [row.strategy for row in result.rows] == [
+        BASELINE,
+        CHECKPOINT_SEQUENTIAL,
+        "remat @ 1.0",
+        "remat @ 0.5",
+        "remat @ min",
+        "remat @ 1",
+        "remat @ ckpt-seq memory",
+    ]
+    assert result.row(CHECKPOINT_SEQUENTIAL).segments == 3  # ceil(sqrt(6))
+    with pytest.raises(KeyError, match="no strategy"):
+        result.row("remat @ 42")
+
+
+def test_every_remat_step_fits_its_budget(result: BenchmarkResult) -> None:
+    ran = [row for row in result.rows if row.kind == "remat" and row.ran]
+    assert len(ran) == 4
+    for row in ran:
+        assert row.budget_bytes is not None and row.measured_peak_bytes is not None
+        assert row.measured_peak_bytes <= row.budget_bytes
+        assert row.fits_budget is True
+        assert row.predicted_peak_bytes is not None and row.predicted_peak_bytes <= row.budget_bytes
+        assert row.predicted_overhead_ratio is not None and row.predicted_overhead_ratio >= 1.0
+    smallest = result.row("remat @ min")
+    assert smallest.measured_peak_bytes < result.row(BASELINE).measured_peak_bytes  # type: ignore[operator]
+    assert smallest.recomputed_forwards and smallest.recomputed_forwards > 0
+
+
+def test_the_ckpt_seq_budget_is_what_checkpoint_sequential_measured(result: BenchmarkResult) -> None:
+    assert result.row("remat @ ckpt-seq memory").budget_bytes == result.row(CHECKPOINT_SEQUENTIAL).measured_peak_bytes
+
+
+def test_an_infeasible_budget_is_a_row_with_an_error(result: BenchmarkResult) -> None:
+    row = result.row("remat @ 1")
+    assert not row.ran
+    assert row.error is not None and "minimum" in row.error
+    assert row.median_step_s is None and row.step_times_s == []
+
+
+def test_times_and_overheads(result: BenchmarkResult) -> None:
+    baseline = result.row(BASELINE)
+    assert baseline.overhead_ratio == 1.0
+    for row in result.rows:
+        if row.ran:
+            assert len(row.step_times_s) == 2
+            assert row.median_step_s is not None and row.median_step_s > 0
+            assert row.overhead_ratio == pytest.approx(row.median_step_s / baseline.median_step_s)  # type: ignore[operator]
+
+
+def test_timelines_of_the_baseline_and_the_tightest_plan(result: BenchmarkResult) -> None:
+    assert result.chosen_strategy == "remat @ min"
+    assert result.timeline is not None and result.timeline.strategy == "remat @ min"
+    assert set(result.timelines) == {BASELINE, "remat @ min"}
+    assert max(result.timeline.live_bytes) == result.row("remat @ min").measured_peak_bytes
+    assert max(result.timelines[BASELINE].live_bytes) == result.row(BASELINE).measured_peak_bytes
+    assert result.timeline.budget_bytes == result.row("remat @ min").budget_bytes
+
+
+def test_json_and_markdown(result: BenchmarkResult) -> None:
+    document = json.loads(result.to_json())
+    assert document["format"] == "remat.benchmark"
+    assert len(document["rows"]) == len(result.rows)
+    assert document["metadata"]["threads"] == 1
+    assert document["metadata"]["n_stages"] == 6
+    markdown = result.to_markdown()
+    assert markdown.splitlines()[0].startswith("| strategy | budget | measured peak |")
+    assert "| remat @ min |" in markdown
+    assert "remat @ 1: infeasible" in markdown
+
+
+def test_model_is_left_as_it_was_and_threads_restored() -> None:
+    model = tiny_model()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    threads = torch.get_num_threads()
+    calls: list[tuple[int, int, str]] = []
+    run_benchmark(
+        model,
+        make_batch,
+        F.mse_loss,
+        budgets=("min",),
+        steps=1,
+        warmup=0,
+        threads=1,
+        include_checkpoint_sequential=False,
+        progress=lambda done, total, label: calls.append((done, total, label)),
+    )
+    assert torch.get_num_threads() == threads
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in model.parameters())
+    assert calls[0] == (0, 3, BASELINE)
+    assert calls[-1] == (3, 3, "done")
+
+
+def test_save_plot_writes_a_png(result: BenchmarkResult, tmp_path) -> None:
+    path = save_plot(result, tmp_path / "figure.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"steps": 0}, ValueError), ({"warmup": -1}, ValueError)],
+)
+def test_bad_arguments(kwargs: dict, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        run_benchmark(tiny_model, make_batch, F.mse_loss, **kwargs)
+
+
+def test_needs_a_sequential() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        run_benchmark(lambda: nn.Linear(WIDTH, WIDTH), make_batch, F.mse_loss)  # type: ignore[arg-type, return-value]
+
+
+def test_a_budget_that_cannot_be_planned_is_a_row_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Checkpointable.compute_sequence
+
+    def failing(self: Checkpointable, mem_limit: object = ...) -> object:
+        if mem_limit == 0.5:
+            raise RematError("the solver failed")
+        return original(self, mem_limit)
+
+    monkeypatch.setattr(Checkpointable, "compute_sequence", failing)
+    result = run_benchmark(
+        tiny_model, make_batch, F.mse_loss, budgets=(0.5, "min"), steps=1, warmup=0, include_checkpoint_sequential=False
+    )
+    assert result.row("remat @ 0.5").error == "planning failed: the solver failed"
+    assert result.row("remat @ min").ran

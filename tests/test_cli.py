@@ -1,0 +1,294 @@
+"""The ``remat`` command, run in-process through ``main(argv)``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from functools import partial
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from remat import cli
+from remat.checkpointable import Checkpointable
+from remat.models import CATALOGUE, ModelSpec, mlp_chain
+from remat.plan.profile import ChainProfile
+
+TINY = "tiny"
+WIDTH = 16
+BATCH = 8
+
+
+def _features(batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(batch_size, WIDTH, device=device),)
+
+
+def _noise_like(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.randn_like(inputs[0])
+
+
+TINY_SPEC = ModelSpec(
+    name=TINY,
+    description="six MLP blocks of width 16 (test model)",
+    factory=partial(mlp_chain, depth=6, width=WIDTH),
+    make_input=_features,
+    make_target=_noise_like,
+    loss_fn=F.mse_loss,
+)
+
+
+@pytest.fixture
+def tiny_catalogue(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Adds a tiny model to the catalogue, for fast commands."""
+    monkeypatch.setitem(CATALOGUE, TINY, TINY_SPEC)
+    return TINY
+
+
+@pytest.fixture
+def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes ``time.perf_counter`` advance 1 ms per call: measured times are repeatable."""
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("remat: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------- models
+def test_models_lists_every_catalogue_name(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["models"], capsys)
+    assert code == cli.EXIT_OK
+    for name in CATALOGUE:
+        assert name in out
+    assert "11.2M" in out  # resnet18's parameters, counted without allocating them
+
+
+def test_help_and_version_return_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    assert "exit codes:" in out and "bench" in out
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0
+    assert out.startswith("remat ")
+
+
+# ---------------------------------------------------------------------- plan
+def test_plan_json_agrees_with_the_library(
+    tiny_catalogue: str, steady_clock: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["plan", tiny_catalogue, "--batch", str(BATCH), "--budget", "0.5", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+
+    # the library's own plan of the same model and batch
+    model = TINY_SPEC.factory()
+    torch.manual_seed(1)
+    inputs, target = TINY_SPEC.make_batch(BATCH)
+    wrapper = Checkpointable(model, 0.5, loss_fn=lambda output: F.mse_loss(output, target).backward())
+    wrapper.measure(*inputs)
+    planned = wrapper.compute_sequence()
+
+    assert document["budget_bytes"] == planned.budget_bytes
+    assert document["predicted_peak_bytes"] == planned.predicted_peak_bytes
+    assert document["forward_counts"] == list(planned.forward_counts)
+    assert document["kept_stages"] == [i for i, count in enumerate(planned.forward_counts) if count == 1]
+    assert document["predicted_overhead"] == pytest.approx(planned.overhead)
+    assert max(document["forward_counts"]) > 1, "a budget of 0.5 must make something recompute"
+
+    # and the document agrees with itself
+    profile = ChainProfile.from_dict(document["profile"])
+    stages = document["schedule"]["stages"]
+    assert [stage["name"] for stage in stages] == list(profile.names)
+    assert [stage["forward_runs"] for stage in stages] == document["forward_counts"]
+    assert [stage["index"] for stage in stages if stage["kept"]] == document["kept_stages"]
+    assert document["schedule"]["predicted_peak_bytes"] + document["measured"]["fixed_bytes"] == (
+        document["predicted_peak_bytes"]
+    )
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"] < document["no_recompute_peak_bytes"]
+
+
+def test_plan_prints_the_stage_table(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", tiny_catalogue, "--budget", "0.5"], capsys)
+    assert code == cli.EXIT_OK
+    for text in ("stage", "forward runs", "recomputed", "kept", "budget:", "predicted peak:", "predicted overhead:"):
+        assert text in out
+
+
+def test_plan_of_a_factory_with_a_sample_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "cli_factories:tiny_mlp_with_input", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    assert document["input_shapes"] == [[8, WIDTH]]
+    assert document["loss"] == "sum of the output"
+
+
+def test_plan_of_a_factory_with_an_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "cli_factories:tiny_mlp", "--input-shape", str(WIDTH), "--batch", "4", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    assert json.loads(out)["input_shapes"] == [[4, WIDTH]]
+
+
+def test_infeasible_budget_exits_2_with_the_minimum(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", tiny_catalogue, "--budget", "1kB"], capsys)
+    assert code == cli.EXIT_BUDGET_TOO_SMALL == 2
+    line = assert_one_error_line(err)
+    assert "minimum feasible budget is" in line and "bytes" in line and "MiB" in line
+
+
+# ---------------------------------------------------------------------- errors
+def test_unknown_model_lists_the_catalogue(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "resnet9000"], capsys)
+    assert code == cli.EXIT_UNKNOWN_MODEL
+    line = assert_one_error_line(err)
+    assert "resnet9000" in line and "resnet_small" in line and "gpt2" in line
+
+
+@pytest.mark.parametrize("command", [["plan", TINY, "--budget", "12 parsecs"], ["bench", TINY, "--budgets", "0.5,lots"]])
+def test_unreadable_budget_lists_the_accepted_forms(
+    command: list[str], tiny_catalogue: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(command, capsys)
+    assert code == cli.EXIT_BAD_BUDGET
+    line = assert_one_error_line(err)
+    assert "512MiB" in line and "fraction" in line
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("no_such_module_for_remat:factory", "cannot import"),
+        ("cli_factories:missing", "no attribute"),
+        ("cli_factories:NOT_CALLABLE", "not a function"),
+        ("cli_factories:not_sequential", "nn.Sequential"),
+        ("cli_factories:raises", "ValueError: boom"),
+    ],
+)
+def test_bad_factories(model: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", model, "--input-shape", str(WIDTH)], capsys)
+    assert code == cli.EXIT_BAD_MODEL
+    assert expected in assert_one_error_line(err)
+
+
+def test_model_failing_on_its_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "cli_factories:tiny_mlp", "--input-shape", "3,5"], capsys)
+    assert code == cli.EXIT_BAD_MODEL
+    assert "failed on its input" in assert_one_error_line(err)
+
+
+@pytest.mark.parametrize("factory", ["cuda_out_of_memory", "cpu_out_of_memory", "python_out_of_memory"])
+def test_out_of_memory(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["bench", f"cli_factories:{factory}", "--input-shape", "4"], capsys)
+    assert code == cli.EXIT_OUT_OF_MEMORY
+    assert "out of memory" in assert_one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "cli_factories:tiny_mlp"],  # no sample input and no --input-shape
+        ["plan", "cli_factories:tiny_mlp", "--input-shape", "3,-2"],
+        ["plan", TINY, "--input-shape", "16"],
+        ["plan", "cli_factories:tiny_mlp_with_input", "--batch", "4"],
+        ["bench", TINY, "--steps", "0"],
+        ["frobnicate"],
+        [],
+    ],
+)
+def test_usage_errors(argv: list[str], tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == cli.EXIT_USAGE
+    assert_one_error_line(err)
+
+
+def test_exit_codes_are_distinct() -> None:
+    codes = [value for name, value in vars(cli).items() if name.startswith("EXIT_") and name != "EXIT_OK"]
+    assert len(codes) == len(set(codes))
+    for name, value in vars(cli).items():
+        if name.startswith("EXIT_"):
+            assert f"{value}  " in cli.__doc__ or f"{value} " in cli.__doc__
+
+
+# ---------------------------------------------------------------------- optional dependencies
+def test_missing_rich_prints_the_install_hint(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    code, _, err = run(["models"], capsys)
+    assert code == cli.EXIT_MISSING_DEPENDENCY == 1
+    assert "pip install 'remat[cli]'" in assert_one_error_line(err)
+
+
+def test_missing_matplotlib_prints_the_install_hint(
+    tiny_catalogue: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run(["bench", tiny_catalogue, "--plot", str(tmp_path / "figure.png")], capsys)
+    assert code == cli.EXIT_MISSING_DEPENDENCY
+    assert "pip install 'remat[cli]'" in assert_one_error_line(err)
+    assert not (tmp_path / "figure.png").exists()
+
+
+# ---------------------------------------------------------------------- bench
+def test_bench_writes_json_markdown_and_png(
+    tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path, markdown_path, plot_path = tmp_path / "bench.json", tmp_path / "out" / "bench.md", tmp_path / "bench.png"
+    code, out, _ = run(
+        [
+            "bench", tiny_catalogue, "--batch", str(BATCH), "--budgets", "1.0,0.5,min,1B", "--steps", "2",
+            "--threads", "1", "--json", str(json_path), "--markdown", str(markdown_path), "--plot", str(plot_path),
+        ],
+        capsys,
+    )
+    assert code == cli.EXIT_OK
+    for strategy in ("no recompute", "checkpoint_sequential sqrt(n)", "remat @ 0.5", "remat @ min", "remat @ ckpt-seq memory"):
+        assert strategy in out
+    assert "remat @ 1B: infeasible" in out
+
+    document = json.loads(json_path.read_text())
+    rows = {row["strategy"]: row for row in document["rows"]}
+    assert list(rows) == [
+        "no recompute", "checkpoint_sequential sqrt(n)", "remat @ 1.0", "remat @ 0.5", "remat @ min",
+        "remat @ 1B", "remat @ ckpt-seq memory",
+    ]
+    assert rows["remat @ 1B"]["error"] and rows["remat @ 1B"]["measured_peak_bytes"] is None
+    for row in rows.values():
+        if row["kind"] == "remat" and row["error"] is None:
+            assert row["measured_peak_bytes"] <= row["budget_bytes"], row
+            assert row["fits_budget"] is True
+            assert len(row["step_times_s"]) == 2
+    assert rows["remat @ min"]["measured_peak_bytes"] < rows["no recompute"]["measured_peak_bytes"]
+    assert document["metadata"]["threads"] == 1
+    assert document["chosen_strategy"] == "remat @ min"
+    assert set(document["timelines"]) == {"no recompute", "remat @ min"}
+
+    assert markdown_path.read_text().startswith("| strategy |")
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cannot_write_output(tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run(["bench", tiny_catalogue, "--budgets", "min", "--steps", "1", "--json", str(blocker / "x.json")], capsys)
+    assert code == cli.EXIT_CANNOT_WRITE
+    assert "cannot write" in assert_one_error_line(err)
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "remat", "--version"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0
+    assert result.stdout.startswith("remat ")
