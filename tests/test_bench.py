@@ -17,7 +17,7 @@ from remat.bench import (
     save_plot,
 )
 from remat.checkpointable import Checkpointable
-from remat.errors import RematError
+from remat.errors import RematError, UnsupportedModel
 from remat.models import mlp_chain
 
 WIDTH = 16
@@ -150,9 +150,38 @@ def test_bad_arguments(kwargs: dict, error: type[Exception]) -> None:
         run_benchmark(tiny_model, make_batch, F.mse_loss, **kwargs)
 
 
-def test_needs_a_sequential() -> None:
-    with pytest.raises(TypeError, match="nn.Sequential"):
-        run_benchmark(lambda: nn.Linear(WIDTH, WIDTH), make_batch, F.mse_loss)  # type: ignore[arg-type, return-value]
+def test_needs_a_module() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        run_benchmark(lambda: object(), make_batch, F.mse_loss)  # type: ignore[arg-type, return-value]
+
+
+def test_a_model_without_a_chain_is_rejected_with_a_hint() -> None:
+    with pytest.raises(UnsupportedModel, match="remat.mark"):
+        run_benchmark(lambda: nn.Linear(WIDTH, WIDTH), make_batch, F.mse_loss, steps=1)
+
+
+class _LoopModel(nn.Module):
+    """Blocks called in a loop from an explicit forward: no checkpoint_sequential baseline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(4))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_any_model_runs_without_the_sequential_baseline() -> None:
+    result = run_benchmark(_LoopModel, make_batch, F.mse_loss, budgets=("min",), steps=1)
+    names = [row.strategy for row in result.rows]
+    assert names == ["no recompute", "remat @ min"]
+    row = result.row("remat @ min")
+    baseline = result.row("no recompute")
+    assert row.fits_budget
+    assert row.measured_peak_bytes < baseline.measured_peak_bytes
 
 
 def test_a_budget_that_cannot_be_planned_is_a_row_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

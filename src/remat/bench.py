@@ -376,7 +376,7 @@ def _is_min(budget: Budget) -> bool:
 
 
 def run_benchmark(
-    model_factory_or_model: Callable[[], nn.Sequential] | nn.Sequential,
+    model_factory_or_model: Callable[[], nn.Module] | nn.Module,
     make_batch: Callable[[], Batch],
     loss_fn: LossFn,
     *,
@@ -393,8 +393,8 @@ def run_benchmark(
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
     Args:
-        model_factory_or_model: an ``nn.Sequential``, or a zero-argument function that
-            returns one. It is built (or taken) once; its weights and buffers are saved and
+        model_factory_or_model: a model (an ``nn.Sequential``, or any model remat finds a
+            chain in), or a zero-argument function that returns one. It is built (or taken) once; its weights and buffers are saved and
             restored before every strategy, so all strategies start from the same state.
         make_batch: a zero-argument function returning ``(inputs, target)``: a tuple of
             inputs for ``model(*inputs)`` and whatever ``loss_fn`` takes as a target. It is
@@ -406,7 +406,8 @@ def run_benchmark(
         steps: timed steps per strategy (the median is reported), run in interleaved rounds.
         warmup: untimed steps per strategy before its tracked step.
         include_checkpoint_sequential: also run torch's ``checkpoint_sequential`` with
-            ``ceil(sqrt(n))`` segments, and remat with the memory it measured.
+            ``ceil(sqrt(n))`` segments, and remat with the memory it measured (only for an
+            ``nn.Sequential`` with one input; skipped with a warning otherwise).
         threads: pin ``torch.set_num_threads`` to this for the run (restored afterwards).
         progress: called as ``progress(done, total, label)`` before each strategy is
             prepared and before each timed round, and once at the end (``done == total``).
@@ -419,7 +420,7 @@ def run_benchmark(
         metadata.
 
     Raises:
-        TypeError: the model is not an ``nn.Sequential``.
+        TypeError: the model is not an ``nn.Module``.
         ValueError: ``steps`` is below 1 or ``warmup`` below 0.
     """
     if steps < 1:
@@ -427,11 +428,8 @@ def run_benchmark(
     if warmup < 0:
         raise ValueError(f"warmup must be at least 0, got {warmup}")
     model = model_factory_or_model if isinstance(model_factory_or_model, nn.Module) else model_factory_or_model()
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(
-            f"run_benchmark needs an nn.Sequential (checkpoint_sequential runs on its stages), "
-            f"got {type(model).__name__}"
-        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"run_benchmark needs an nn.Module, got {type(model).__name__}")
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -454,7 +452,7 @@ def run_benchmark(
 
 
 def _run(
-    model: nn.Sequential,
+    model: nn.Module,
     make_batch: Callable[[], Batch],
     loss_fn: LossFn,
     *,
@@ -475,11 +473,14 @@ def _run(
     state = copy.deepcopy(model.state_dict())
     batch = make_batch()
     runner = _Runner(model, state, batch, loss_fn, device)
-    stages = sequential_chain(model).modules
+    # checkpoint_sequential runs the stages itself: only an nn.Sequential with one input.
+    stages = sequential_chain(model).modules if isinstance(model, nn.Sequential) else []
     inputs = batch[0]
-    can_checkpoint = include_checkpoint_sequential and len(inputs) == 1
+    can_checkpoint = include_checkpoint_sequential and len(inputs) == 1 and bool(stages)
     if include_checkpoint_sequential and not can_checkpoint:
-        logger.warning("checkpoint_sequential takes a single input; skipping that baseline")
+        logger.warning(
+            "checkpoint_sequential needs an nn.Sequential with a single input; skipping that baseline"
+        )
 
     n_strategies = 1 + (2 if can_checkpoint else 0) + len(budgets)
     total = n_strategies + steps
@@ -594,7 +595,7 @@ def _run(
     metadata: dict[str, Any] = {
         "model": model_name or type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "n_stages": len(stages),
+        "n_stages": len(stages) or len(measurement.stages),
         "n_planned_stages": measurement.profile.n_stages,
         "device": str(device),
         "threads": torch.get_num_threads(),
