@@ -1,0 +1,326 @@
+"""Per-stage costs of a chain of stages: what the planner needs to know about a model.
+
+A chain has ``n`` stages ``F_0 .. F_{n-1}``. The activation ``x_0`` is the chain input,
+``x_{i+1} = F_i(x_i)`` and ``x_n`` is the chain output. A :class:`ChainProfile` holds, for
+every stage, its forward and backward times and the bytes it creates, keeps and needs for
+a moment; it is all the planner looks at, so a plan can be made from a saved profile on a
+machine that has neither the model nor its device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
+
+from remat.errors import RematError
+
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ChainProfile", "InvalidProfile"]
+
+PROFILE_FORMAT = "remat.chain_profile"
+"""The value of the ``"format"`` key of a saved profile."""
+
+PROFILE_VERSION = 1
+"""The version of the saved profile layout that this module writes and reads."""
+
+_PER_STAGE_FIELDS = (
+    "forward_time_s",
+    "backward_time_s",
+    "saved_bytes",
+    "saves_input",
+    "saves_output",
+    "forward_temp_bytes",
+    "backward_temp_bytes",
+)
+_PER_BOUNDARY_FIELDS = ("activation_bytes", "gradient_bytes")
+_BYTE_FIELDS = (
+    "activation_bytes",
+    "gradient_bytes",
+    "saved_bytes",
+    "forward_temp_bytes",
+    "backward_temp_bytes",
+)
+_TIME_FIELDS = ("forward_time_s", "backward_time_s")
+_FLAG_FIELDS = ("saves_input", "saves_output")
+
+
+class InvalidProfile(RematError, ValueError):
+    """A chain profile is inconsistent (wrong lengths, negative sizes) or cannot be read."""
+
+
+@dataclass(frozen=True)
+class ChainProfile:
+    """The costs of every stage of a chain, measured once and planned from many times.
+
+    Stage ``i`` (``0 <= i < n``) maps ``x_i`` to ``x_{i+1}``; boundary ``k`` (``0 <= k <= n``)
+    is the activation ``x_k``. Sequences are stored as tuples; lists are accepted.
+
+    Attributes:
+        names: a name per stage, for reports (``n`` strings).
+        forward_time_s: seconds one forward of each stage takes (``n`` floats).
+        backward_time_s: seconds one backward of each stage takes (``n`` floats).
+        activation_bytes: bytes of each activation ``x_k`` (``n + 1`` ints). ``x_0`` is owned
+            by the caller and never counted by the planner.
+        gradient_bytes: bytes of the gradient of each ``x_k`` (``n + 1`` ints). The first may
+            be 0 when the chain input needs no gradient; the last is the gradient of the
+            chain output, which appears when the loss is computed.
+        saved_bytes: bytes that stage ``i`` keeps for its backward when it is stored, not
+            counting its input ``x_i`` and its output ``x_{i+1}`` (``n`` ints).
+        saves_input: whether the backward of stage ``i`` needs its input ``x_i`` (``n`` bools).
+        saves_output: whether the backward of stage ``i`` needs its output ``x_{i+1}``
+            (``n`` bools).
+        forward_temp_bytes: transient bytes at the peak of the forward of stage ``i``, on top
+            of what is live, its output and its saved bytes (``n`` ints).
+        backward_temp_bytes: transient bytes at the peak of the backward of stage ``i``, on
+            top of what is live and the gradient of its input (``n`` ints).
+        metadata: free-form JSON-able facts about the measurement (device, dtype, shapes).
+
+    Raises:
+        InvalidProfile: a sequence has the wrong length, a size or time is negative or not
+            finite, or a value has the wrong type.
+    """
+
+    names: tuple[str, ...]
+    forward_time_s: tuple[float, ...]
+    backward_time_s: tuple[float, ...]
+    activation_bytes: tuple[int, ...]
+    gradient_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    saves_input: tuple[bool, ...]
+    saves_output: tuple[bool, ...]
+    forward_temp_bytes: tuple[int, ...]
+    backward_temp_bytes: tuple[int, ...]
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        names = _as_tuple(self.names, "names")
+        n_stages = len(names)
+        if n_stages == 0:
+            raise InvalidProfile("a chain profile needs at least one stage; got 0 names")
+        for index, name in enumerate(names):
+            if not isinstance(name, str):
+                raise InvalidProfile(
+                    f"names[{index}] must be a str, got {type(name).__name__} {name!r}"
+                )
+        object.__setattr__(self, "names", names)
+        for field_name in _PER_STAGE_FIELDS + _PER_BOUNDARY_FIELDS:
+            values = _as_tuple(getattr(self, field_name), field_name)
+            expected = n_stages + 1 if field_name in _PER_BOUNDARY_FIELDS else n_stages
+            if len(values) != expected:
+                what = "boundaries (n_stages + 1)" if expected == n_stages + 1 else "stages"
+                raise InvalidProfile(
+                    f"{field_name} has {len(values)} values but the chain has {n_stages} stages "
+                    f"({names[0]!r} .. {names[-1]!r}); expected {expected}, one per {what}"
+                )
+            check: Callable[[str, int, Any, tuple[str, ...]], Any]
+            if field_name in _BYTE_FIELDS:
+                check = _check_bytes
+            elif field_name in _TIME_FIELDS:
+                check = _check_time
+            else:
+                check = _check_flag
+            values = tuple(
+                check(field_name, index, value, names) for index, value in enumerate(values)
+            )
+            object.__setattr__(self, field_name, values)
+        if not isinstance(self.metadata, Mapping):
+            raise InvalidProfile(f"metadata must be a dict, got {type(self.metadata).__name__}")
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def n_stages(self) -> int:
+        """The number of stages ``n``."""
+        return len(self.names)
+
+    @property
+    def total_forward_time_s(self) -> float:
+        """Seconds of one forward of every stage."""
+        return math.fsum(self.forward_time_s)
+
+    @property
+    def total_backward_time_s(self) -> float:
+        """Seconds of one backward of every stage."""
+        return math.fsum(self.backward_time_s)
+
+    @property
+    def total_time_s(self) -> float:
+        """Seconds of a training step without recomputation (forward plus backward)."""
+        return self.total_forward_time_s + self.total_backward_time_s
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the chain input ``x_0`` (owned by the caller, never counted)."""
+        return self.activation_bytes[0]
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the chain output ``x_n``."""
+        return self.activation_bytes[-1]
+
+    def stored_bytes(self, stage: int) -> int:
+        """Bytes that stage ``stage`` keeps until its backward when stored, inputs included.
+
+        Args:
+            stage: the stage index, ``0 <= stage < n_stages``.
+
+        Returns:
+            ``saved_bytes[stage]`` plus the input and output activations that its backward
+            needs (the chain input ``x_0`` counts 0).
+        """
+        total = self.saved_bytes[stage]
+        if self.saves_input[stage] and stage > 0:
+            total += self.activation_bytes[stage]
+        if self.saves_output[stage]:
+            total += self.activation_bytes[stage + 1]
+        return total
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the profile as a JSON-able dict (see :meth:`from_dict`)."""
+        data: dict[str, Any] = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
+        data["names"] = list(self.names)
+        for field_name in _PER_STAGE_FIELDS + _PER_BOUNDARY_FIELDS:
+            data[field_name] = list(getattr(self, field_name))
+        data["metadata"] = dict(self.metadata)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ChainProfile:
+        """Builds a profile from the dict that :meth:`to_dict` returns.
+
+        Args:
+            data: the dict; ``metadata`` may be missing.
+
+        Returns:
+            The profile.
+
+        Raises:
+            InvalidProfile: the dict is not a saved chain profile of a known version, a key is
+                missing or unknown, or the values are inconsistent.
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidProfile(f"a saved profile is a JSON object, got {type(data).__name__}")
+        if data.get("format") != PROFILE_FORMAT:
+            raise InvalidProfile(
+                f"not a remat chain profile: 'format' is {data.get('format')!r}, "
+                f"expected {PROFILE_FORMAT!r}"
+            )
+        if data.get("version") != PROFILE_VERSION:
+            raise InvalidProfile(
+                f"chain profile version {data.get('version')!r} is not supported; this remat "
+                f"reads version {PROFILE_VERSION}: measure the model again"
+            )
+        required = ("names",) + _PER_STAGE_FIELDS + _PER_BOUNDARY_FIELDS
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise InvalidProfile(f"saved chain profile lacks the keys {missing}")
+        unknown = sorted(set(data) - set(required) - {"format", "version", "metadata"})
+        if unknown:
+            raise InvalidProfile(f"saved chain profile has unknown keys {unknown}")
+        values = {key: data[key] for key in required}
+        return cls(**values, metadata=dict(data.get("metadata") or {}))
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """Returns the profile as JSON text (see :meth:`from_json`).
+
+        Args:
+            indent: passed to :func:`json.dumps`; None writes a single line.
+
+        Raises:
+            InvalidProfile: the metadata holds a value that JSON cannot represent.
+        """
+        try:
+            return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise InvalidProfile(f"the profile metadata is not JSON-able: {error}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> ChainProfile:
+        """Reads a profile from the JSON text that :meth:`to_json` writes.
+
+        Raises:
+            InvalidProfile: the text is not JSON or not a valid saved chain profile.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InvalidProfile(f"a saved chain profile must be JSON: {error}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the profile as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json())
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ChainProfile:
+        """Reads a profile saved by :meth:`save`.
+
+        Raises:
+            InvalidProfile: the file does not hold a valid saved chain profile.
+            OSError: the file cannot be read.
+        """
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        try:
+            return cls.from_json(text)
+        except InvalidProfile as error:
+            raise InvalidProfile(f"{os.fspath(path)}: {error}") from None
+
+
+def _as_tuple(values: Any, field_name: str) -> tuple[Any, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        try:
+            return tuple(values)
+        except TypeError:
+            raise InvalidProfile(
+                f"{field_name} must be a sequence, got {type(values).__name__}"
+            ) from None
+    return tuple(values)
+
+
+def _stage_label(field_name: str, index: int, names: tuple[str, ...]) -> str:
+    if field_name in _PER_BOUNDARY_FIELDS:
+        if index == 0:
+            return f"{field_name}[0] (chain input)"
+        return f"{field_name}[{index}] (output of stage {index - 1} {names[index - 1]!r})"
+    return f"{field_name}[{index}] (stage {names[index]!r})"
+
+
+def _check_bytes(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> int:
+    label = _stage_label(field_name, index, names)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise InvalidProfile(f"{label} must be a whole number of bytes, got {value!r}")
+    if value < 0:
+        raise InvalidProfile(f"{label} is negative: {value} bytes")
+    return int(value)
+
+
+def _check_time(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> float:
+    label = _stage_label(field_name, index, names)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidProfile(f"{label} must be a number of seconds, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0.0:
+        raise InvalidProfile(f"{label} must be finite and >= 0, got {number!r} s")
+    return number
+
+
+def _check_flag(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> bool:
+    if not isinstance(value, (bool, numpy.bool_, numbers.Integral)) or value not in (0, 1):
+        label = _stage_label(field_name, index, names)
+        raise InvalidProfile(f"{label} must be a bool, got {value!r}")
+    return bool(value)

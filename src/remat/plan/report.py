@@ -1,0 +1,183 @@
+"""A printable report of a planned schedule, in the spirit of ``opt_einsum``'s ``PathInfo``.
+
+``str(PlanReport(schedule))`` (or ``str(schedule)``) shows the budget, the predicted peak
+and step time next to storing everything, and a table of what happens to every stage;
+:meth:`PlanReport.to_dict` gives the same facts as JSON-able data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from remat.memory import format_bytes
+from remat.plan.schedule import Schedule, Store, plan_to_data, simulate
+
+__all__ = ["PlanReport", "StageRow", "format_bytes", "format_seconds"]
+
+
+def format_seconds(seconds: float) -> str:
+    """Formats a duration for people: ``0.0123`` -> ``"12.30 ms"``."""
+    magnitude = abs(seconds)
+    if magnitude >= 1.0 or magnitude == 0.0:
+        return f"{seconds:.3f} s"
+    if magnitude >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """What a schedule does with one stage.
+
+    Attributes:
+        index: the stage index.
+        name: the stage name from the profile.
+        forward_time_s: seconds of one forward.
+        backward_time_s: seconds of one backward.
+        output_bytes: bytes of the stage output.
+        saved_bytes: bytes the stage keeps for its backward when stored (inputs excluded).
+        kept: whether the first forward keeps what the backward needs (never recomputed).
+        forward_runs: how many times the forward runs (1 + recomputations).
+    """
+
+    index: int
+    name: str
+    forward_time_s: float
+    backward_time_s: float
+    output_bytes: int
+    saved_bytes: int
+    kept: bool
+    forward_runs: int
+
+
+class PlanReport:
+    """The facts of a schedule side by side with storing everything.
+
+    Args:
+        schedule: the schedule to report on.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        profile = schedule.profile
+        self.baseline = simulate(profile, tuple(Store(stage) for stage in range(profile.n_stages)))
+        kept = set(schedule.stored_stages)
+        self.rows = tuple(
+            StageRow(
+                index=index,
+                name=profile.names[index],
+                forward_time_s=profile.forward_time_s[index],
+                backward_time_s=profile.backward_time_s[index],
+                output_bytes=profile.activation_bytes[index + 1],
+                saved_bytes=profile.saved_bytes[index],
+                kept=index in kept,
+                forward_runs=schedule.forward_counts[index],
+            )
+            for index in range(profile.n_stages)
+        )
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Recompute time as a fraction of the step time without recompute (0.25 = +25%)."""
+        baseline_s = self.baseline.time_s
+        if baseline_s == 0.0:
+            return 0.0
+        return self.schedule.overhead_s / baseline_s
+
+    @property
+    def memory_fraction(self) -> float:
+        """The predicted peak as a fraction of the store-everything peak."""
+        if self.baseline.peak_bytes == 0:
+            return 1.0
+        return self.schedule.predicted_peak_bytes / self.baseline.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the report as JSON-able data (for ``--json`` output)."""
+        schedule = self.schedule
+        return {
+            "solver": schedule.solver_name,
+            "n_stages": schedule.profile.n_stages,
+            "budget_bytes": schedule.budget_bytes,
+            "predicted_peak_bytes": schedule.predicted_peak_bytes,
+            "predicted_time_s": schedule.predicted_time_s,
+            "overhead_s": schedule.overhead_s,
+            "overhead_fraction": self.overhead_fraction,
+            "baseline_peak_bytes": self.baseline.peak_bytes,
+            "baseline_time_s": self.baseline.time_s,
+            "plan": plan_to_data(schedule.items),
+            "stages": [
+                {
+                    "index": row.index,
+                    "name": row.name,
+                    "forward_time_s": row.forward_time_s,
+                    "backward_time_s": row.backward_time_s,
+                    "output_bytes": row.output_bytes,
+                    "saved_bytes": row.saved_bytes,
+                    "kept": row.kept,
+                    "forward_runs": row.forward_runs,
+                }
+                for row in self.rows
+            ],
+        }
+
+    def __str__(self) -> str:
+        schedule = self.schedule
+        n_stages = schedule.profile.n_stages
+        budget = (
+            "unlimited" if schedule.budget_bytes is None else format_bytes(schedule.budget_bytes)
+        )
+        recomputed = sum(1 for row in self.rows if not row.kept)
+        extra_forwards = sum(row.forward_runs - 1 for row in self.rows)
+        lines = [
+            f"remat plan: {n_stages} stages, solver {schedule.solver_name!r}",
+            f"  budget:          {budget}",
+            f"  predicted peak:  {format_bytes(schedule.predicted_peak_bytes)}"
+            f"  ({_percent(self.memory_fraction)} of storing everything:"
+            f" {format_bytes(self.baseline.peak_bytes)})",
+            f"  step time:       {format_seconds(schedule.predicted_time_s)}"
+            f"  (storing everything: {format_seconds(self.baseline.time_s)},"
+            f" overhead +{_percent(self.overhead_fraction)})",
+            f"  recomputed:      {recomputed} of {n_stages} stages,"
+            f" {extra_forwards} extra forward{'s' if extra_forwards != 1 else ''}",
+            "",
+        ]
+        header = ("stage", "name", "forward", "backward", "output", "saved", "decision", "runs")
+        table = [header] + [
+            (
+                str(row.index),
+                row.name,
+                format_seconds(row.forward_time_s),
+                format_seconds(row.backward_time_s),
+                format_bytes(row.output_bytes),
+                format_bytes(row.saved_bytes),
+                "keep" if row.kept else "recompute",
+                str(row.forward_runs),
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
+        left_aligned = {1, 6}
+        for cells in table:
+            formatted = [
+                cell.ljust(width) if column in left_aligned else cell.rjust(width)
+                for column, (cell, width) in enumerate(zip(cells, widths, strict=True))
+            ]
+            lines.append("  " + "  ".join(formatted).rstrip())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        schedule = self.schedule
+        return (
+            f"PlanReport(solver={schedule.solver_name!r}, n_stages={schedule.profile.n_stages}, "
+            f"budget_bytes={schedule.budget_bytes}, "
+            f"predicted_peak_bytes={schedule.predicted_peak_bytes}, "
+            f"predicted_time_s={schedule.predicted_time_s:.6g})"
+        )
+
+
+def _percent(fraction: float) -> str:
+    if math.isinf(fraction) or math.isnan(fraction):
+        return "n/a"
+    return f"{fraction * 100:.1f}%"

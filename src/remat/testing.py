@@ -1,0 +1,124 @@
+"""Helpers for testing code that plans or runs recompute schedules.
+
+:func:`random_chain` makes chain profiles with random but valid costs, reproducible from a
+seed, for table-driven and property-based tests of solvers; :func:`all_plans` enumerates
+every plan tree of a short chain, for brute-force checks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from remat.plan.profile import ChainProfile
+from remat.plan.schedule import Plan, Region, Store
+
+__all__ = ["all_plans", "random_chain"]
+
+
+def all_plans(n_stages: int) -> tuple[Plan, ...]:
+    """Returns every valid plan tree of a chain of ``n_stages`` stages.
+
+    There are 2, 8, 48, 352 and 2880 of them for 1 to 5 stages: use it on short chains.
+
+    Raises:
+        ValueError: ``n_stages`` < 1.
+    """
+    if n_stages < 1:
+        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+    return _level_plans(0, n_stages)
+
+
+@functools.cache
+def _body_plans(start: int, stop: int) -> tuple[Plan, ...]:
+    # Plans of [start, stop) whose first item is not the region [start, stop) itself.
+    if start == stop:
+        return ((),)
+    plans: list[Plan] = [(Store(start),) + rest for rest in _level_plans(start + 1, stop)]
+    for region_stop in range(start + 1, stop):
+        for body in _body_plans(start, region_stop):
+            for rest in _level_plans(region_stop, stop):
+                plans.append((Region(start, region_stop, body),) + rest)
+    return tuple(plans)
+
+
+@functools.cache
+def _level_plans(start: int, stop: int) -> tuple[Plan, ...]:
+    if start == stop:
+        return ((),)
+    bodies = _body_plans(start, stop)
+    return bodies + tuple((Region(start, stop, body),) for body in bodies)
+
+
+def random_chain(
+    rng_or_seed: np.random.Generator | int,
+    n_stages: int,
+    *,
+    max_units: int = 8,
+    unit_bytes: int = 1,
+    zero_probability: float = 0.15,
+    flag_probability: float = 0.7,
+    max_time_s: float = 1.0,
+    integer_times: bool = False,
+) -> ChainProfile:
+    """Makes a chain profile with random costs.
+
+    Every size is a whole number of ``unit_bytes`` between 0 and ``max_units`` units (0 with
+    probability ``zero_probability``), so that a solver whose slot is ``unit_bytes`` sees
+    the sizes exactly. Times are positive.
+
+    Args:
+        rng_or_seed: a numpy random generator, or a seed for a new one.
+        n_stages: the number of stages (at least 1).
+        max_units: the largest size, in units.
+        unit_bytes: the size of a unit in bytes.
+        zero_probability: the chance that a size is 0 (exercises edge cases).
+        flag_probability: the chance that a stage saves its input, and its output.
+        max_time_s: the largest forward or backward time.
+        integer_times: draw whole seconds from 1 to ``max_time_s`` (exact sums, for tests
+            that compare times for equality).
+
+    Returns:
+        The profile, named ``stage0 .. stage{n-1}``, with ``metadata["seed"]`` when a seed
+        was given.
+
+    Raises:
+        ValueError: ``n_stages`` < 1, ``max_units`` < 0 or ``unit_bytes`` < 1.
+    """
+    if n_stages < 1:
+        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+    if max_units < 0 or unit_bytes < 1:
+        raise ValueError(f"need max_units >= 0 and unit_bytes >= 1, got {max_units}, {unit_bytes}")
+    metadata: dict[str, object] = {"generator": "remat.testing.random_chain"}
+    if isinstance(rng_or_seed, np.random.Generator):
+        rng = rng_or_seed
+    else:
+        rng = np.random.default_rng(rng_or_seed)
+        metadata["seed"] = int(rng_or_seed)
+
+    def sizes(count: int) -> tuple[int, ...]:
+        values = rng.integers(0, max_units + 1, size=count)
+        values[rng.random(count) < zero_probability] = 0
+        return tuple(int(value) * unit_bytes for value in values)
+
+    def times(count: int) -> tuple[float, ...]:
+        if integer_times:
+            return tuple(
+                float(value) for value in rng.integers(1, max(1, int(max_time_s)) + 1, count)
+            )
+        return tuple(float(value) for value in rng.uniform(0.05, 1.0, count) * max_time_s)
+
+    return ChainProfile(
+        names=tuple(f"stage{index}" for index in range(n_stages)),
+        forward_time_s=times(n_stages),
+        backward_time_s=times(n_stages),
+        activation_bytes=sizes(n_stages + 1),
+        gradient_bytes=sizes(n_stages + 1),
+        saved_bytes=sizes(n_stages),
+        saves_input=tuple(bool(flag) for flag in rng.random(n_stages) < flag_probability),
+        saves_output=tuple(bool(flag) for flag in rng.random(n_stages) < flag_probability),
+        forward_temp_bytes=sizes(n_stages),
+        backward_temp_bytes=sizes(n_stages),
+        metadata=metadata,
+    )

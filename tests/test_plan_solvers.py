@@ -1,0 +1,270 @@
+"""Solvers: the registry, the same edge cases for every solver, and brute-force optimality."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from remat.errors import BudgetTooSmall, InvalidBudget, RematError
+from remat.plan import (
+    ChainProfile,
+    OptimalSolver,
+    PeriodicSolver,
+    Region,
+    Schedule,
+    Store,
+    available_solvers,
+    get_solver,
+    numba_available,
+    register_solver,
+    simulate,
+    solve,
+    validate_plan,
+)
+from remat.plan.solvers import _REGISTRY
+from remat.testing import all_plans, random_chain
+
+SOLVERS = available_solvers()
+IMPLEMENTATIONS = ["numpy"] + (["numba"] if numba_available() else [])
+
+
+def minimum_of(solver_name: str, profile: ChainProfile) -> int:
+    """The smallest budget the solver fits, from the error at a budget of 0 bytes."""
+    try:
+        get_solver(solver_name)(profile, 0)
+    except BudgetTooSmall as error:
+        return error.minimum_bytes
+    return 0
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def test_registry_names() -> None:
+    assert SOLVERS == ("auto", "inputs", "none", "optimal", "periodic")
+    assert all(name == name.lower() for name in SOLVERS)
+
+
+def test_unknown_solver_lists_the_valid_ones() -> None:
+    with pytest.raises(RematError) as raised:
+        get_solver("rotor")
+    message = str(raised.value)
+    assert "'rotor'" in message
+    for name in SOLVERS:
+        assert repr(name) in message
+
+
+def test_get_solver_is_case_insensitive_and_passes_options() -> None:
+    solver = get_solver("Optimal", slots=64, implementation="numpy")
+    assert isinstance(solver, OptimalSolver)
+    assert solver.slots == 64 and solver.implementation == "numpy"
+    with pytest.raises(TypeError):
+        get_solver("none", slots=3)
+    with pytest.raises(ValueError, match="slots"):
+        get_solver("optimal", slots=0)
+    with pytest.raises(ValueError, match="implementation"):
+        get_solver("optimal", implementation="fortran")
+    with pytest.raises(ValueError, match="segments"):
+        get_solver("periodic", segments=0)
+
+
+def test_register_a_custom_solver() -> None:
+    class Everything:
+        def __call__(self, profile: ChainProfile, budget_bytes: int | None) -> Schedule:
+            plan = tuple(Store(stage) for stage in range(profile.n_stages))
+            return Schedule.from_plan(profile, plan, budget_bytes=budget_bytes, solver_name="mine")
+
+    register_solver("mine", Everything)
+    try:
+        assert "mine" in available_solvers()
+        schedule = solve(random_chain(0, 3), None, solver="mine")
+        assert schedule.solver_name == "mine"
+        with pytest.raises(ValueError, match="already registered"):
+            register_solver("mine", Everything)
+        register_solver("mine", Everything, replace=True)
+        with pytest.raises(ValueError, match="lowercase"):
+            register_solver("Mine", Everything)
+    finally:
+        _REGISTRY.pop("mine", None)
+
+
+def test_solve_with_an_instance() -> None:
+    profile = random_chain(1, 4)
+    schedule = solve(profile, None, solver=PeriodicSolver(segments=2))
+    assert schedule.solver_name == "periodic"
+    with pytest.raises(TypeError):
+        solve(profile, None, solver=PeriodicSolver(), segments=3)
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, True, "1GiB", 10.0])
+def test_budgets_must_be_whole_bytes(budget: object) -> None:
+    with pytest.raises(InvalidBudget):
+        solve(random_chain(0, 3), budget, solver="optimal")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- every solver
+
+
+EDGE_CHAINS = {
+    "one stage": random_chain(11, 1),
+    "two stages": random_chain(12, 2),
+    "three stages": random_chain(13, 3),
+    "zero sizes": random_chain(14, 4, max_units=0),
+    "long": random_chain(15, 12, unit_bytes=1024),
+}
+
+
+@pytest.mark.parametrize("chain", EDGE_CHAINS, ids=list(EDGE_CHAINS))
+@pytest.mark.parametrize("name", SOLVERS)
+def test_unlimited_budget(name: str, chain: str) -> None:
+    profile = EDGE_CHAINS[chain]
+    schedule = get_solver(name)(profile, None)
+    validate_plan(schedule.items, profile.n_stages)
+    assert schedule.budget_bytes is None
+    assert schedule.solver_name == name
+    if name in ("optimal", "auto", "none"):
+        assert schedule.items == tuple(Store(i) for i in range(profile.n_stages))
+        assert schedule.overhead_s == 0.0
+
+
+@pytest.mark.parametrize("chain", EDGE_CHAINS, ids=list(EDGE_CHAINS))
+@pytest.mark.parametrize("name", SOLVERS)
+def test_budget_at_and_below_the_minimum(name: str, chain: str) -> None:
+    profile = EDGE_CHAINS[chain]
+    solver = get_solver(name)
+    minimum = minimum_of(name, profile)
+    schedule = solver(profile, minimum)
+    assert schedule.predicted_peak_bytes <= minimum
+    assert schedule.budget_bytes == minimum
+    assert simulate(profile, schedule.items) == schedule.simulation
+    if minimum > 0:
+        with pytest.raises(BudgetTooSmall) as raised:
+            solver(profile, minimum - 1)
+        error = raised.value
+        assert error.minimum_bytes == minimum
+        assert error.budget_bytes == minimum - 1
+        assert f"{minimum} bytes" in str(error) and "MiB" in str(error)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("name", SOLVERS)
+def test_random_chains(name: str, seed: int) -> None:
+    profile = random_chain(seed, 2 + seed)
+    solver = get_solver(name)
+    everything = simulate(profile, tuple(Store(i) for i in range(profile.n_stages)))
+    minimum = minimum_of(name, profile)
+    for budget in sorted({minimum, (minimum + everything.peak_bytes) // 2, everything.peak_bytes}):
+        if budget < minimum:
+            continue
+        schedule = solver(profile, budget)
+        validate_plan(schedule.items, profile.n_stages)
+        assert schedule.predicted_peak_bytes <= budget
+        assert schedule.predicted_time_s >= everything.time_s - 1e-9
+        assert all(count >= 1 for count in schedule.forward_counts)
+
+
+def test_baseline_plans() -> None:
+    assert get_solver("inputs")(random_chain(0, 4), None).items == (
+        Region(0, 1, (Store(0),)),
+        Region(1, 2, (Store(1),)),
+        Region(2, 3, (Store(2),)),
+        Store(3),
+    )
+    # Like checkpoint_sequential: n // segments stages per segment, the last takes the rest.
+    assert PeriodicSolver(segments=3).plan(8) == (
+        Region(0, 2, (Store(0), Store(1))),
+        Region(2, 4, (Store(2), Store(3))),
+        Store(4), Store(5), Store(6), Store(7),
+    )  # fmt: skip
+    assert PeriodicSolver().plan(9) == PeriodicSolver(segments=3).plan(9)  # ceil(sqrt(9))
+    assert PeriodicSolver().plan(1) == (Store(0),)
+    assert PeriodicSolver(segments=50).plan(3) == (
+        Region(0, 1, (Store(0),)), Region(1, 2, (Store(1),)), Store(2)
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the dynamic program
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(16))
+def test_optimal_matches_brute_force(implementation: str, seed: int) -> None:
+    # Sizes are whole bytes and budgets are below the slot count: slots are exact bytes.
+    n_stages = 1 + seed % 5
+    profile = random_chain(seed, n_stages, integer_times=seed % 2 == 0, max_time_s=4.0)
+    results = [simulate(profile, plan) for plan in all_plans(n_stages)]
+    least = min(result.peak_bytes for result in results)
+    most = max(result.peak_bytes for result in results)
+    solver = OptimalSolver(implementation=implementation)
+    assert solver.minimum_bytes(profile) == least
+    for budget in range(max(0, least - 1), most + 2):
+        fitting = [result.time_s for result in results if result.peak_bytes <= budget]
+        if not fitting:
+            with pytest.raises(BudgetTooSmall) as raised:
+                solver(profile, budget)
+            assert raised.value.minimum_bytes == least
+            continue
+        schedule = solver(profile, budget)
+        assert schedule.predicted_peak_bytes <= budget
+        assert math.isclose(schedule.predicted_time_s, min(fitting), rel_tol=1e-12)
+
+
+@pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="needs numba")
+@pytest.mark.parametrize("seed", range(6))
+def test_numba_and_numpy_agree(seed: int) -> None:
+    profile = random_chain(seed, 10 + 3 * seed, max_units=40, unit_bytes=1000)
+    numba_solver = OptimalSolver(implementation="numba", slots=97)
+    numpy_solver = OptimalSolver(implementation="numpy", slots=97)
+    minimum = numba_solver.minimum_bytes(profile)
+    assert numpy_solver.minimum_bytes(profile) == minimum
+    everything = simulate(profile, tuple(Store(i) for i in range(profile.n_stages))).peak_bytes
+    for fraction in (0.0, 0.1, 0.3, 0.6, 0.9):
+        budget = int(minimum + fraction * (everything - minimum))
+        fast = numba_solver(profile, budget)
+        slow = numpy_solver(profile, budget)
+        assert math.isclose(fast.predicted_time_s, slow.predicted_time_s, rel_tol=1e-12)
+        assert fast.predicted_peak_bytes <= budget and slow.predicted_peak_bytes <= budget
+
+
+def test_auto_picks_numpy_for_small_problems_and_gives_optimal_plans() -> None:
+    profile = random_chain(3, 6)
+    auto = get_solver("auto")
+    assert auto._implementation_for(profile) == "numpy"  # type: ignore[attr-defined]
+    big = random_chain(3, 80)
+    expected = "numba" if numba_available() else "numpy"
+    assert auto._implementation_for(big) == expected  # type: ignore[attr-defined]
+    minimum = get_solver("optimal").minimum_bytes(profile)  # type: ignore[attr-defined]
+    assert (
+        auto(profile, minimum + 5).predicted_time_s
+        == get_solver("optimal")(profile, minimum + 5).predicted_time_s
+    )
+
+
+def test_coarse_slots_still_fit_the_budget() -> None:
+    # With few slots, rounding up every size wastes budget; the plan must still fit, and a
+    # budget at the exact minimum still gets a plan (the least-peak plan).
+    profile = random_chain(21, 30, max_units=1000, unit_bytes=1, zero_probability=0.0)
+    for implementation in IMPLEMENTATIONS:
+        solver = OptimalSolver(slots=7, implementation=implementation)
+        minimum = solver.minimum_bytes(profile)
+        # At the minimum, rounding to slots leaves the program no plan: the least-peak one.
+        assert solver._fastest_plan(profile, minimum, implementation) is None
+        assert solver(profile, minimum).predicted_peak_bytes == minimum
+        for budget in (minimum, minimum + 1, int(minimum * 1.3), int(minimum * 2)):
+            schedule = solver(profile, budget)
+            assert schedule.predicted_peak_bytes <= budget
+
+
+def test_planning_from_a_saved_profile(tmp_path: Path) -> None:
+    profile = random_chain(5, 9, unit_bytes=4096)
+    path = tmp_path / "chain.json"
+    profile.save(path)
+    loaded = ChainProfile.load(path)
+    minimum = get_solver("optimal").minimum_bytes(loaded)  # type: ignore[attr-defined]
+    budget = minimum + 4096 * 10
+    original = solve(profile, budget, solver="optimal")
+    again = solve(loaded, budget, solver="optimal")
+    assert again.items == original.items
+    assert again.predicted_peak_bytes == original.predicted_peak_bytes
