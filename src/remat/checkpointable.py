@@ -37,12 +37,15 @@ class PlannedChain:
         measurement: the measured figures it was planned from.
         budget_bytes: the whole-step activation budget.
         predicted_peak_bytes: predicted peak activation memory of a training step.
+        fixed_bytes: memory held outside the chain's schedule through the step (the
+            prefix's activations, outputs that escape the chain, the kept model output).
     """
 
     schedule: Schedule
     measurement: ChainMeasurement
     budget_bytes: int | None
     predicted_peak_bytes: int
+    fixed_bytes: int = 0
 
     @property
     def predicted_time_s(self) -> float:
@@ -61,13 +64,13 @@ class PlannedChain:
         return self.schedule.forward_counts
 
     def __str__(self) -> str:
-        fixed = self.measurement.fixed_bytes
+        fixed = self.fixed_bytes
         text = str(self.schedule)
         if fixed:
             from remat.memory import format_bytes
 
             text += (
-                f"\nmemory held outside the chain (before it): {format_bytes(fixed)}; "
+                f"\nmemory held outside the chain's schedule: {format_bytes(fixed)}; "
                 f"predicted whole-step peak: {format_bytes(self.predicted_peak_bytes)}"
             )
         return text
@@ -93,10 +96,14 @@ class Checkpointable(nn.Module):
         solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
         slots: memory discretisation of the dynamic program.
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
-        loss_fn: ``loss_fn(output) -> None`` that runs the backward during measurement
-            (default: backward of the sum of the outputs). Give your real loss when it
-            uses much memory (a cross entropy over a large vocabulary).
+        loss_fn: ``loss_fn(output) -> loss`` used during measurement (default: the sum of
+            the outputs). Give your real loss when it uses much memory (a cross entropy over
+            a large vocabulary), e.g. ``lambda out: F.cross_entropy(out, target)``.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]).
+        output_kept: whether the training loop keeps the model's output alive through the
+            backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
+            style). True is safe either way; set False when the loss is computed in one
+            expression (``loss_fn(model(x), y).backward()``) for a tighter plan.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -115,12 +122,13 @@ class Checkpointable(nn.Module):
         preserve_rng_state: bool = True,
         loss_fn: Any = None,
         margin: float = 0.02,
+        output_kept: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"Checkpointable wraps an nn.Module, got {type(model).__name__}")
         self.model = model
-        parse_budget(mem_limit, reference_bytes=1) if not isinstance(mem_limit, float) else None
+        parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
         self.mem_limit = mem_limit
         self.solver_name = solver
         self.slots = slots
@@ -133,6 +141,7 @@ class Checkpointable(nn.Module):
         if not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
         self.margin = margin
+        self.output_kept = output_kept
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
@@ -143,7 +152,7 @@ class Checkpointable(nn.Module):
         """
         key = _signature(sample_inputs, sample_kwargs)
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
-        measurement = measure_chain(self.model, chain, sample_inputs, sample_kwargs, backward=self._loss_fn)
+        measurement = measure_chain(self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn)
         self._measurements[key] = measurement
         self._last_key = key
         logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
@@ -167,10 +176,8 @@ class Checkpointable(nn.Module):
         """The plan of the most recent training call, if any."""
         if self._last_key is None:
             return None
-        for (key, _budget), (planned, _executor) in self._plans.items():
-            if key == self._last_key:
-                return planned
-        return None
+        cached = self._plans.get((self._last_key, repr(self.mem_limit)))
+        return None if cached is None else cached[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -183,6 +190,9 @@ class Checkpointable(nn.Module):
         return executor(self.model, args, kwargs)
 
     # ------------------------------------------------------------------ internals
+    def _chain_budget(self, budget: int, fixed: int) -> int:
+        return int(budget * (1.0 - self.margin)) - fixed
+
     def _solver(self) -> Any:
         if self.solver_name in ("optimal", "auto"):
             return get_solver(self.solver_name, slots=self.slots)
@@ -210,6 +220,11 @@ class Checkpointable(nn.Module):
         measurement = self._measurements[key]
         profile = measurement.profile
         fixed = measurement.fixed_bytes
+        if self.output_kept:
+            # The loss was measured with the output dropped once the loss is computed; a
+            # loop that keeps it holds it through the whole step on top (counted twice at
+            # the loss itself, which errs on the safe side).
+            fixed += measurement.output_bytes
         store_all = simulate(profile, get_solver("none")(profile, None).items)
         reference = store_all.peak_bytes + fixed
         device = profile.metadata.get("device", "cpu")
@@ -218,7 +233,7 @@ class Checkpointable(nn.Module):
         # The plan must fit with a margin for what per-stage measurement cannot attribute
         # (framework bookkeeping tensors, a loss slightly larger than the one measured):
         # the chain is planned for (1 - margin) of the budget, less the fixed memory.
-        chain_budget = int(budget * (1.0 - self.margin)) - fixed
+        chain_budget = self._chain_budget(budget, fixed)
         solver = self._solver()
         try:
             if chain_budget <= 0:
@@ -226,7 +241,13 @@ class Checkpointable(nn.Module):
             else:
                 schedule = solver(profile, chain_budget)
         except BudgetTooSmall:
-            minimum = math.ceil((_minimum_budget(solver, profile) + fixed) / (1.0 - self.margin))
+            needed = _minimum_budget(solver, profile)
+            minimum = math.ceil((needed + fixed) / (1.0 - self.margin))
+            # The smallest budget whose chain budget is `needed`, whatever the float rounding.
+            while self._chain_budget(minimum, fixed) < needed:
+                minimum += 1
+            while minimum > 1 and self._chain_budget(minimum - 1, fixed) >= needed:
+                minimum -= 1
             from remat.memory import format_bytes
 
             raise BudgetTooSmall(
@@ -236,7 +257,7 @@ class Checkpointable(nn.Module):
                 budget_bytes=budget,
                 minimum_bytes=minimum,
             ) from None
-        planned = PlannedChain(schedule, measurement, budget, schedule.predicted_peak_bytes + fixed)
+        planned = PlannedChain(schedule, measurement, budget, schedule.predicted_peak_bytes + fixed, fixed)
         chain = self._chains[key]
         executor = ChainExecutor(
             chain, expand_groups(schedule.items, measurement.groups), preserve_rng_state=self.preserve_rng_state

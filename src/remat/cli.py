@@ -358,9 +358,9 @@ class Workload:
     loss_description: str
     device: torch.device
 
-    def backward(self, target: Any) -> Callable[[Any], None]:
-        """The ``loss_fn(output)`` that :class:`~remat.checkpointable.Checkpointable` runs."""
-        return lambda output: self.loss_fn(output, target).backward()
+    def measurement_loss(self, target: Any) -> Callable[[Any], Tensor]:
+        """The ``loss_fn(output) -> loss`` that :class:`~remat.checkpointable.Checkpointable` measures with."""
+        return lambda output: self.loss_fn(output, target)
 
 
 def _sum_loss(output: Any, target: Any) -> Tensor:
@@ -590,7 +590,7 @@ def _measure(workload: Workload, solver: str, output: _Output) -> tuple[Any, tup
     from remat.checkpointable import Checkpointable
 
     inputs, target = workload.make_batch()
-    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.backward(target))
+    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
     with output.err.status(f"measuring {workload.name} (a warm-up step, a tracked step, a timed step)..."):
         try:
             _warm_up(workload, inputs, target)
@@ -640,7 +640,7 @@ def _plan_document(
     schedule, :meth:`remat.plan.report.PlanReport.to_dict`.
     """
     measurement = planned.measurement
-    fixed = measurement.fixed_bytes
+    fixed = planned.fixed_bytes
     report = planned.schedule.report()
     return {
         "format": "remat.plan",

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -68,6 +70,8 @@ class ChainMeasurement:
             activations and the chain input when the model computes it).
         measured_peak_bytes: peak of the measured step (every activation stored).
         end_peak_bytes: peak after the chain's backward (the prefix's backward).
+        output_bytes: bytes of the model's output (what a training loop that keeps the
+            output through the backward holds on top).
     """
 
     stages: list[StageMeasurement]
@@ -76,6 +80,7 @@ class ChainMeasurement:
     fixed_bytes: int
     measured_peak_bytes: int
     end_peak_bytes: int
+    output_bytes: int = 0
 
 
 class _Watch:
@@ -178,23 +183,37 @@ class _Watch:
             self.output_grad_bytes = nbytes
 
 
+# NOTE [stage hooks run once]
+# While a stage is intercepted its hook dictionaries are set aside, so the model's own
+# call of the stage runs no hooks; call_original puts them back around the stage's real
+# call. The hooks thus run once per call, inside the owner's measurement window or
+# recompute region, exactly as they run when a region is replayed (a plain module call):
+# a hook that replaces the output is applied once, and the next stage is linked to the
+# output as the hooks left it.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def call_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Calls a stage module with its own forward (hooks included) while it is intercepted."""
-    forward = module.__dict__.pop("forward")
+    """Calls a stage module with its own forward and hooks while it is intercepted."""
+    stand_in = module.__dict__.pop("forward")
+    set_aside = {name: module.__dict__[name] for name in _HOOK_DICTS}
+    module.__dict__.update(stand_in.hooks)
     try:
         return module(*args, **kwargs)
     finally:
-        module.__dict__["forward"] = forward
+        module.__dict__.update(set_aside)
+        module.__dict__["forward"] = stand_in
 
 
 @contextlib.contextmanager
 def intercept_stages(chain: Chain, owner: Any) -> Iterator[None]:
     """Routes every call of the chain's stage modules to ``owner.call(index, module, args, kwargs)``.
 
-    The stage's own module hooks still run around the call; the override is an instance
-    attribute removed on exit, whatever happens.
+    The stage's own module hooks run once, within the owner's :func:`call_original` (see
+    NOTE [stage hooks run once]); the overrides are instance attributes removed on exit,
+    whatever happens.
     """
-    installed: list[nn.Module] = []
+    installed: list[_ForwardThroughOwner] = []
     try:
         for index, module in enumerate(chain.modules):
             if "forward" in module.__dict__:
@@ -202,12 +221,19 @@ def intercept_stages(chain: Chain, owner: Any) -> Iterator[None]:
                     f"stage {chain.names[index]!r} has its forward replaced on the instance (is it "
                     "marked with remat.mark?); unmark it before using remat.Checkpointable"
                 )
-            module.__dict__["forward"] = _ForwardThroughOwner(owner, index, module)
-            installed.append(module)
+            stand_in = _ForwardThroughOwner(owner, index, module)
+            module.__dict__["forward"] = stand_in
+            for name in _HOOK_DICTS:
+                module.__dict__[name] = OrderedDict()
+            installed.append(stand_in)
         yield
     finally:
-        for module in installed:
+        for stand_in in installed:
+            module = stand_in.module
             module.__dict__.pop("forward", None)
+            for name, hooks in stand_in.hooks.items():
+                hooks.update(module.__dict__[name])  # hooks registered meanwhile
+                module.__dict__[name] = hooks
 
 
 class _ForwardThroughOwner:
@@ -217,6 +243,7 @@ class _ForwardThroughOwner:
         self.owner = owner
         self.index = index
         self.module = module
+        self.hooks = {name: module.__dict__[name] for name in _HOOK_DICTS}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner.call(self.index, self.module, args, kwargs)
@@ -248,14 +275,29 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _default_backward(output: Any) -> None:
+def _default_loss(output: Any) -> torch.Tensor:
     tensors = [t for t in _tensors(output) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
     if not tensors:
         raise RematError(
             "the model's output does not require grad, so there is no backward to plan; "
             "check that the model is in training mode and its parameters require grad"
         )
-    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    return torch.stack([t.sum() for t in tensors]).sum()
+
+
+def _loss_and_backward(loss_fn: Callable[[Any], Any], output: list[Any]) -> None:
+    """Computes the loss, drops the output (as a training loop does), then runs backward.
+
+    `output` is a one-element list so that this function holds the only reference.
+    """
+    loss = loss_fn(output.pop())
+    if loss is None:  # the loss function ran the backward itself
+        return
+    if not isinstance(loss, torch.Tensor):
+        raise RematError(f"loss_fn must return the loss tensor (or None), got {type(loss).__name__}")
+    if loss.numel() != 1:
+        loss = loss.sum()
+    loss.backward()
 
 
 @contextlib.contextmanager
@@ -283,7 +325,7 @@ def measure_chain(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    backward: Callable[[Any], None] | None = None,
+    loss_fn: Callable[[Any], Any] | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -292,9 +334,11 @@ def measure_chain(
         chain: the stages.
         args: sample positional inputs.
         kwargs: sample keyword inputs.
-        backward: runs the backward from the model's output (default: sum of the outputs).
+        loss_fn: ``loss_fn(output) -> loss`` (default: the sum of the outputs). The output
+            is dropped once the loss is computed, as in a training loop; a loss function
+            that runs the backward itself may return None.
     """
-    backward = backward or _default_backward
+    loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in _tensors((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     synchronize = _synchronizer(device)
@@ -305,27 +349,40 @@ def measure_chain(
             watch.pack, lambda t: t
         ):
             output = model(*args, **kwargs)
+            _check_no_cache(output)
             chain_end_event = tracker.n_events
             alive_after_forward = tracker.live_storage_allocations()
+            # Sizes now: some of these storages die with the output, before _assemble.
+            alive_bytes = {key: tracker.storage_bytes(key) for key in alive_after_forward}
             output_bytes = _bytes(_storages(_tensors(output), tracker))
-            backward(output)
+            output_allocations = {tracker.allocation_id(t) for t in _tensors(output)} - {None}
+            holder = [output]
             del output
+            _loss_and_backward(loss_fn, holder)
         if watch.next_stage != len(chain):
             raise UnsupportedModel(
                 f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
                 "every stage to run once per forward"
+            )
+        # Checked before the timing step: that step would run the in-place operation again,
+        # on an input whose history the first backward has freed.
+        if watch.stages[0].modifies_input:
+            raise UnsupportedModel(
+                f"the first stage {chain.names[0]!r} modifies its input in place; remat cannot keep "
+                "the chain input for a recompute. Make that operation out of place (e.g. "
+                "nn.ReLU(inplace=False))"
             )
         for p in model.parameters():
             p.grad = None
         timing = _Watch(chain, None, synchronize)
         with intercept_stages(chain, timing):
             synchronize()
-            output = model(*args, **kwargs)
-            backward(output)
+            _loss_and_backward(loss_fn, [model(*args, **kwargs)])
             synchronize()
             end_time = time.perf_counter()
-            del output
-    return _assemble(chain, watch, timing, tracker, alive_after_forward, output_bytes, end_time)
+    return _assemble(
+        chain, watch, timing, tracker, alive_after_forward, alive_bytes, output_bytes, output_allocations, end_time
+    )
 
 
 def _assemble(
@@ -334,7 +391,9 @@ def _assemble(
     timing: _Watch,
     tracker: MemoryTracker,
     alive_after_forward: dict[int, int],
+    alive_bytes: dict[int, int],
     output_bytes: int,
+    output_allocations: set[int],
     end_time: float,
 ) -> ChainMeasurement:
     n = len(chain)
@@ -353,11 +412,6 @@ def _assemble(
             stages[i].backward_time_s = max(0.0, t_stop - t_start)
         stages[i].forward_time_s = timing.stages[i].forward_time_s
 
-    if stages[0].modifies_input:
-        raise UnsupportedModel(
-            f"the first stage {chain.names[0]!r} modifies its input in place; remat cannot keep the "
-            "chain input for a recompute. Make that operation out of place (e.g. nn.ReLU(inplace=False))"
-        )
     groups: list[tuple[int, int]] = []
     for i in range(n):
         keeps_input = any(k in stages[i].saved_storages for k in stages[i].input_storages)
@@ -377,14 +431,18 @@ def _assemble(
     saved_keys = {k for st in stages for k in st.saved_storages}
     boundary_keys = {k for st in stages for k in st.output_storages}
     windows = [st.forward_window for st in stages]
+    side_effects: dict[str, int] = {}
     for key, allocated_at in alive_after_forward.items():
         if key in saved_keys or key in boundary_keys or key in escaped:
             continue
-        if any(start <= allocated_at < stop for start, stop in windows):
-            escaped[key] = tracker.storage_bytes(key)
+        for index, (start, stop) in enumerate(windows):
+            if start <= allocated_at < stop:
+                escaped[key] = alive_bytes[key]
+                side_effects[chain.names[index]] = side_effects.get(chain.names[index], 0) + alive_bytes[key]
+                break
+    if side_effects:
+        _warn_side_effects(side_effects)
     fixed_before += _bytes(escaped)
-    # The model's output: the training loop usually holds it through the backward.
-    fixed_before += output_bytes
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
     for st in stages:
@@ -443,7 +501,20 @@ def _assemble(
     b_last = stages[-1].backward_window
     suffix_stop = b_last[0] if b_last is not None else tracker.n_events
     suffix_before, suffix_peak, _ = tracker._curve(last_forward_end, suffix_stop)
-    grad[-1] = max(watch.output_grad_bytes, suffix_peak - suffix_before)
+    # What the suffix allocates and still holds when the last stage's backward ends, other
+    # than the model's output, is held through the chain's backward: e.g. the partial
+    # gradient of an LM head's weight tied to the prefix's embedding, which waits for the
+    # embedding's backward. It is fixed memory, not part of the transient.
+    suffix_kept = 0
+    if b_last is not None:
+        in_last_backward = tracker.surviving_allocations(*b_last)
+        suffix_kept = sum(
+            v
+            for k, v in tracker.surviving_allocations(last_forward_end, b_last[1]).items()
+            if k not in in_last_backward and k not in watch.gradient_allocations and k not in output_allocations
+        )
+    fixed_before += suffix_kept
+    grad[-1] = max(watch.output_grad_bytes, suffix_peak - suffix_before - suffix_kept)
     profile = ChainProfile(
         names=tuple(names),
         forward_time_s=tuple(ft),
@@ -457,7 +528,40 @@ def _assemble(
         backward_temp_bytes=tuple(b_tmp),
         metadata={"fixed_bytes": int(fixed_before), "measured_peak_bytes": int(measured_peak)},
     )
-    return ChainMeasurement(stages, groups, profile, int(fixed_before), int(measured_peak), int(end_peak))
+    return ChainMeasurement(
+        stages, groups, profile, int(fixed_before), int(measured_peak), int(end_peak), int(output_bytes)
+    )
+
+
+def _check_no_cache(output: Any) -> None:
+    # NOTE [key/value caches]
+    # A model that fills a key/value cache in its training forward (Hugging Face models
+    # built with use_cache=True) appends to it again when remat recomputes a block: the
+    # recompute then attends over twice the keys (NondeterministicRecompute, or a silently
+    # corrupted cache), and the cache keeps the blocks' tensors alive against the plan.
+    cache = output.get("past_key_values") if isinstance(output, Mapping) else getattr(output, "past_key_values", None)
+    if cache is not None:
+        raise UnsupportedModel(
+            "the model returned a key/value cache (past_key_values) from its training forward; "
+            "recomputing a block would append to that cache again. Build the model with "
+            "use_cache=False (Hugging Face: from_pretrained(..., use_cache=False) or "
+            "config.use_cache = False) or call it with use_cache=False"
+        )
+
+
+def _warn_side_effects(side_effects: dict[str, int]) -> None:
+    from remat.memory import format_bytes
+
+    stages = ", ".join(f"{name!r} ({format_bytes(nbytes)})" for name, nbytes in side_effects.items())
+    warnings.warn(
+        f"stages {stages} allocate memory that outlives the forward without being their output "
+        "or saved for backward: state filled in place, such as a key/value cache. remat counts "
+        "it as fixed memory, but recomputing these stages repeats the side effect (a cache grows, "
+        "or the recompute computes something else). For Hugging Face models, build them with "
+        "use_cache=False (or pass use_cache=False) for training",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _bytes(storages: dict[int, int]) -> int:
