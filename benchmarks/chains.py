@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from remat.bench import run_benchmark
 from remat.checkpointable import Checkpointable
 from remat.memory import format_bytes
-from remat.models import convnet, gpt2, mlp_chain
+from remat.models import gpt2, mlp_chain
 from remat.plan.solvers import get_solver
 from remat.testing import random_chain
 
@@ -50,7 +50,22 @@ def _convnet() -> tuple[Callable[[], nn.Module], Callable[[], Any], Callable[...
         images = torch.randn(32, 3, 32, 32, generator=generator)
         return (images,), torch.randint(0, 10, (32,), generator=generator)
 
-    return partial(convnet, num_classes=10, width=32), batch, F.cross_entropy
+    def factory() -> nn.Sequential:
+        # conv, BatchNorm and in-place ReLU as separate stages, channels and resolution
+        # changing along the chain: stages of very different costs.
+        layers: list[nn.Module] = []
+        channels = 3
+        for width, stride in [(32, 1), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1)]:
+            layers += [
+                nn.Conv2d(channels, width, 3, stride, 1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+            ]
+            channels = width
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
+        return nn.Sequential(*layers)
+
+    return factory, batch, F.cross_entropy
 
 
 def _transformer() -> tuple[Callable[[], nn.Module], Callable[[], Any], Callable[..., torch.Tensor]]:
@@ -70,7 +85,7 @@ def _transformer() -> tuple[Callable[[], nn.Module], Callable[[], Any], Callable
 
 CHAINS = {
     "uniform MLP (16 blocks, width 256, batch 256)": _mlp,
-    "heterogeneous conv net (batch 32, 32x32)": _convnet,
+    "heterogeneous conv net (8 conv-BN-ReLU, 32 to 256 channels, batch 32, 32x32)": _convnet,
     "transformer stack (GPT-2 style, 8 layers, d=128, 8x128 tokens)": _transformer,
 }
 

@@ -7,6 +7,10 @@ import importlib
 import pytest
 import torch
 
+# One intra-op thread: the tests use small tensors, where thread hand-offs on a shared
+# 2-core machine cost far more than they gain, and results do not depend on thread count.
+torch.set_num_threads(1)
+
 _recompute_module = importlib.import_module("remat.recompute")
 _state_module = importlib.import_module("remat._state")
 

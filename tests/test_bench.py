@@ -198,3 +198,19 @@ def test_a_budget_that_cannot_be_planned_is_a_row_with_an_error(monkeypatch: pyt
     )
     assert result.row("remat @ 0.5").error == "planning failed: the solver failed"
     assert result.row("remat @ min").ran
+
+
+def test_a_failing_checkpoint_sequential_is_a_row_with_an_error() -> None:
+    # torch's checkpoint_sequential rejects an in-place ReLU at a segment boundary; remat
+    # fuses it with the stage before and runs.
+    def model() -> nn.Sequential:
+        layers: list[nn.Module] = []
+        for _ in range(8):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(inplace=True)]
+        # 24 stages, 5 segments of 4: the third segment starts with an in-place ReLU
+        return nn.Sequential(*layers)
+
+    result = run_benchmark(model, make_batch, F.mse_loss, budgets=("min",), steps=1, threads=1)
+    checkpoint = result.row("checkpoint_sequential sqrt(n)")
+    assert checkpoint.error is not None and checkpoint.measured_peak_bytes is None
+    assert result.row("remat @ min").fits_budget

@@ -525,8 +525,14 @@ def _run(
             BenchmarkRow(CHECKPOINT_SEQUENTIAL, "checkpoint_sequential", segments=segments), checkpointed
         )
         rows.append(strategy.row)
-        prepare(strategy)
-        checkpoint_peak = strategy.row.measured_peak_bytes
+        try:
+            prepare(strategy)
+            checkpoint_peak = strategy.row.measured_peak_bytes
+        except RuntimeError as error:
+            # e.g. an in-place operation at a segment boundary, which torch rejects
+            strategy.row.error = f"failed: {str(error).splitlines()[0]}"
+            strategies.remove(strategy) if strategy in strategies else None
+            timelines.pop(strategy.row.strategy, None)
 
     # remat is measured once and planned for every budget.
     runner.reset()
@@ -541,7 +547,7 @@ def _run(
     )
     measurement = wrapper.measure(*inputs)
     remat_budgets: list[tuple[str, Budget | None]] = [(_budget_label(b), b) for b in budgets]
-    if can_checkpoint:
+    if can_checkpoint and checkpoint_peak is not None:
         remat_budgets.append((CKPT_SEQ_BUDGET, checkpoint_peak))
     for label, budget in remat_budgets:
         name = f"remat @ {label}"
