@@ -23,6 +23,9 @@ __all__ = ["Checkpointable", "PlannedChain"]
 
 logger = logging.getLogger("remat")
 
+#: Fraction of the budget kept free when the prediction is not exact by construction.
+DEFAULT_MARGIN = 0.02
+
 
 @dataclass
 class PlannedChain:
@@ -99,7 +102,9 @@ class Checkpointable(nn.Module):
         loss_fn: ``loss_fn(output) -> loss`` used during measurement (default: the sum of
             the outputs). Give your real loss when it uses much memory (a cross entropy over
             a large vocabulary), e.g. ``lambda out: F.cross_entropy(out, target)``.
-        margin: fraction of the budget kept free when planning (see NOTE [planning margin]).
+        margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
+            None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` (predicted to
+            the byte), otherwise ``DEFAULT_MARGIN`` (2%).
         output_kept: whether the training loop keeps the model's output alive through the
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
@@ -121,7 +126,7 @@ class Checkpointable(nn.Module):
         slots: int = 500,
         preserve_rng_state: bool = True,
         loss_fn: Any = None,
-        margin: float = 0.02,
+        margin: float | None = None,
         output_kept: bool = True,
     ) -> None:
         super().__init__()
@@ -138,9 +143,9 @@ class Checkpointable(nn.Module):
         self._measurements: dict[Hashable, ChainMeasurement] = {}
         self._plans: dict[tuple[Hashable, Any], tuple[PlannedChain, ChainExecutor]] = {}
         self._last_key: Hashable | None = None
-        if not 0.0 <= margin < 0.5:
+        if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
-        self.margin = margin
+        self._margin_option = margin
         self.output_kept = output_kept
         self._solver()  # fail now on an unknown solver name
 
@@ -190,8 +195,20 @@ class Checkpointable(nn.Module):
         return executor(self.model, args, kwargs)
 
     # ------------------------------------------------------------------ internals
-    def _chain_budget(self, budget: int, fixed: int) -> int:
-        return int(budget * (1.0 - self.margin)) - fixed
+    @property
+    def margin(self) -> float:
+        """The planning margin in use for the last measured input (see ``margin`` above)."""
+        if self._last_key is None or self._last_key not in self._chains:
+            return self._margin_option if self._margin_option is not None else DEFAULT_MARGIN
+        return self._margin(self._last_key)
+
+    def _margin(self, key: Hashable) -> float:
+        if self._margin_option is not None:
+            return self._margin_option
+        # An nn.Sequential measured with the real loss is predicted to the byte; anything
+        # with parts outside the chain, or measured with the default loss, keeps a margin.
+        exact = self._chains[key].whole_model and self._loss_fn is not None
+        return 0.0 if exact else DEFAULT_MARGIN
 
     def _solver(self) -> Any:
         if self.solver_name in ("optimal", "auto"):
@@ -231,9 +248,15 @@ class Checkpointable(nn.Module):
         budget = parse_budget(mem_limit, reference_bytes=reference, device=device)
         # NOTE [planning margin]
         # The plan must fit with a margin for what per-stage measurement cannot attribute
-        # (framework bookkeeping tensors, a loss slightly larger than the one measured):
-        # the chain is planned for (1 - margin) of the budget, less the fixed memory.
-        chain_budget = self._chain_budget(budget, fixed)
+        # (the model's own code around the chain, a real loss heavier than the default
+        # one measured): the chain is planned for (1 - margin) of the budget, less the
+        # fixed memory. A Sequential measured with the real loss has nothing unattributed.
+        margin = self._margin(key)
+
+        def chain_budget_of(total: int) -> int:
+            return int(total * (1.0 - margin)) - fixed
+
+        chain_budget = chain_budget_of(budget)
         solver = self._solver()
         try:
             if chain_budget <= 0:
@@ -242,11 +265,11 @@ class Checkpointable(nn.Module):
                 schedule = solver(profile, chain_budget)
         except BudgetTooSmall:
             needed = _minimum_budget(solver, profile)
-            minimum = math.ceil((needed + fixed) / (1.0 - self.margin))
+            minimum = math.ceil((needed + fixed) / (1.0 - margin))
             # The smallest budget whose chain budget is `needed`, whatever the float rounding.
-            while self._chain_budget(minimum, fixed) < needed:
+            while chain_budget_of(minimum) < needed:
                 minimum += 1
-            while minimum > 1 and self._chain_budget(minimum - 1, fixed) >= needed:
+            while minimum > 1 and chain_budget_of(minimum - 1) >= needed:
                 minimum -= 1
             from remat.memory import format_bytes
 
