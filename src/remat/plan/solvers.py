@@ -249,11 +249,15 @@ class StoreInputsSolver:
         Raises:
             BudgetTooSmall: its peak is above the budget (``minimum_bytes`` is that peak).
         """
-        n_stages = profile.n_stages
-        plan: Plan = tuple(
-            Region(stage, stage + 1, (Store(stage),)) for stage in range(n_stages - 1)
-        ) + (Store(n_stages - 1),)
+        plan = self.plan_of(profile.n_stages)
         return _fixed_plan_schedule(self.name, profile, budget_bytes, plan, _ADVICE_BASELINE)
+
+    @staticmethod
+    def plan_of(n_stages: int) -> Plan:
+        """The keep-inputs plan of a chain of ``n_stages`` stages."""
+        return tuple(Region(stage, stage + 1, (Store(stage),)) for stage in range(n_stages - 1)) + (
+            Store(n_stages - 1),
+        )
 
 
 class PeriodicSolver:
@@ -1053,6 +1057,14 @@ def _least_peak_choice(
     return choose
 
 
+def _baseline_plans(n_stages: int) -> list[Plan]:
+    """Store-inputs and the periodic plans with 2 .. 2*sqrt(n) segments."""
+    plans: list[Plan] = [StoreInputsSolver.plan_of(n_stages)] if n_stages > 1 else []
+    for segments in range(2, min(n_stages, 2 * (math.isqrt(n_stages) + 1)) + 1):
+        plans.append(PeriodicSolver(segments=segments).plan(n_stages))
+    return plans
+
+
 def _plan_time_s(profile: ChainProfile, plan: Plan) -> float:
     """The time of a plan from its forward counts, without simulating it."""
     counts = [0] * profile.n_stages
@@ -1158,6 +1170,13 @@ class OptimalSolver:
             1.0 - 1e-12
         ):
             best = self._checked_schedule(profile, least_plan, budget)
+        # Rounding sizes up to slots can also hide a simple plan that fits to the byte: the
+        # baselines are checked exactly, so the result is never slower than one that fits.
+        for plan in _baseline_plans(n):
+            if _plan_time_s(profile, plan) < best.predicted_time_s * (1.0 - 1e-12):
+                candidate = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
+                if candidate.predicted_peak_bytes <= budget:
+                    best = candidate
         return best
 
     def _checked_schedule(self, profile: ChainProfile, plan: Plan, budget: int) -> Schedule:
