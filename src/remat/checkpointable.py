@@ -17,7 +17,7 @@ from remat.execute import ChainExecutor, expand_groups
 from remat.measure import ChainMeasurement, measure_chain
 from remat.memory import parse_budget
 from remat.plan.schedule import Schedule, simulate
-from remat.plan.solvers import get_solver
+from remat.plan.solvers import get_solver, numba_available
 
 __all__ = ["Checkpointable", "PlannedChain"]
 
@@ -97,7 +97,9 @@ class Checkpointable(nn.Module):
             with a unit ("512MiB", "1.5GB"), a fraction in (0, 1] of the activation memory
             without recompute, or None for the memory the device has free (minus a margin).
         solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
-        slots: memory discretisation of the dynamic program.
+        slots: memory slots of the dynamic program; None picks as many as keep the solve
+            well under a second (500 for 200 stages, up to 20000 for short chains), so
+            that rounding sizes up to slots wastes little of the budget.
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
         loss_fn: ``loss_fn(output) -> loss`` used during measurement (default: the sum of
             the outputs). Give your real loss when it uses much memory (a cross entropy over
@@ -123,7 +125,7 @@ class Checkpointable(nn.Module):
         mem_limit: int | float | str | None = None,
         *,
         solver: str = "optimal",
-        slots: int = 500,
+        slots: int | None = None,
         preserve_rng_state: bool = True,
         loss_fn: Any = None,
         margin: float | None = None,
@@ -210,10 +212,19 @@ class Checkpointable(nn.Module):
         exact = self._chains[key].whole_model and self._loss_fn is not None
         return 0.0 if exact else DEFAULT_MARGIN
 
-    def _solver(self) -> Any:
+    def _solver(self, n_stages: int = 1) -> Any:
         if self.solver_name in ("optimal", "auto"):
-            return get_solver(self.solver_name, slots=self.slots)
+            return get_solver(self.solver_name, slots=self._slots_for(n_stages))
         return get_solver(self.solver_name)
+
+    def _slots_for(self, n_stages: int) -> int:
+        if self.slots is not None:
+            return self.slots
+        if not numba_available():
+            return 500
+        # The dynamic program costs about n^3 * slots; 200 stages x 500 slots solve in a
+        # fraction of a second, so shorter chains can afford finer memory.
+        return int(min(20000, max(500, 200**3 * 500 // max(1, n_stages) ** 3)))
 
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
@@ -257,7 +268,7 @@ class Checkpointable(nn.Module):
             return int(total * (1.0 - margin)) - fixed
 
         chain_budget = chain_budget_of(budget)
-        solver = self._solver()
+        solver = self._solver(profile.n_stages)
         try:
             if chain_budget <= 0:
                 raise BudgetTooSmall("", budget_bytes=chain_budget, minimum_bytes=0)
