@@ -1057,6 +1057,10 @@ def _least_peak_choice(
     return choose
 
 
+#: Chains up to this length get a second, relaxed pass of the dynamic program.
+_RELAXED_PASS_MAX_STAGES = 120
+
+
 def _baseline_plans(n_stages: int) -> list[Plan]:
     """Store-inputs and the periodic plans with 2 .. 2*sqrt(n) segments."""
     plans: list[Plan] = [StoreInputsSolver.plan_of(n_stages)] if n_stages > 1 else []
@@ -1160,16 +1164,27 @@ class OptimalSolver:
         minimum = int(least_exact[0, n - 1, 0])
         if budget < minimum:
             raise _budget_too_small(self.name, profile, budget, minimum, _ADVICE_OPTIMAL)
-        least_plan = _build_plan(exact, budget, _least_peak_choice(exact, least_exact))
+        least_choice = _least_peak_choice(exact, least_exact)
         fastest = self._fastest_plan(profile, budget, implementation)
         best: Schedule | None = None
         if fastest is not None:
             best = self._checked_schedule(profile, fastest, budget)
-        # The least-peak plan always fits; it is only faster when rounding to slots hid it.
-        if best is None or _plan_time_s(profile, least_plan) < best.predicted_time_s * (
-            1.0 - 1e-12
-        ):
-            best = self._checked_schedule(profile, least_plan, budget)
+        # A least-peak plan always fits; it is only faster when rounding to slots hid it.
+        # (The one built for the minimum itself too: whatever fits the minimum fits here.)
+        for least_plan in {_build_plan(exact, budget, least_choice), _build_plan(exact, minimum, least_choice)}:
+            if best is None or _plan_time_s(profile, least_plan) < best.predicted_time_s * (1.0 - 1e-12):
+                best = self._checked_schedule(profile, least_plan, budget)
+        assert best is not None
+        # Rounding up to slots also rejects plans whose exact peak is within a few slots of
+        # the budget. Where it is cheap, solve once more with the budget raised by that much
+        # and keep the result if its exact peak fits and it is faster.
+        if n <= _RELAXED_PASS_MAX_STAGES:
+            unit = max(1, -(-budget // self.slots))
+            relaxed = self._fastest_plan(profile, budget + (2 * n + 2) * unit, implementation)
+            if relaxed is not None and _plan_time_s(profile, relaxed) < best.predicted_time_s * (1.0 - 1e-12):
+                candidate = Schedule.from_plan(profile, relaxed, budget_bytes=budget, solver_name=self.name)
+                if candidate.predicted_peak_bytes <= budget:
+                    best = candidate
         # Rounding sizes up to slots can also hide a simple plan that fits to the byte: the
         # baselines are checked exactly, so the result is never slower than one that fits.
         for plan in _baseline_plans(n):
