@@ -8,7 +8,8 @@ state dict saved from that layout loads with ``load_state_dict``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -204,89 +205,23 @@ def resnet(
     return model
 
 
-def resnet18(
-    num_classes: int = 1000,
-    *,
-    width: int = 64,
-    in_channels: int = 3,
-    zero_init_residual: bool = False,
-) -> nn.Sequential:
-    """ResNet-18 (basic blocks 2-2-2-2) as a chain; see :func:`resnet`."""
-    return resnet(
-        18,
-        num_classes,
-        width=width,
-        in_channels=in_channels,
-        zero_init_residual=zero_init_residual,
+def _of_depth(depth: int, layout: str) -> Callable[..., nn.Sequential]:
+    def factory(num_classes: int = 1000, **options: Any) -> nn.Sequential:
+        return resnet(depth, num_classes, **options)
+
+    factory.__name__ = factory.__qualname__ = f"resnet{depth}"
+    factory.__doc__ = (
+        f"ResNet-{depth} ({layout}) as a chain; keyword options (``width``, ``in_channels``, "
+        "``zero_init_residual``) as for :func:`resnet`."
     )
+    return factory
 
 
-def resnet34(
-    num_classes: int = 1000,
-    *,
-    width: int = 64,
-    in_channels: int = 3,
-    zero_init_residual: bool = False,
-) -> nn.Sequential:
-    """ResNet-34 (basic blocks 3-4-6-3) as a chain; see :func:`resnet`."""
-    return resnet(
-        34,
-        num_classes,
-        width=width,
-        in_channels=in_channels,
-        zero_init_residual=zero_init_residual,
-    )
-
-
-def resnet50(
-    num_classes: int = 1000,
-    *,
-    width: int = 64,
-    in_channels: int = 3,
-    zero_init_residual: bool = False,
-) -> nn.Sequential:
-    """ResNet-50 (bottlenecks 3-4-6-3) as a chain; see :func:`resnet`."""
-    return resnet(
-        50,
-        num_classes,
-        width=width,
-        in_channels=in_channels,
-        zero_init_residual=zero_init_residual,
-    )
-
-
-def resnet101(
-    num_classes: int = 1000,
-    *,
-    width: int = 64,
-    in_channels: int = 3,
-    zero_init_residual: bool = False,
-) -> nn.Sequential:
-    """ResNet-101 (bottlenecks 3-4-23-3) as a chain; see :func:`resnet`."""
-    return resnet(
-        101,
-        num_classes,
-        width=width,
-        in_channels=in_channels,
-        zero_init_residual=zero_init_residual,
-    )
-
-
-def resnet152(
-    num_classes: int = 1000,
-    *,
-    width: int = 64,
-    in_channels: int = 3,
-    zero_init_residual: bool = False,
-) -> nn.Sequential:
-    """ResNet-152 (bottlenecks 3-8-36-3) as a chain; see :func:`resnet`."""
-    return resnet(
-        152,
-        num_classes,
-        width=width,
-        in_channels=in_channels,
-        zero_init_residual=zero_init_residual,
-    )
+resnet18 = _of_depth(18, "basic blocks 2-2-2-2")
+resnet34 = _of_depth(34, "basic blocks 3-4-6-3")
+resnet50 = _of_depth(50, "bottlenecks 3-4-6-3")
+resnet101 = _of_depth(101, "bottlenecks 3-4-23-3")
+resnet152 = _of_depth(152, "bottlenecks 3-8-36-3")
 
 
 def resnet_small(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -159,85 +161,19 @@ def vgg(
     return model
 
 
-def vgg11(
-    num_classes: int = 1000,
-    *,
-    batch_norm: bool = False,
-    width: int = 64,
-    hidden_features: int = 4096,
-    image_size: int = 224,
-    dropout: float = 0.5,
-) -> nn.Sequential:
-    """VGG-11 (configuration "A") as a chain; see :func:`vgg`."""
-    return vgg(
-        11,
-        num_classes,
-        batch_norm=batch_norm,
-        width=width,
-        hidden_features=hidden_features,
-        image_size=image_size,
-        dropout=dropout,
+def _of_depth(depth: int, configuration: str) -> Callable[..., nn.Sequential]:
+    def factory(num_classes: int = 1000, **options: Any) -> nn.Sequential:
+        return vgg(depth, num_classes, **options)
+
+    factory.__name__ = factory.__qualname__ = f"vgg{depth}"
+    factory.__doc__ = (
+        f'VGG-{depth} (configuration "{configuration}") as a chain; keyword options '
+        "(``batch_norm``, ``width``, ``hidden_features``, ``image_size``, ``dropout``) as for :func:`vgg`."
     )
+    return factory
 
 
-def vgg13(
-    num_classes: int = 1000,
-    *,
-    batch_norm: bool = False,
-    width: int = 64,
-    hidden_features: int = 4096,
-    image_size: int = 224,
-    dropout: float = 0.5,
-) -> nn.Sequential:
-    """VGG-13 (configuration "B") as a chain; see :func:`vgg`."""
-    return vgg(
-        13,
-        num_classes,
-        batch_norm=batch_norm,
-        width=width,
-        hidden_features=hidden_features,
-        image_size=image_size,
-        dropout=dropout,
-    )
-
-
-def vgg16(
-    num_classes: int = 1000,
-    *,
-    batch_norm: bool = False,
-    width: int = 64,
-    hidden_features: int = 4096,
-    image_size: int = 224,
-    dropout: float = 0.5,
-) -> nn.Sequential:
-    """VGG-16 (configuration "D") as a chain; see :func:`vgg`."""
-    return vgg(
-        16,
-        num_classes,
-        batch_norm=batch_norm,
-        width=width,
-        hidden_features=hidden_features,
-        image_size=image_size,
-        dropout=dropout,
-    )
-
-
-def vgg19(
-    num_classes: int = 1000,
-    *,
-    batch_norm: bool = False,
-    width: int = 64,
-    hidden_features: int = 4096,
-    image_size: int = 224,
-    dropout: float = 0.5,
-) -> nn.Sequential:
-    """VGG-19 (configuration "E") as a chain; see :func:`vgg`."""
-    return vgg(
-        19,
-        num_classes,
-        batch_norm=batch_norm,
-        width=width,
-        hidden_features=hidden_features,
-        image_size=image_size,
-        dropout=dropout,
-    )
+vgg11 = _of_depth(11, "A")
+vgg13 = _of_depth(13, "B")
+vgg16 = _of_depth(16, "D")
+vgg19 = _of_depth(19, "E")
