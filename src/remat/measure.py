@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.chain import Chain
 from remat.errors import RematError, UnsupportedModel
@@ -342,6 +342,7 @@ def measure_chain(
     devices = sorted({t.device for t in _tensors((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     synchronize = _synchronizer(device)
+    args, kwargs = _isolated_inputs(args, kwargs)
     with preserved_model_state(model, devices):
         tracker = MemoryTracker(device=device.type)
         watch = _Watch(chain, tracker, lambda: None)
@@ -531,6 +532,25 @@ def _assemble(
     return ChainMeasurement(
         stages, groups, profile, int(fixed_before), int(measured_peak), int(end_peak), int(output_bytes)
     )
+
+
+def _isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs with every tensor that requires grad cut from the caller's graph.
+
+    The measured steps run backward: on the caller's tensors that would accumulate
+    gradients into them (and into whatever they were computed from) and free the
+    caller's graph before its own backward. Each such tensor is replaced by a clone of a
+    detached alias: same values and flags, a graph of its own, and an in-place operation
+    of the first stage lands on the clone.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    leaves = [
+        leaf.detach().requires_grad_(True).clone()
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        else leaf
+        for leaf in leaves
+    ]
+    return tree_unflatten(leaves, spec)
 
 
 def _check_no_cache(output: Any) -> None:
