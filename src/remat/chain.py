@@ -134,20 +134,24 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     children: dict[int | None, list[int]] = {}
     for index, call in enumerate(calls):
         children.setdefault(call.parent, []).append(index)
+    # Runs are compared by the stages they give, nested Sequentials expanded: the top-level
+    # run of a ResNet (stem, layer1..4, pooling) beats the run of blocks inside layer1.
     best: list[int] = []
+    best_stages = 0
     for siblings in children.values():
         run: list[int] = []
+        run_stages = 0
         for index in siblings:
             call = calls[index]
             if call_counts.get(id(call.module), 0) != 1:
-                run = []
+                run, run_stages = [], 0
                 continue
-            if run and call.linked:
-                run.append(index)
-            else:
-                run = [index]
-            if len(run) > len(best):
-                best = list(run)
+            if not (run and call.linked):
+                run, run_stages = [], 0
+            run.append(index)
+            run_stages += len(_flatten_sequential(call.name, call.module))
+            if run_stages > best_stages:
+                best, best_stages = list(run), run_stages
     stages = _expand_sequentials([(calls[i].name, calls[i].module) for i in best])
     if len(stages) < 2:
         raise UnsupportedModel(
