@@ -67,16 +67,16 @@ class PlannedChain:
         return self.schedule.forward_counts
 
     def __str__(self) -> str:
-        fixed = self.fixed_bytes
-        text = str(self.schedule)
-        if fixed:
-            from remat.memory import format_bytes
+        # The report above is the chain's schedule, planned within what the whole-step
+        # budget leaves after the planning margin and the memory held outside the chain.
+        from remat.memory import format_bytes
 
-            text += (
-                f"\nmemory held outside the chain's schedule: {format_bytes(fixed)}; "
-                f"predicted whole-step peak: {format_bytes(self.predicted_peak_bytes)}"
-            )
-        return text
+        budget = "unlimited" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        return (
+            f"{self.schedule}\nwhole step: budget {budget}, predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} (memory held outside the chain's "
+            f"schedule: {format_bytes(self.fixed_bytes)})"
+        )
 
 
 class Checkpointable(nn.Module):
