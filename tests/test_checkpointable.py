@@ -481,3 +481,18 @@ def test_the_plan_prints_budget_peak_overhead_and_stages() -> None:
         row = next(line for line in text.splitlines() if line.split()[:2] == [str(index), name])
         assert row.split()[-1] == str(planned.forward_counts[index])
     assert "recompute" in text and "keep" in text
+
+
+def test_changing_an_option_after_planning_plans_again() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(6)))
+    x = torch.randn(8, 16)
+    wrapped = remat.Checkpointable(model, 0.5)
+    wrapped(x).sum().backward()
+    first = wrapped.plan
+    assert first is not None and first.schedule.solver_name == "optimal"
+    wrapped.solver_name = "none"
+    wrapped.mem_limit = 2**40
+    wrapped(x).sum().backward()
+    second = wrapped.plan
+    assert second is not None and second is not first and second.schedule.solver_name == "none"

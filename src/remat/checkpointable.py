@@ -183,8 +183,13 @@ class Checkpointable(nn.Module):
         """The plan of the most recent training call, if any."""
         if self._last_key is None:
             return None
-        cached = self._plans.get((self._last_key, repr(self.mem_limit)))
+        cached = self._plans.get((self._last_key, self._plan_key(self.mem_limit)))
         return None if cached is None else cached[0]
+
+    def _plan_key(self, mem_limit: Any) -> str:
+        # Everything a plan depends on besides the measurement: changing an option after a
+        # first plan gives a new plan, not the cached one.
+        return repr((mem_limit, self.solver_name, self.slots, self._margin_option, self.output_kept))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -241,7 +246,7 @@ class Checkpointable(nn.Module):
         return chain
 
     def _plan(self, key: Hashable, mem_limit: Any) -> tuple[PlannedChain, ChainExecutor]:
-        budget_key = repr(mem_limit)
+        budget_key = self._plan_key(mem_limit)
         cached = self._plans.get((key, budget_key))
         if cached is not None:
             return cached
