@@ -307,3 +307,10 @@ def test_hugging_face_gpt2_with_a_key_value_cache_is_refused() -> None:
     plain = copy.deepcopy(model)
     logits_sum: Callable[[Any], torch.Tensor] = lambda output: output.logits.sum()
     compare_training(plain, wrapped, (tokens,), logits_sum, output_of=lambda output: output.logits)
+
+
+def test_a_module_repeated_in_a_sequential_is_refused_by_name() -> None:
+    shared = nn.Linear(16, 16)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(remat.UnsupportedModel, match=r"module '2' appears twice"):
+        remat.Checkpointable(model, 0.5)(torch.randn(4, 16))

@@ -47,7 +47,7 @@ class Chain:
 def _flatten_sequential(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(module, nn.Sequential) and len(module) > 0:
         out: list[tuple[str, nn.Module]] = []
-        for name, child in module.named_children():
+        for name, child in module._modules.items():  # not named_children(): it hides repeats
             out.extend(_flatten_sequential(f"{prefix}.{name}" if prefix else name, child))
         return out
     return [(prefix or type(module).__name__, module)]
