@@ -81,7 +81,7 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # name -> (model factory, DDP options)
-SCENARIOS: dict[str, tuple[Callable[[], Net], dict[str, Any]]] = {
+SCENARIOS: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
     "plain": (lambda: make_net("plain"), {}),
     "plain-function": (lambda: make_net("plain-function"), {}),
     "hooks-marked": (lambda: make_net("marked"), {}),
@@ -109,10 +109,17 @@ SCENARIOS: dict[str, tuple[Callable[[], Net], dict[str, Any]]] = {
         lambda: make_net("marked", use_reentrant=True, shared=True),
         {"static_graph": True},
     ),
+    # remat.Checkpointable inside DDP: its first call measures (forward and backward
+    # inside DDP's forward), then runs the optimal plan for 60% of the memory.
+    "checkpointable": (lambda: remat.Checkpointable(make_net("plain"), 0.6), {}),
+    "checkpointable-find-unused": (
+        lambda: remat.Checkpointable(make_net("plain", with_unused=True), 0.6),
+        {"find_unused_parameters": True},
+    ),
 }
 
 
-def run_scenario(rank: int, factory: Callable[[], Net], options: dict[str, Any]) -> dict[str, Any]:
+def run_scenario(rank: int, factory: Callable[[], nn.Module], options: dict[str, Any]) -> dict[str, Any]:
     x, y = full_batch()
     shard = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     model = DistributedDataParallel(factory(), **options)
