@@ -496,3 +496,25 @@ def test_changing_an_option_after_planning_plans_again() -> None:
     wrapped(x).sum().backward()
     second = wrapped.plan
     assert second is not None and second is not first and second.schedule.solver_name == "none"
+
+
+@pytest.mark.parametrize("name", ["mlp_dropout", "conv_bn_relu", "gpt2"])
+def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: str) -> None:
+    model, inputs, loss_fn = build(name)
+    plain_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5)
+    with remat.MemoryTracker() as plain_tracker:
+        plain = plain_wrapper.measure(*inputs)
+    frugal_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, frugal_measure=True)
+    with remat.MemoryTracker() as frugal_tracker:
+        frugal = frugal_wrapper.measure(*inputs)
+    # the measuring step itself: well below a plain step's memory
+    assert frugal_tracker.peak_bytes < 0.8 * plain_tracker.peak_bytes
+    # the same chain, the same stored bytes; transients bounded from above
+    assert frugal.groups == plain.groups
+    assert frugal.profile.saved_bytes == plain.profile.saved_bytes
+    assert frugal.profile.activation_bytes == plain.profile.activation_bytes
+    assert all(f >= p for f, p in zip(frugal.profile.forward_temp_bytes, plain.profile.forward_temp_bytes))
+    # and training with its plan is exact and fits
+    peaks = compare_training(copy.deepcopy(model), frugal_wrapper, inputs, loss_fn)
+    assert frugal_wrapper.plan is not None
+    assert max(peaks[1:]) <= frugal_wrapper.plan.budget_bytes

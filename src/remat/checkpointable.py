@@ -111,6 +111,10 @@ class Checkpointable(nn.Module):
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
             expression (``loss_fn(model(x), y).backward()``) for a tighter plan.
+        frugal_measure: measure with the stages recomputed in segments of about sqrt(n),
+            in a fraction of the memory of a plain step, for a model that does not fit
+            without recompute (see NOTE [frugal measurement]); its predictions err a little
+            more on the safe side.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -130,6 +134,7 @@ class Checkpointable(nn.Module):
         loss_fn: Any = None,
         margin: float | None = None,
         output_kept: bool = True,
+        frugal_measure: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -149,6 +154,7 @@ class Checkpointable(nn.Module):
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
         self._margin_option = margin
         self.output_kept = output_kept
+        self.frugal_measure = frugal_measure
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
@@ -159,7 +165,9 @@ class Checkpointable(nn.Module):
         """
         key = _signature(sample_inputs, sample_kwargs)
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
-        measurement = measure_chain(self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn)
+        measurement = measure_chain(
+            self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=self.frugal_measure
+        )
         self._measurements[key] = measurement
         self._last_key = key
         logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)

@@ -20,14 +20,14 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from torch import nn
 
 from remat._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.chain import Chain, InputLink
 from remat.errors import RematError, UnsupportedModel
-from remat.measure import call_original, intercept_stages
+from remat.measure import call_original, call_stage, intercept_stages
 from remat.plan.schedule import Region, Store
 from remat.recompute import RegionRecording, active_mode, recompute
 
@@ -84,6 +84,7 @@ class _Run:
                     (args, kwargs),
                     {},
                     preserve_rng_state=executor.preserve_rng_state,
+                    observer=None if executor.observer is None else executor.observer(region),
                 )
             else:
                 self.links[index] = InputLink(args, kwargs, self.previous_output)
@@ -109,7 +110,7 @@ class _Run:
                 args, kwargs = self.links[first].build(out)
             if isinstance(item, Store):
                 with replay_forward_state(self.states[first]):
-                    out = self.executor.chain.modules[first](*args, **kwargs)
+                    out = call_stage(self.executor.chain.modules[first], args, kwargs)
             else:
                 out = recompute(_Replay(self, item.body), args, kwargs)
         return out
@@ -135,12 +136,22 @@ class ChainExecutor:
         chain: the stages.
         items: the plan tree, in stage-call indices (see :func:`expand_groups`).
         preserve_rng_state: replay RNG states in recomputed stages.
+        observer: ``observer(region)`` gives the observer of each top-level region's
+            recording (see :class:`remat.recompute.RegionRecording`); used by measurement.
     """
 
-    def __init__(self, chain: Chain, items: Sequence[Item], *, preserve_rng_state: bool = True) -> None:
+    def __init__(
+        self,
+        chain: Chain,
+        items: Sequence[Item],
+        *,
+        preserve_rng_state: bool = True,
+        observer: Callable[[Region], Any] | None = None,
+    ) -> None:
         self.chain = chain
         self.items = tuple(items)
         self.preserve_rng_state = preserve_rng_state
+        self.observer = observer
         self.actions: list[tuple[str, Region | None]] = [("store", None)] * len(chain)
         covered = 0
         for item in self.items:

@@ -22,6 +22,7 @@ That makes the planner's memory model exact (see ``remat.plan.schedule.simulate`
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections import OrderedDict
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from remat.chain import Chain
 from remat.errors import RematError, UnsupportedModel
@@ -86,10 +87,29 @@ class ChainMeasurement:
 class _Watch:
     """Installed on the stage modules while measuring."""
 
-    def __init__(self, chain: Chain, tracker: MemoryTracker | None, synchronize: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        chain: Chain,
+        tracker: MemoryTracker | None,
+        synchronize: Callable[[], None],
+        spans: list[tuple[int, int]] | None = None,
+    ) -> None:
         self.chain = chain
         self.tracker = tracker
         self.synchronize = synchronize
+        # Frugal measurement (see NOTE [frugal measurement]): each span of stages runs as
+        # a recompute region, so the step keeps only the spans' inputs.
+        self.spans = spans
+        self.recompute_end_event: dict[int, int] = {}  # span start -> event after its recompute
+        self.recompute_time_s: dict[int, float] = {}  # span start -> seconds of its recompute
+        self.recompute_windows: list[tuple[int, int]] = []  # events of every recompute
+        self._run: Any = None
+        if spans is not None:
+            from remat.execute import ChainExecutor, _Run
+            from remat.plan.schedule import Region, Store
+
+            items = tuple(Region(a, b, tuple(Store(k) for k in range(a, b))) for a, b in spans)
+            self._run = _Run(ChainExecutor(chain, items, observer=lambda region: _SpanObserver(self, region.start)))
         self.stages = [StageMeasurement(name) for name in chain.names]
         self.current: int | None = None
         self.next_stage = 0
@@ -103,15 +123,19 @@ class _Watch:
         return self.tracker.n_events if self.tracker is not None else 0
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if self.current is not None and self.tracker is not None:
-            key = _key(tensor)
-            allocated_at = self.tracker.allocated_at(tensor) if key is not None else None
-            if allocated_at is not None:
-                self.stages[self.current].saved_storages[key] = (
-                    int(tensor.untyped_storage().nbytes()),
-                    allocated_at,
-                )
+        self.record_saved(tensor)
         return tensor.detach() if tensor.layout == torch.strided else tensor
+
+    def record_saved(self, tensor: torch.Tensor) -> None:
+        # Storages are known by allocation id, not address: in the frugal mode a saved
+        # tensor can die before the next is saved, and its address be reused.
+        if self.current is not None and self.tracker is not None:
+            allocation_id = self.tracker.allocation_id(tensor)
+            if allocation_id is not None:
+                self.stages[self.current].saved_storages[allocation_id] = (
+                    self.tracker.allocation_bytes(allocation_id),
+                    self.tracker.allocation_event(allocation_id),
+                )
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if index != self.next_stage:
@@ -141,7 +165,10 @@ class _Watch:
         start_time = time.perf_counter()
         start_event = self.event()
         try:
-            out = call_original(module, args, kwargs)
+            if self._run is not None and torch.is_grad_enabled():
+                out = self._run.call(index, module, args, kwargs)
+            else:
+                out = call_original(module, args, kwargs)
         finally:
             self.current = None
         self.synchronize()
@@ -183,6 +210,58 @@ class _Watch:
             self.output_grad_bytes = nbytes
 
 
+class _SpanObserver:
+    """Told by a span's recompute region what it discards and when it is recomputed."""
+
+    def __init__(self, watch: _Watch, start: int) -> None:
+        self.watch = watch
+        self.start = start
+        self.started = 0.0
+        self.started_event = 0
+
+    def on_discarded(self, tensor: torch.Tensor) -> None:
+        self.watch.record_saved(tensor)
+
+    def on_recompute(self, started: bool) -> None:
+        watch = self.watch
+        watch.synchronize()
+        if started:
+            self.started = time.perf_counter()
+            self.started_event = watch.event()
+            return
+        watch.recompute_end_event[self.start] = watch.event()
+        watch.recompute_windows.append((self.started_event, watch.event()))
+        watch.recompute_time_s[self.start] = watch.recompute_time_s.get(self.start, 0.0) + (
+            time.perf_counter() - self.started
+        )
+
+
+class _InPlaceProbe:
+    """Finds the stages that modify their input in place, in a forward without grad."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.modifies_input = [False] * len(chain)
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inputs = _tensors((args, kwargs))
+        versions = [t._version for t in inputs]
+        out = call_original(module, args, kwargs)
+        self.modifies_input[index] = any(t._version != v for t, v in zip(inputs, versions))
+        return out
+
+
+# NOTE [frugal measurement]
+# A plain measuring step stores every activation: it needs as much memory as training
+# without recompute, which a model that only fits with recompute does not have. The
+# frugal mode runs the measured steps with every stage in a recompute region of its own
+# (a stage that modifies its input in place shares its predecessor's region), so a step
+# keeps little more than the stages' inputs. What each stage saves is seen as the region
+# discards it; its forward's extra memory is bounded by the peak seen without the saved
+# tensors kept (keeping them adds at most their size, which the model counts apart); its
+# backward is measured from the end of its recompute, when its saved tensors are back.
+# Times: the recompute's time is taken off the backward it precedes.
+
+
 # NOTE [stage hooks run once]
 # While a stage is intercepted its hook dictionaries are set aside, so the model's own
 # call of the stage runs no hooks; call_original puts them back around the stage's real
@@ -203,6 +282,13 @@ def call_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     finally:
         module.__dict__.update(set_aside)
         module.__dict__["forward"] = stand_in
+
+
+def call_stage(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Calls a stage module as itself, whether or not it is intercepted right now."""
+    if isinstance(module.__dict__.get("forward"), _ForwardThroughOwner):
+        return call_original(module, args, kwargs)
+    return module(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -254,18 +340,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in leaves if isinstance(v, torch.Tensor)]
 
 
-def _key(tensor: torch.Tensor) -> int | None:
-    if tensor.layout != torch.strided or tensor.is_meta:
-        return None
-    return int(tensor.untyped_storage()._cdata)
-
-
 def _storages(tensors: list[torch.Tensor], tracker: MemoryTracker | None) -> dict[int, int]:
+    """Allocation id -> bytes of the tracked storages behind `tensors` (empty untracked)."""
     out: dict[int, int] = {}
+    if tracker is None:
+        return out
     for t in tensors:
-        key = _key(t)
-        if key is not None and (tracker is None or tracker.is_tracked(t)):
-            out[key] = int(t.untyped_storage().nbytes())
+        allocation_id = tracker.allocation_id(t)
+        if allocation_id is not None:
+            out[allocation_id] = tracker.allocation_bytes(allocation_id)
     return out
 
 
@@ -326,6 +409,7 @@ def measure_chain(
     kwargs: dict[str, Any],
     *,
     loss_fn: Callable[[Any], Any] | None = None,
+    frugal: bool = False,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -337,6 +421,8 @@ def measure_chain(
         loss_fn: ``loss_fn(output) -> loss`` (default: the sum of the outputs). The output
             is dropped once the loss is computed, as in a training loop; a loss function
             that runs the backward itself may return None.
+        frugal: measure with every stage recomputed, in about the memory of keeping only
+            the stages' inputs, instead of a plain step (see NOTE [frugal measurement]).
     """
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in _tensors((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
@@ -344,17 +430,18 @@ def measure_chain(
     synchronize = _synchronizer(device)
     args, kwargs = _isolated_inputs(args, kwargs)
     with preserved_model_state(model, devices):
+        spans = _in_place_spans(model, chain, args, kwargs) if frugal else None
         tracker = MemoryTracker(device=device.type)
-        watch = _Watch(chain, tracker, lambda: None)
+        watch = _Watch(chain, tracker, lambda: None, spans)
         with intercept_stages(chain, watch), tracker, torch.autograd.graph.saved_tensors_hooks(
             watch.pack, lambda t: t
         ):
             output = model(*args, **kwargs)
             _check_no_cache(output)
             chain_end_event = tracker.n_events
-            alive_after_forward = tracker.live_storage_allocations()
+            alive_after_forward = tracker.live_allocations()
             # Sizes now: some of these storages die with the output, before _assemble.
-            alive_bytes = {key: tracker.storage_bytes(key) for key in alive_after_forward}
+            alive_bytes = {key: tracker.allocation_bytes(key) for key in alive_after_forward}
             output_bytes = _bytes(_storages(_tensors(output), tracker))
             output_allocations = {tracker.allocation_id(t) for t in _tensors(output)} - {None}
             holder = [output]
@@ -375,7 +462,7 @@ def measure_chain(
             )
         for p in model.parameters():
             p.grad = None
-        timing = _Watch(chain, None, synchronize)
+        timing = _Watch(chain, None, synchronize, spans)
         with intercept_stages(chain, timing):
             synchronize()
             _loss_and_backward(loss_fn, [model(*args, **kwargs)])
@@ -384,6 +471,34 @@ def measure_chain(
     return _assemble(
         chain, watch, timing, tracker, alive_after_forward, alive_bytes, output_bytes, output_allocations, end_time
     )
+
+
+def _in_place_spans(
+    model: nn.Module, chain: Chain, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[int, int]]:
+    """Spans of stages for the frugal mode: an in-place stage joins its predecessor's span."""
+    probe = _InPlaceProbe(chain)
+    # on copies: a first stage that works in place must not change the caller's input
+    copies = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    with torch.no_grad(), intercept_stages(chain, probe):
+        model(*copies[0], **copies[1])
+    if probe.modifies_input[0]:
+        raise UnsupportedModel(
+            f"the first stage {chain.names[0]!r} modifies its input in place; remat cannot keep "
+            "the chain input for a recompute. Make that operation out of place (e.g. "
+            "nn.ReLU(inplace=False))"
+        )
+    # Segments of about sqrt(n) stages (as checkpoint_sequential cuts them): the step
+    # then keeps about sqrt(n) segment inputs plus one segment's activations. A segment
+    # never starts at an in-place stage: it would modify the input the segment keeps.
+    size = math.isqrt(max(0, len(chain) - 1)) + 1
+    spans: list[tuple[int, int]] = []
+    for index, in_place in enumerate(probe.modifies_input):
+        if spans and (in_place or spans[-1][1] - spans[-1][0] < size):
+            spans[-1] = (spans[-1][0], index + 1)
+        else:
+            spans.append((index, index + 1))
+    return spans
 
 
 def _assemble(
@@ -399,6 +514,9 @@ def _assemble(
 ) -> ChainMeasurement:
     n = len(chain)
     stages = watch.stages
+    frugal = watch.spans is not None
+    spans = watch.spans or []
+    span_of_last = {stop - 1: start for start, stop in spans}
     # Backward windows and times: stage i's backward runs from the moment its output's
     # gradient is complete to the moment its input's gradient is.
     end_event = tracker.n_events
@@ -410,7 +528,9 @@ def _assemble(
         t_start = timing.grad_ready_time.get(i)
         t_stop = timing.grad_ready_time.get(i - 1, end_time) if i > 0 else timing.grad_ready_time.get(-1, end_time)
         if t_start is not None:
-            stages[i].backward_time_s = max(0.0, t_stop - t_start)
+            # in the frugal mode, the span's recompute ran inside its last stage's backward
+            recompute_s = timing.recompute_time_s.get(span_of_last.get(i, -1), 0.0)
+            stages[i].backward_time_s = max(0.0, t_stop - t_start - recompute_s)
         stages[i].forward_time_s = timing.stages[i].forward_time_s
 
     groups: list[tuple[int, int]] = []
@@ -446,10 +566,18 @@ def _assemble(
     fixed_before += _bytes(escaped)
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
+    def recomputed(allocation_id: int) -> bool:
+        # frugal mode: a span's recompute brings back the saved tensors of all its
+        # stages at once; they outlive the first stage's backward, but are not left over
+        at = tracker.allocation_event(allocation_id)
+        return any(start <= at < stop for start, stop in watch.recompute_windows)
+
     for st in stages:
         if st.backward_window is not None:
             leftover = tracker.surviving_allocations(*st.backward_window)
-            fixed_before += sum(v for k, v in leftover.items() if k not in watch.gradient_allocations)
+            fixed_before += sum(
+                v for k, v in leftover.items() if k not in watch.gradient_allocations and not recomputed(k)
+            )
     _, measured_peak, _ = tracker._curve()
     last_b0 = stages[0].backward_window
     end_peak = tracker._curve(last_b0[1], None)[1] if last_b0 is not None else 0
@@ -482,9 +610,20 @@ def _assemble(
         s_in.append(any(k in saved_all for k in input_storages))
         s_out.append(any(k in saved_all for k in output_storages))
         before, peak, _ = tracker._curve(fw_start, fw_stop)
-        f_tmp.append(max(0, peak - before - out_bytes - s_bytes))
+        # frugal: the forward ran without its saved tensors kept, so its peak above the
+        # live memory already bounds what the model adds on top of them
+        f_tmp.append(max(0, peak - before - out_bytes - (0 if frugal else s_bytes)))
         windows = [m.backward_window for m in members]
-        if all(w is not None for w in windows):
+        if frugal and all(w is not None for w in windows):
+            # From the end of the recompute that precedes it, when the group ends a span:
+            # the saved tensors are back then, as they are kept in a plain step.
+            b_start, b_stop = windows[-1][0], windows[0][1]  # type: ignore[index]
+            span_start = span_of_last.get(stop - 1)
+            if span_start is not None and span_start in watch.recompute_end_event:
+                b_start = max(b_start, watch.recompute_end_event[span_start])
+            before_b, peak_b, _ = tracker._curve(b_start, b_stop)
+            b_tmp.append(max(0, peak_b - before_b - members[0].gradient_bytes_in))
+        elif all(w is not None for w in windows):
             b_start, b_stop = windows[-1][0], windows[0][1]  # type: ignore[index]
             before_b, peak_b, _ = tracker._curve(b_start, b_stop)
             g_in = members[0].gradient_bytes_in
@@ -512,7 +651,10 @@ def _assemble(
         suffix_kept = sum(
             v
             for k, v in tracker.surviving_allocations(last_forward_end, b_last[1]).items()
-            if k not in in_last_backward and k not in watch.gradient_allocations and k not in output_allocations
+            if k not in in_last_backward
+            and k not in watch.gradient_allocations
+            and k not in output_allocations
+            and not recomputed(k)
         )
     fixed_before += suffix_kept
     grad[-1] = max(watch.output_grad_bytes, suffix_peak - suffix_before - suffix_kept)

@@ -247,6 +247,21 @@ class MemoryTracker(TorchDispatchMode):
                 and a.allocation_id not in excluded
             }
 
+    def live_allocations(self) -> dict[int, int]:
+        """Allocation id -> allocation event index, for the tracked storages alive now."""
+        with self._lock:
+            return {i: self._allocations[i].allocated_at for i in self._live_by_key.values()}
+
+    def allocation_bytes(self, allocation_id: int) -> int:
+        """Bytes of an allocation (its size when it was last seen)."""
+        with self._lock:
+            return self._allocations[allocation_id].nbytes
+
+    def allocation_event(self, allocation_id: int) -> int:
+        """Event index at which an allocation was made."""
+        with self._lock:
+            return self._allocations[allocation_id].allocated_at
+
     def live_storage_allocations(self) -> dict[int, int]:
         """Storage key -> allocation event index, for the tracked storages alive now."""
         with self._lock:

@@ -217,6 +217,7 @@ class _Frame:
         self.cursor = start
         self.output_recompute = False
         self.cached_outputs: list[Any] | None = None
+        self.observer: Any = None  # see RegionRecording
         # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
         self.span: _Span | None = None
 
@@ -272,6 +273,9 @@ class _Frame:
         last_needed = root.last_needed(self) if mode == "fill" else None
         if mode == "fill" and last_needed is None:
             return None
+        observer = self.observer if self._root_ref is None else None
+        if observer is not None:
+            observer.on_recompute(True)
         _STACK.push(_Context("fill", self, last_needed))
         try:
             with torch.enable_grad(), replay_forward_state(self.state), _state.recomputing():
@@ -281,6 +285,8 @@ class _Frame:
                     out = None
         finally:
             _STACK.pop()
+        if observer is not None:
+            observer.on_recompute(False)
         if mode == "fill":
             self._finish_fill()
         return out
@@ -382,6 +388,8 @@ def _pack(tensor: torch.Tensor) -> Any:
     frame = context.frame
     root = frame.root
     if context.mode == "discard":
+        if root.observer is not None:
+            root.observer.on_discarded(tensor)
         index = len(root.handles)
         handle = _Handle(root, index)
         root.handles.append(weakref.ref(handle))
@@ -669,6 +677,10 @@ class RegionRecording:
     kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
     tensors saved inside stage calls are discarded (the user's code between stages keeps
     what it saves as usual, so the replay never needs to run it).
+
+    An `observer` (used by measurement) is told of every tensor the region discards,
+    ``observer.on_discarded(tensor)``, and of each recompute of the region,
+    ``observer.on_recompute(started: bool)`` before and after it.
     """
 
     def __init__(
@@ -678,8 +690,10 @@ class RegionRecording:
         kwargs: dict[str, Any],
         *,
         preserve_rng_state: bool = True,
+        observer: Any = None,
     ) -> None:
         self._root = _Root(function, args, kwargs, preserve_rng_state)
+        self._root.observer = observer
 
     def stage(self) -> "_DiscardingStage":
         """Context manager: the tensors saved inside it are recomputed in backward."""
