@@ -518,3 +518,26 @@ def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: s
     peaks = compare_training(copy.deepcopy(model), frugal_wrapper, inputs, loss_fn)
     assert frugal_wrapper.plan is not None
     assert max(peaks[1:]) <= frugal_wrapper.plan.budget_bytes
+
+
+def test_a_plain_measuring_step_that_runs_out_of_memory_is_measured_frugally(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import remat.checkpointable as module
+
+    original = module.measure_chain
+    modes = []
+
+    def measure(*args: object, frugal: bool = False, **kwargs: object) -> object:
+        modes.append(frugal)
+        if not frugal:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(*args, frugal=frugal, **kwargs)
+
+    monkeypatch.setattr(module, "measure_chain", measure)
+    model, inputs, loss_fn = build("mlp_dropout")
+    wrapped = remat.Checkpointable(copy.deepcopy(model), 0.5)
+    with pytest.warns(RuntimeWarning, match="frugal_measure=True"):
+        peaks = compare_training(copy.deepcopy(model), wrapped, inputs, loss_fn)
+    assert modes == [False, True]
+    assert wrapped.plan is not None and max(peaks[1:]) <= wrapped.plan.budget_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -165,9 +166,26 @@ class Checkpointable(nn.Module):
         """
         key = _signature(sample_inputs, sample_kwargs)
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
-        measurement = measure_chain(
-            self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=self.frugal_measure
-        )
+        try:
+            measurement = measure_chain(
+                self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=self.frugal_measure
+            )
+        except torch.OutOfMemoryError:
+            if self.frugal_measure:
+                raise
+            # A plain step does not fit the device: measure frugally instead (the model,
+            # its gradients and buffers were put back as they were).
+            warnings.warn(
+                "remat: a plain training step does not fit in memory; measuring with recompute "
+                "instead (frugal_measure=True)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            measurement = measure_chain(
+                self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=True
+            )
         self._measurements[key] = measurement
         self._last_key = key
         logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
