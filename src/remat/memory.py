@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -125,6 +126,7 @@ class MemoryTracker(TorchDispatchMode):
         self._sections: list[Section] = []
         self._active = False
         self._frozen_excluded: set[int] | None = None
+        self._curve_cache: tuple[int, set[int], np.ndarray] | None = None
         self._gradient_ids: set[int] = set()
         self._hooks: list[Any] = []
         self._next_id = 0
@@ -308,24 +310,32 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             return {self._live_by_key[k] for k in keys if k in self._live_by_key} | self._gradient_ids
 
-    def _curve(self, start: int = 0, stop: int | None = None) -> tuple[int, int, int]:
-        """Returns (live before `start`, peak within [start, stop), live at `stop`)."""
+    def _live_after_each_event(self) -> np.ndarray:
+        """Live bytes after each event, parameter gradients excluded (cached once frozen)."""
         excluded = self._excluded_ids()
         with self._lock:
             events = list(self._events)
-        stop = len(events) if stop is None else stop
-        live = 0
-        for allocation_id, delta in events[:start]:
-            if allocation_id not in excluded:
-                live += delta
-        before = live
-        peak = live
-        for allocation_id, delta in events[start:stop]:
-            if allocation_id in excluded:
-                continue
-            live += delta
-            peak = max(peak, live)
-        return before, peak, live
+        cached = self._curve_cache
+        if cached is not None and cached[0] == len(events) and cached[1] is excluded:
+            return cached[2]
+        deltas = np.fromiter(
+            (0 if allocation_id in excluded else delta for allocation_id, delta in events),
+            dtype=np.int64,
+            count=len(events),
+        )
+        live = np.cumsum(deltas)
+        if excluded is self._frozen_excluded:
+            self._curve_cache = (len(events), excluded, live)
+        return live
+
+    def _curve(self, start: int = 0, stop: int | None = None) -> tuple[int, int, int]:
+        """Returns (live before `start`, peak within [start, stop), live at `stop`)."""
+        live = self._live_after_each_event()
+        stop = len(live) if stop is None else min(stop, len(live))
+        before = int(live[start - 1]) if start > 0 else 0
+        if stop <= start:
+            return before, before, before
+        return before, max(before, int(live[start:stop].max())), int(live[stop - 1])
 
     @property
     def peak_bytes(self) -> int:
