@@ -77,6 +77,13 @@ def replay_forward_state(state: ForwardState) -> Iterator[None]:
         for device_type, (enabled, dtype, cache) in state.autocast.items():
             if device_type == "cuda" and not torch.cuda.is_available():
                 continue
+            current = (
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+                torch.is_autocast_cache_enabled(),
+            )
+            if current == (enabled, dtype, cache):
+                continue  # already so: entering a context would only cost time
             stack.enter_context(
                 torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
             )

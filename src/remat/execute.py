@@ -75,9 +75,10 @@ class _Run:
             out = call_original(module, args, kwargs)
         else:
             if action == "open":
-                self.states[index] = capture_forward_state(
-                    (args, kwargs), preserve_rng_state=executor.preserve_rng_state
-                )
+                if not executor.chain.whole_model:
+                    self.states[index] = capture_forward_state(
+                        (args, kwargs), preserve_rng_state=executor.preserve_rng_state
+                    )
                 body = region.body  # type: ignore[union-attr]
                 self.recording = RegionRecording(
                     _Replay(self, body),
@@ -88,9 +89,10 @@ class _Run:
                 )
             else:
                 self.links[index] = InputLink(args, kwargs, self.previous_output)
-                self.states[index] = capture_forward_state(
-                    (args, kwargs), preserve_rng_state=executor.preserve_rng_state
-                )
+                if not executor.chain.whole_model:
+                    self.states[index] = capture_forward_state(
+                        (args, kwargs), preserve_rng_state=executor.preserve_rng_state
+                    )
             recording = self.recording
             assert recording is not None
             with recording.stage():
@@ -109,8 +111,19 @@ class _Run:
             if position > 0:
                 args, kwargs = self.links[first].build(out)
             if isinstance(item, Store):
-                with replay_forward_state(self.states[first]):
-                    out = call_stage(self.executor.chain.modules[first], args, kwargs)
+                # NOTE [random state of replayed stages]
+                # The model's own code between stages may draw random numbers, so each
+                # stage of a model's forward is replayed from the state it started with.
+                # In an nn.Sequential nothing runs between stages: the region's frame
+                # replays from the region's start and the stages draw in order (a state
+                # restored around each stage would rewind it for the next one).
+                state = self.states.get(first)
+                module = self.executor.chain.modules[first]
+                if state is None:
+                    out = call_stage(module, args, kwargs)
+                else:
+                    with replay_forward_state(state):
+                        out = call_stage(module, args, kwargs)
             else:
                 out = recompute(_Replay(self, item.body), args, kwargs)
         return out
