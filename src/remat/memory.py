@@ -215,12 +215,6 @@ class MemoryTracker(TorchDispatchMode):
             allocation.freed_at = len(self._events)
             self._events.append((allocation_id, -allocation.nbytes))
 
-    def is_tracked(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s storage was allocated during this run and is still alive."""
-        key = _storage_key(tensor)
-        with self._lock:
-            return key is not None and key in self._live_by_key
-
     def allocated_at(self, tensor: torch.Tensor) -> int | None:
         """Event index at which `tensor`'s storage was allocated, or None if not tracked."""
         key = _storage_key(tensor)
@@ -264,18 +258,6 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             return self._allocations[allocation_id].allocated_at
 
-    def live_storage_allocations(self) -> dict[int, int]:
-        """Storage key -> allocation event index, for the tracked storages alive now."""
-        with self._lock:
-            return {k: self._allocations[i].allocated_at for k, i in self._live_by_key.items()}
-
-    def storage_bytes(self, key: int) -> int:
-        """Bytes of a live tracked storage, by key (0 if it is not alive)."""
-        with self._lock:
-            allocation_id = self._live_by_key.get(key)
-            return 0 if allocation_id is None else self._allocations[allocation_id].nbytes
-
-    # ------------------------------------------------------------------ sections
     def section(self, name: str) -> "_SectionContext":
         """Marks a window of the run, to read its peak later with :meth:`section_peak_bytes`."""
         return _SectionContext(self, name)
@@ -510,13 +492,3 @@ def parse_budget(
             raise InvalidBudget(f"budget must be positive, got {budget!r}; use {BUDGET_FORMS}")
         return value
     raise InvalidBudget(f"budget of type {type(budget).__name__} is not understood; use {BUDGET_FORMS}")
-
-
-def sum_tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind these tensors."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-            storage = t.untyped_storage()
-            seen[storage._cdata] = int(storage.nbytes())
-    return sum(seen.values())

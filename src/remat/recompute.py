@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat import _state
 from remat._rng import ForwardState, capture_forward_state, replay_forward_state
@@ -661,10 +661,6 @@ def _recompute_reentrant(
     outs_iter = iter(outs)
     flat_out = [next(outs_iter) if c is None else c for c in call.out_constants]
     return tree_unflatten(flat_out, call.out_spec)
-
-
-def _tree_detach(value: Any) -> Any:
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
 # =========================================================================== regions
