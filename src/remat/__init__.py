@@ -15,7 +15,7 @@ from remat.marking import apply, is_marked, mark, unmark
 from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
 from remat.recompute import recompute
 from remat.residuals import SavedTensor, format_saved_residuals, saved_residuals
-from remat import models, plan
+from remat import models as models, plan as plan
 
 __version__ = "0.1.0"
 

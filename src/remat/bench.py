@@ -314,7 +314,7 @@ class _Runner:
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         state: dict[str, Tensor],
         batch: Batch,
         loss_fn: LossFn,
@@ -371,7 +371,7 @@ def _budget_label(budget: Budget) -> str:
     return budget.strip() if isinstance(budget, str) else repr(budget)
 
 
-def _is_min(budget: Budget) -> bool:
+def _is_min(budget: Budget | None) -> bool:
     return isinstance(budget, str) and budget.strip().lower() == MIN_BUDGET
 
 
@@ -706,8 +706,8 @@ def save_plot(result: BenchmarkResult, path: str | Path, *, title: str | None = 
     left.set_title("memory / time trade-off (lower left is better)")
     left.grid(True, alpha=0.3)
     if ran:
-        left.set_xlim(0, max(row.median_step_s for row in ran) * 1000 * 1.35)  # type: ignore[operator]
-        left.set_ylim(0, max(row.measured_peak_bytes for row in ran) / _MIB * 1.25)  # type: ignore[operator]
+        left.set_xlim(0, max(row.median_step_s or 0.0 for row in ran) * 1000 * 1.35)
+        left.set_ylim(0, max(row.measured_peak_bytes or 0 for row in ran) / _MIB * 1.25)
     left.legend(loc="lower right", fontsize=9)
     baseline = result.timelines.get(BASELINE)
     if baseline is not None:

@@ -85,7 +85,7 @@ class _Run:
                     (args, kwargs),
                     {},
                     preserve_rng_state=executor.preserve_rng_state,
-                    observer=None if executor.observer is None else executor.observer(region),
+                    observer=None if executor.observer is None or region is None else executor.observer(region),
                 )
             else:
                 self.links[index] = InputLink(args, kwargs, self.previous_output)

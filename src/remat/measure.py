@@ -438,12 +438,11 @@ def measure_chain(
         ):
             output = model(*args, **kwargs)
             _check_no_cache(output)
-            chain_end_event = tracker.n_events
             alive_after_forward = tracker.live_allocations()
             # Sizes now: some of these storages die with the output, before _assemble.
             alive_bytes = {key: tracker.allocation_bytes(key) for key in alive_after_forward}
             output_bytes = _bytes(_storages(_tensors(output), tracker))
-            output_allocations = {tracker.allocation_id(t) for t in _tensors(output)} - {None}
+            output_allocations = {i for t in _tensors(output) if (i := tracker.allocation_id(t)) is not None}
             holder = [output]
             del output
             _loss_and_backward(loss_fn, holder)
@@ -613,18 +612,18 @@ def _assemble(
         # frugal: the forward ran without its saved tensors kept, so its peak above the
         # live memory already bounds what the model adds on top of them
         f_tmp.append(max(0, peak - before - out_bytes - (0 if frugal else s_bytes)))
-        windows = [m.backward_window for m in members]
-        if frugal and all(w is not None for w in windows):
+        backward_windows = [m.backward_window for m in members]
+        if frugal and all(w is not None for w in backward_windows):
             # From the end of the recompute that precedes it, when the group ends a span:
             # the saved tensors are back then, as they are kept in a plain step.
-            b_start, b_stop = windows[-1][0], windows[0][1]  # type: ignore[index]
+            b_start, b_stop = backward_windows[-1][0], backward_windows[0][1]  # type: ignore[index]
             span_start = span_of_last.get(stop - 1)
             if span_start is not None and span_start in watch.recompute_end_event:
                 b_start = max(b_start, watch.recompute_end_event[span_start])
             before_b, peak_b, _ = tracker._curve(b_start, b_stop)
             b_tmp.append(max(0, peak_b - before_b - members[0].gradient_bytes_in))
-        elif all(w is not None for w in windows):
-            b_start, b_stop = windows[-1][0], windows[0][1]  # type: ignore[index]
+        elif all(w is not None for w in backward_windows):
+            b_start, b_stop = backward_windows[-1][0], backward_windows[0][1]  # type: ignore[index]
             before_b, peak_b, _ = tracker._curve(b_start, b_stop)
             g_in = members[0].gradient_bytes_in
             b_tmp.append(max(0, peak_b - before_b - g_in))
@@ -632,9 +631,8 @@ def _assemble(
             b_tmp.append(0)
         grad.append(0)  # filled below
     # gradient of each group's output = gradient of the next group's input
-    for g, (first, stop) in enumerate(groups):
-        if g + 1 < len(groups):
-            grad[g + 1] = stages[groups[g + 1][0]].gradient_bytes_in
+    for g in range(len(groups) - 1):
+        grad[g + 1] = stages[groups[g + 1][0]].gradient_bytes_in
     # The chain output's gradient appears with the loss; whatever runs after the chain
     # (a head, the loss) is charged at that moment, as extra bytes of that gradient.
     last_forward_end = stages[-1].forward_window[1]

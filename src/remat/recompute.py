@@ -313,8 +313,14 @@ class _Frame:
 
 
 class _Root(_Frame):
-    def __init__(self, *a: Any, **k: Any) -> None:
-        super().__init__(None, *a, start=0, **k)
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        preserve_rng_state: bool,
+    ) -> None:
+        super().__init__(None, function, args, kwargs, preserve_rng_state, start=0)
         self.handles: list[weakref.ref[_Handle]] = []
         self.metas: list[_Meta] = []
         self.owners: list[_Frame | None] = []
@@ -409,8 +415,8 @@ def _pack(tensor: torch.Tensor) -> Any:
             f"original forward ({index - frame.start + 1} > {(frame.stop or len(root.handles)) - frame.start}); "
             "the block must run the same operations when it is recomputed"
         )
-    handle = root.handles[index]()
-    if handle is not None and handle.value is None and _owner(root, index) is frame:
+    filled = root.handles[index]()
+    if filled is not None and filled.value is None and _owner(root, index) is frame:
         expected = root.metas[index]
         if _Meta.of(tensor) != expected:
             raise NondeterministicRecompute(
@@ -419,7 +425,7 @@ def _pack(tensor: torch.Tensor) -> Any:
                 f"{tuple(expected.shape)}, {expected.dtype} on {expected.device} (saved tensor "
                 f"#{index - frame.start}); the block must compute the same thing when recomputed"
             )
-        handle.value = tensor.detach()
+        filled.value = tensor.detach()
         root.owners[index] = None
     if context.last_needed is not None and index >= context.last_needed:
         # Everything this frame must provide is there (children met on the way own the
@@ -462,12 +468,19 @@ def _lazy_output(value: Any) -> _OutputOf | None:
     return _OutputOf(entry[1], entry[2])
 
 
+def _forget_output(key: int) -> Callable[[Any], None]:
+    def forget(_ref: Any) -> None:
+        _RECOMPUTABLE_OUTPUTS.pop(key, None)
+
+    return forget
+
+
 def _register_outputs(frame: _Frame, out: Any) -> None:
     for leaf_index, leaf in enumerate(tree_leaves(out)):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             key = id(leaf)
             _RECOMPUTABLE_OUTPUTS[key] = (
-                weakref.ref(leaf, lambda _ref, key=key: _RECOMPUTABLE_OUTPUTS.pop(key, None)),
+                weakref.ref(leaf, _forget_output(key)),
                 frame,
                 leaf_index,
             )
@@ -520,11 +533,11 @@ def _recompute_with_hooks(
     parent = context.frame
     root = parent.root
     child = _Frame(root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
-    span = _recorded_span(parent, context)
-    if span is not None:
-        child.span = span
-        child.stop = span.stop
-        for index in range(span.start, span.stop):  # type: ignore[arg-type]
+    recorded = _recorded_span(parent, context)
+    if recorded is not None:
+        child.span = recorded
+        child.stop = recorded.stop
+        for index in range(recorded.start, recorded.stop):  # type: ignore[arg-type]
             if _owner(root, index) is parent:
                 root.owners[index] = child
         if context.last_needed is not None:
@@ -539,10 +552,10 @@ def _recompute_with_hooks(
         out = function(*args, **kwargs)
     finally:
         _STACK.pop()
-    if span is not None and child.cursor != span.stop:
+    if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
         raise NondeterministicRecompute(
             f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
-            f"tensors for backward, its first forward saved {span.stop - span.start}; "  # type: ignore[operator]
+            f"tensors for backward, its first forward saved {recorded.stop - recorded.start}; "
             "the block must run the same operations when it is recomputed"
         )
     parent.cursor = child.cursor
