@@ -132,11 +132,12 @@ def test_simulate_recompute_first_stage_by_hand() -> None:
     # loss : peak 37 + 2 = 39; live 37 - x2 20 + G2 2 = 19
     # b(1) : peak 19 + 1 = 20; live G1 1
     # fs(0): peak 1 + 10 + 5 = 16; live 16 (recomputed x1 with its frontier, S0)
-    # b(0) : peak 16 + 0 = 16; frees G1, S0, x1: live 0
+    # b(0) : the recomputed x1 feeds nothing and stage 0 does not save it: its frontier
+    #        ends first, 16 - 10 = 6; peak 6 + 0 = 6; frees G1, S0: live 0
     plan = (Region(0, 1, (Store(0),)), Store(1))
     result = simulate(chain_a(), plan)
     assert [(e.live_after_bytes, e.peak_during_bytes) for e in result.timeline] == [
-        (10, 15), (37, 37), (19, 39), (1, 20), (16, 16), (0, 16)
+        (10, 15), (37, 37), (19, 39), (1, 20), (16, 16), (0, 6)
     ]  # fmt: skip
     assert result.peak_bytes == 39
     assert result.forward_counts == (2, 1)
@@ -150,11 +151,12 @@ def test_simulate_coexisting_copies_by_hand() -> None:
     # fc(0) 15 -> 10; fd(1) 10 + 20 + 7 = 37 -> x2 20; loss 22 -> G2 2;
     # fs(0) 2 + 10 + 5 = 17 -> 17; fc(1) 17 + 27 = 44 -> 2 + 10 + 5 + 20 = 37;
     # fs(1) 37 + 27 = 64 -> 2 + 10 + 5 + 20 + 7 = 44 (first copy of x2 freed after it);
-    # b(1) 44 + 1 = 45 -> G1 1 + S0 5 = 6; b(0) 6 -> 0
+    # b(1) the recomputed x2's frontier ends first: 44 - 20 = 24, peak 24 + 1 = 25
+    #      -> G1 1 + S0 5 = 6; b(0) 6 -> 0
     plan = (Region(0, 2, (Store(0), Region(1, 2, (Store(1),)))),)
     result = simulate(chain_a(), plan)
     assert [(e.live_after_bytes, e.peak_during_bytes) for e in result.timeline] == [
-        (10, 15), (20, 37), (2, 22), (17, 17), (37, 44), (44, 64), (6, 45), (0, 6)
+        (10, 15), (20, 37), (2, 22), (17, 17), (37, 44), (44, 64), (6, 25), (0, 6)
     ]  # fmt: skip
     assert result.peak_bytes == 64
     assert result.forward_counts == (2, 3)

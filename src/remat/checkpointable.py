@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -26,6 +27,9 @@ logger = logging.getLogger("remat")
 
 #: Fraction of the budget kept free when the prediction is not exact by construction.
 DEFAULT_MARGIN = 0.02
+
+#: Without a loss_fn, the loss is assumed to hold this many tensors of the output's size.
+LOSS_ALLOWANCE = 3
 
 
 @dataclass
@@ -102,9 +106,10 @@ class Checkpointable(nn.Module):
             well under a second (500 for 200 stages, up to 20000 for short chains), so
             that rounding sizes up to slots wastes little of the budget.
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
-        loss_fn: ``loss_fn(output) -> loss`` used during measurement (default: the sum of
-            the outputs). Give your real loss when it uses much memory (a cross entropy over
-            a large vocabulary), e.g. ``lambda out: F.cross_entropy(out, target)``.
+        loss_fn: ``loss_fn(output) -> loss`` used during measurement, e.g.
+            ``lambda out: F.cross_entropy(out, target)``. Without it, remat measures with a
+            sum and leaves room for a loss holding ``LOSS_ALLOWANCE`` (3) tensors of the
+            output's size (see NOTE [loss allowance]); with it, the plan is exact.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
             None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` (predicted to
             the byte), otherwise ``DEFAULT_MARGIN`` (2%).
@@ -279,6 +284,16 @@ class Checkpointable(nn.Module):
         measurement = self._measurements[key]
         profile = measurement.profile
         fixed = measurement.fixed_bytes
+        if self._loss_fn is None:
+            # NOTE [loss allowance]
+            # Measured with the cheapest loss (a sum), the plan would not leave room for a
+            # real one: a cross entropy or a mean squared error holds about three tensors
+            # of the output's size at its peak. Without the user's loss_fn, the chain's
+            # output gradient is charged that much more (it is live from the loss to the
+            # end of the last stage's backward).
+            gradients = list(profile.gradient_bytes)
+            gradients[-1] += LOSS_ALLOWANCE * measurement.output_bytes
+            profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
         if self.output_kept:
             # The loss was measured with the output dropped once the loss is computed; a
             # loop that keeps it holds it through the whole step on top (counted twice at

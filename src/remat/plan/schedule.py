@@ -460,6 +460,10 @@ def _simulate_operations(profile: ChainProfile, ops: Sequence[Operation]) -> Sim
                     raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
                 backward_done[stage] = True
                 times_s.append(profile.backward_time_s[stage])
+                # A frontier still open here is the output a region body recomputed last:
+                # nothing consumes it, so only a holder other than the frontier keeps it.
+                release(frontier)
+                frontier = None
                 peak_during = live + gradient[stage] + profile.backward_temp_bytes[stage]
                 live += gradient[stage]
                 gradient_live[stage] = True

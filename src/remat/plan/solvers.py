@@ -337,8 +337,10 @@ class PeriodicSolver:
 #   saves its output (h of the subproblem (a+1, b) is so_a for that reason).
 # Option "store a" (a = b < n-1), inside a body:
 #   peak  = max(X + G + x_{a+1} + S_a + ft_a,
-#               keep + G + x_{a+1} + S_a + G_a + bt_a)
-#   x_{a+1}'s frontier lasts until backward(a), the operation after its creation.
+#               keep + G + [x_{a+1} if so_a] + S_a + G_a + bt_a)
+#   The recomputed x_{a+1} feeds nothing: its frontier ends before backward(a), and only
+#   stage a's own saving keeps it (the executor stops the recompute once the saved tensors
+#   are back, before computing an output nothing keeps).
 # Option "store a" (a = b = n-1), the last stage at the top level:
 #   peak  = max(X + x_n + S_a + ft_a,
 #               keep + x_n + S_a + G_n,                               loss marker
@@ -431,8 +433,7 @@ class _ChainArrays:
         own_forward = (activation[:-1] + outer_gradient + first_forward)[:, None]
         single_peak = np.maximum(
             own_forward,
-            keep
-            + (outer_gradient + activation[1:] + saved + gradient[:-1] + backward_temp)[:, None],
+            keep + output_kept + (outer_gradient + saved + gradient[:-1] + backward_temp)[:, None],
         )
         last = n - 1
         single_peak[last] = np.maximum.reduce(
