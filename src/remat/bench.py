@@ -337,9 +337,8 @@ class _Runner:
             torch.cuda.synchronize(self.device)
 
     def step(self, forward: Callable[..., Any]) -> None:
-        output = forward(*self.inputs)
-        loss = self.loss_fn(output, self.target)
-        del output
+        """One step: forward, the loss (the output dropped once it is computed), backward."""
+        loss = self.loss_fn(forward(*self.inputs), self.target)
         loss.backward()
         del loss
         for parameter in self.model.parameters():
@@ -349,13 +348,7 @@ class _Runner:
         """One step under a MemoryTracker: (peak bytes, live bytes after each event)."""
         tracker = MemoryTracker(exclude_grads_of=list(self.model.parameters()), device=self.device.type)
         with tracker:
-            output = forward(*self.inputs)
-            loss = self.loss_fn(output, self.target)
-            del output
-            loss.backward()
-            del loss
-        for parameter in self.model.parameters():
-            parameter.grad = None
+            self.step(forward)
         return tracker.peak_bytes, tracker.timeline()
 
     def timed_step(self, forward: Callable[..., Any]) -> float:
