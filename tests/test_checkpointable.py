@@ -556,3 +556,26 @@ def test_without_a_loss_fn_a_heavy_loss_still_fits_the_budget() -> None:
             wrapped(ids).logsumexp(-1).mean().backward()
         assert wrapped.plan is not None
         assert tracker.peak_bytes <= wrapped.plan.budget_bytes
+
+
+def test_a_model_running_under_autocast_is_exact_and_fits() -> None:
+    # Autocast caches the casts of weights until its region ends: discarded stages must not
+    # keep theirs alive (NOTE [autocast cache in discarded stages]).
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(
+                *(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.2), nn.Linear(128, 32)) for _ in range(6))
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.blocks(x).float()
+
+    torch.manual_seed(0)
+    model = Mixed()
+    x = torch.randn(8, 32)
+    wrapped = remat.Checkpointable(copy.deepcopy(model), 0.5, loss_fn=lambda out: out.pow(2).mean())
+    peaks = compare_training(copy.deepcopy(model), wrapped, (x,), lambda out: out.pow(2).mean())
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
+    assert max(peaks[1:]) <= wrapped.plan.budget_bytes
