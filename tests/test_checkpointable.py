@@ -560,7 +560,7 @@ def test_without_a_loss_fn_a_heavy_loss_still_fits_the_budget() -> None:
 
 def test_a_model_running_under_autocast_is_exact_and_fits() -> None:
     # Autocast caches the casts of weights until its region ends: discarded stages must not
-    # keep theirs alive (NOTE [autocast cache in discarded stages]).
+    # keep theirs alive (NOTE [autocast cache]).
     class Mixed(nn.Module):
         def __init__(self) -> None:
             super().__init__()

@@ -797,3 +797,24 @@ def test_backward_twice_needs_retain_graph(use_reentrant: bool) -> None:
     assert torch.equal(x.grad, 2 * first)
     with pytest.raises(RuntimeError):
         out.backward()
+
+
+def test_a_block_recomputed_under_autocast_keeps_no_cached_casts() -> None:
+    # NOTE [autocast cache]: the casts a discarded block makes would otherwise stay cached
+    # (and alive) until the enclosing autocast region ends.
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(4))
+    x = torch.randn(8, 64)
+
+    def forward_bytes(recomputed: bool) -> int:
+        with remat.MemoryTracker() as tracker, torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for block in blocks:
+                h = remat.recompute(block, h) if recomputed else block(h)
+            held = tracker.live_bytes
+        del h
+        return held
+
+    plain, recomputed = forward_bytes(False), forward_bytes(True)
+    weight_casts = 4 * 2 * 64 * 64 * 2  # bf16 copies of the eight weights
+    assert recomputed < plain - weight_casts

@@ -20,13 +20,11 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
-import torch
 from torch import nn
 
-from remat._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.chain import Chain, InputLink
 from remat.errors import RematError, UnsupportedModel
 from remat.measure import call_original, call_stage, intercept_stages
@@ -97,7 +95,7 @@ class _Run:
                     )
             recording = self.recording
             assert recording is not None
-            with recording.stage(), _autocast_cache_off():
+            with recording.stage(), autocast_cache_off():
                 out = call_original(module, args, kwargs)
             if index == region.stop - 1:  # type: ignore[union-attr]
                 recording.close()
@@ -129,25 +127,6 @@ class _Run:
             else:
                 out = recompute(_Replay(self, item.body), args, kwargs)
         return out
-
-
-@contextlib.contextmanager
-def _autocast_cache_off() -> Iterator[None]:
-    # NOTE [autocast cache in discarded stages]
-    # Under autocast, the casts of weights are cached until the outermost autocast region
-    # ends, that is, through the whole forward: a stage whose saved tensors are discarded
-    # would still keep its casts alive. While such a stage runs, casts are not cached
-    # (they are recomputed per use, with the same values).
-    if not torch.is_autocast_cache_enabled() or not any(
-        torch.is_autocast_enabled(device) for device in ("cpu", "cuda")
-    ):
-        yield
-        return
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(True)
 
 
 class _Replay:

@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat import _state
-from remat._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.errors import (
     NondeterministicRecompute,
     NotCallableBlock,
@@ -503,7 +503,8 @@ def _recompute_with_hooks(
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
         try:
-            out = function(*args, **kwargs)
+            with autocast_cache_off():
+                out = function(*args, **kwargs)
         finally:
             _STACK.pop()
             root.open_spans.clear()
