@@ -579,3 +579,20 @@ def test_a_model_running_under_autocast_is_exact_and_fits() -> None:
     peaks = compare_training(copy.deepcopy(model), wrapped, (x,), lambda out: out.pow(2).mean())
     assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
     assert max(peaks[1:]) <= wrapped.plan.budget_bytes
+
+
+def test_stages_that_do_not_keep_their_input_are_still_planned_separately() -> None:
+    # nn.TransformerEncoderLayer (batch_first) keeps a transposed copy of its input, not the
+    # input itself: each layer must stay a stage of its own, so recompute can help.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(4))
+    )
+    x = torch.randn(8, 32, 32)
+    wrapped = remat.Checkpointable(copy.deepcopy(model), 0.6, loss_fn=lambda out: out.sum())
+    measurement = wrapped.measure(x)
+    assert measurement.groups == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert not any(measurement.profile.saves_input[1:])
+    peaks = compare_training(copy.deepcopy(model), wrapped, (x,), lambda out: out.sum())
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
+    assert max(peaks[1:]) <= wrapped.plan.budget_bytes

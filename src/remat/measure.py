@@ -534,8 +534,15 @@ def _assemble(
 
     groups: list[tuple[int, int]] = []
     for i in range(n):
-        keeps_input = any(k in stages[i].saved_storages for k in stages[i].input_storages)
-        fuse = i > 0 and (stages[i].modifies_input or not keeps_input or not stages[i].input_storages)
+        # A stage that modifies its input in place cannot start a region (the region would
+        # keep an input that changes); nor can one that takes no activation from the stage
+        # before it. A stage that keeps nothing for its backward (a view, a pooling to one
+        # value) has nothing to recompute: it rides with the stage before. A stage that
+        # only does not keep its input is a stage of its own: the planner's model knows
+        # what holds each activation (saves_input / saves_output).
+        fuse = i > 0 and (
+            stages[i].modifies_input or not stages[i].input_storages or not stages[i].saved_storages
+        )
         if fuse and groups:
             groups[-1] = (groups[-1][0], i + 1)
         else:
