@@ -13,10 +13,11 @@ A second, untracked step gives the times (the tracker slows small operations dow
 The model is left as it was: parameter ``.grad``, every buffer (BatchNorm statistics)
 and the RNG states are restored.
 
-Stages are then *grouped*: a stage whose backward does not keep its input (a ReLU, a
-dropout, a view) or that modifies its input in place is fused with the stage before it,
-so that every boundary of the planned chain is an activation that the next stage keeps.
-That makes the planner's memory model exact (see ``remat.plan.schedule.simulate``).
+Stages are then *grouped*: a stage that modifies its input in place (it cannot start a
+recompute region), one that takes no activation from the stage before, and one that keeps
+nothing for its backward (nothing to recompute) are fused with the stage before it. Which
+activations each stage keeps (``saves_input`` / ``saves_output``) goes into the profile,
+where the planner's memory model uses it (see ``remat.plan.schedule.simulate``).
 """
 
 from __future__ import annotations
