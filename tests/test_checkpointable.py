@@ -596,3 +596,27 @@ def test_stages_that_do_not_keep_their_input_are_still_planned_separately() -> N
     peaks = compare_training(copy.deepcopy(model), wrapped, (x,), lambda out: out.sum())
     assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
     assert max(peaks[1:]) <= wrapped.plan.budget_bytes
+
+
+def test_at_the_minimum_the_running_statistics_guard_is_counted() -> None:
+    # A recomputed BatchNorm briefly holds a copy of its running statistics (the guard that
+    # keeps them exact): at the exact minimum, with no margin, that copy must be planned for.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    channels = 3
+    for width, stride in [(16, 1), (16, 1), (32, 2), (32, 1), (64, 2)]:
+        layers += [nn.Conv2d(channels, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        channels = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
+    model = nn.Sequential(*layers)
+    x = torch.randn(8, 3, 16, 16)
+    target = torch.randint(0, 10, (8,))
+    loss_fn = lambda out: nn.functional.cross_entropy(out, target)  # noqa: E731
+    probe = remat.Checkpointable(copy.deepcopy(model), 1, loss_fn=loss_fn)
+    probe.measure(x)
+    with pytest.raises(remat.BudgetTooSmall) as info:
+        probe.compute_sequence()
+    wrapped = remat.Checkpointable(copy.deepcopy(model), info.value.minimum_bytes, loss_fn=loss_fn)
+    peaks = compare_training(copy.deepcopy(model), wrapped, (x,), loss_fn)
+    assert wrapped.margin == 0.0
+    assert max(peaks[1:]) <= info.value.minimum_bytes

@@ -79,6 +79,19 @@ def _has_running_stats(module: nn.Module) -> bool:
     )
 
 
+def snapshot_bytes(module: nn.Module) -> int:
+    """Bytes the guard copies at most at once while `module` is recomputed.
+
+    The guard snapshots one normalisation layer's buffers at a time, around its forward.
+    """
+    sizes = [
+        sum(buf.numel() * buf.element_size() for buf in m.buffers(recurse=False))
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
+    ]
+    return max(sizes, default=0)
+
+
 def _pre_hook(module: nn.Module, args: Any) -> None:
     if _LOCAL.recompute_depth == 0 or not _has_running_stats(module):
         return

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from remat._state import snapshot_bytes
 from remat.chain import Chain
 from remat.errors import RematError, UnsupportedModel
 from remat.memory import MemoryTracker
@@ -619,7 +620,10 @@ def _assemble(
         before, peak, _ = tracker._curve(fw_start, fw_stop)
         # frugal: the forward ran without its saved tensors kept, so its peak above the
         # live memory already bounds what the model adds on top of them
-        f_tmp.append(max(0, peak - before - out_bytes - (0 if frugal else s_bytes)))
+        # A recomputed stage also holds the guard's copy of one normalisation layer's
+        # running statistics (NOTE [running statistics during recompute]).
+        guard = max(snapshot_bytes(chain.modules[k]) for k in range(first, stop))
+        f_tmp.append(max(0, peak - before - out_bytes - (0 if frugal else s_bytes)) + guard)
         backward_windows = [m.backward_window for m in members]
         if frugal and all(w is not None for w in backward_windows):
             # From the end of the recompute that precedes it, when the group ends a span:
