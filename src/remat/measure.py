@@ -532,7 +532,9 @@ def _assemble(
             # in the frugal mode, the span's recompute ran inside its last stage's backward
             recompute_s = timing.recompute_time_s.get(span_of_last.get(i, -1), 0.0)
             stages[i].backward_time_s = max(0.0, t_stop - t_start - recompute_s)
-        stages[i].forward_time_s = timing.stages[i].forward_time_s
+        # Two samples of each forward (the tracked one is slowed by the tracker, never
+        # sped up): the smaller is the better estimate, and a spike in one is ignored.
+        stages[i].forward_time_s = min(timing.stages[i].forward_time_s, stages[i].forward_time_s)
 
     groups: list[tuple[int, int]] = []
     for i in range(n):
