@@ -38,12 +38,13 @@ This module is the output layer of remat: the only place that prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -368,6 +369,20 @@ def _sum_loss(output: Any, target: Any) -> Tensor:
     return sum((t.sum() for t in tensors[1:]), tensors[0].sum())
 
 
+@contextlib.contextmanager
+def _model_failures(what: str) -> Iterator[None]:
+    """Reports an error of the user's model as one line (exit 5); remat's own errors and
+    running out of memory pass through to their own exit codes."""
+    try:
+        yield
+    except (RematError, CliError):
+        raise
+    except Exception as error:
+        if _is_out_of_memory(error):
+            raise
+        _fail(EXIT_BAD_MODEL, f"{what}: {type(error).__name__}: {_first_line(error)}")
+
+
 def _is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, MemoryError):
         return True
@@ -589,19 +604,9 @@ def _measure(workload: Workload, solver: str, output: _Output) -> tuple[Any, tup
     inputs, target = workload.make_batch()
     wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
     with output.err.status(f"measuring {workload.name} (a warm-up step, a tracked step, a timed step)..."):
-        try:
+        with _model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             _warm_up(workload, inputs, target)
             wrapper.measure(*inputs)
-        except (RematError, CliError):
-            raise
-        except Exception as error:
-            if _is_out_of_memory(error):
-                raise
-            _fail(
-                EXIT_BAD_MODEL,
-                f"{workload.name} failed on its input {_shapes(inputs)}: {type(error).__name__}: "
-                f"{_first_line(error)}",
-            )
     return wrapper, inputs
 
 
@@ -779,7 +784,7 @@ def _run_bench(
         def report(done: int, total: int, label: str) -> None:
             progress.update(task, completed=done, total=total, description=f"bench {workload.name}: {label}")
 
-        try:
+        with _model_failures(f"{workload.name} failed while training"):
             return run_benchmark(
                 workload.model,
                 workload.make_batch,
@@ -792,15 +797,6 @@ def _run_bench(
                 solver=solver,
                 device=workload.device,
                 model_name=workload.name,
-            )
-        except (RematError, CliError):
-            raise
-        except Exception as error:
-            if _is_out_of_memory(error):
-                raise
-            _fail(
-                EXIT_BAD_MODEL,
-                f"{workload.name} failed while training: {type(error).__name__}: {_first_line(error)}",
             )
 
 
