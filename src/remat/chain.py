@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import UnsupportedModel
+from remat.recompute import detached_alias
 
 __all__ = ["Chain", "InputLink", "discover_chain", "sequential_chain"]
 
@@ -221,11 +222,7 @@ class InputLink:
             if kind == "link":
                 flat.append(previous[value])
             elif kind == "tensor":
-                tensor, requires_grad = value
-                alias = tensor.detach()
-                if requires_grad:
-                    alias.requires_grad_(True)
-                flat.append(alias)
+                flat.append(detached_alias(*value))
             else:
                 flat.append(value)
         args, kwargs = tree_unflatten(flat, self._spec)

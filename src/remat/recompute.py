@@ -133,6 +133,18 @@ def recompute(
 # autograd node that saved it: the memory is released as soon as that node has run.
 
 
+def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A new leaf sharing `tensor`'s storage, requiring grad as the original did.
+
+    Recomputes run on such aliases: the same operations save the same tensors as in the
+    original forward, and the recompute's own graph stays apart from the original one.
+    """
+    alias = tensor.detach()
+    if requires_grad and (alias.is_floating_point() or alias.is_complex()):
+        alias.requires_grad_(True)
+    return alias
+
+
 class _StopRecompute(BaseException):
     """Raised inside a recompute once every needed handle is filled."""
 
@@ -236,7 +248,7 @@ class _Frame:
         for position, (value, version) in enumerate(zip(self.inputs, self.versions)):
             if isinstance(value, _OutputOf):
                 tensor = value.frame.outputs_for_recompute()[value.leaf]
-                flat.append(tensor.detach().requires_grad_(tensor.requires_grad))
+                flat.append(detached_alias(tensor, tensor.requires_grad))
             elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
                 tensor, requires_grad = value
                 if version is not None and tensor._version != version:
@@ -246,10 +258,7 @@ class _Frame:
                         "recompute would see other values. Clone it before modifying it, or do not "
                         "recompute this block"
                     )
-                alias = tensor.detach()
-                if requires_grad and (alias.is_floating_point() or alias.is_complex()):
-                    alias.requires_grad_(True)
-                flat.append(alias)
+                flat.append(detached_alias(tensor, requires_grad))
             else:
                 flat.append(value)
         args, kwargs = tree_unflatten(flat, self.spec)
@@ -612,11 +621,7 @@ class _ReentrantFunction(torch.autograd.Function):
                 "forward; the recompute would see other values. Clone it before modifying it, or "
                 "do not recompute this block"
             ) from error
-        inputs = []
-        for tensor, requires in zip(saved, ctx.requires):
-            alias = tensor.detach()
-            alias.requires_grad_(requires)
-            inputs.append(alias)
+        inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires)]
         with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
             out = call.run(inputs)
         outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
