@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from torch import Tensor, nn
+
+from remat.models._weights import depth_factory
 
 __all__ = [
     "BasicBlock",
@@ -206,15 +207,13 @@ def resnet(
 
 
 def _of_depth(depth: int, layout: str) -> Callable[..., nn.Sequential]:
-    def factory(num_classes: int = 1000, **options: Any) -> nn.Sequential:
-        return resnet(depth, num_classes, **options)
-
-    factory.__name__ = factory.__qualname__ = f"resnet{depth}"
-    factory.__doc__ = (
+    return depth_factory(
+        resnet,
+        f"resnet{depth}",
+        depth,
         f"ResNet-{depth} ({layout}) as a chain; keyword options (``width``, ``in_channels``, "
-        "``zero_init_residual``) as for :func:`resnet`."
+        "``zero_init_residual``) as for :func:`resnet`.",
     )
-    return factory
 
 
 resnet18 = _of_depth(18, "basic blocks 2-2-2-2")

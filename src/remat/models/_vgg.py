@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from torch import Tensor, nn
+
+from remat.models._weights import depth_factory
 
 __all__ = ["ConvBlock", "LinearBlock", "vgg", "vgg11", "vgg13", "vgg16", "vgg19"]
 
@@ -162,15 +163,13 @@ def vgg(
 
 
 def _of_depth(depth: int, configuration: str) -> Callable[..., nn.Sequential]:
-    def factory(num_classes: int = 1000, **options: Any) -> nn.Sequential:
-        return vgg(depth, num_classes, **options)
-
-    factory.__name__ = factory.__qualname__ = f"vgg{depth}"
-    factory.__doc__ = (
+    return depth_factory(
+        vgg,
+        f"vgg{depth}",
+        depth,
         f'VGG-{depth} (configuration "{configuration}") as a chain; keyword options '
-        "(``batch_norm``, ``width``, ``hidden_features``, ``image_size``, ``dropout``) as for :func:`vgg`."
+        "(``batch_norm``, ``width``, ``hidden_features``, ``image_size``, ``dropout``) as for :func:`vgg`.",
     )
-    return factory
 
 
 vgg11 = _of_depth(11, "A")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["copy_weights", "count_parameters"]
+__all__ = ["copy_weights", "count_parameters", "depth_factory"]
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
@@ -62,3 +65,16 @@ def copy_weights(source: nn.Module, destination: nn.Module) -> None:
     with torch.no_grad():
         for from_tensor, to_tensor in pairs:
             to_tensor.copy_(from_tensor)
+
+
+def depth_factory(
+    family: Callable[..., nn.Sequential], name: str, depth: int, doc: str
+) -> Callable[..., nn.Sequential]:
+    """A named factory for one depth of a family: ``name(num_classes, **options)``."""
+
+    def factory(num_classes: int = 1000, **options: Any) -> nn.Sequential:
+        return family(depth, num_classes, **options)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    return factory
