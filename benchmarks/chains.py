@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench import run_benchmark
-from remat.checkpointable import Checkpointable
+from remat.bench.runner import run_benchmark
+from remat.automatic import Checkpointable
 from remat.memory import format_bytes
 from remat.models import gpt2, mlp_chain
 from remat.plan.solvers import get_solver

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench import BASELINE, run_benchmark
+from remat.bench.runner import BASELINE, run_benchmark
 from remat.memory import format_bytes
 from remat.models import resnet50, vit
 

@@ -168,7 +168,7 @@ class GroupCounter:
     """
 
     def __init__(self, wrapped: remat.Checkpointable, measurement: Any) -> None:
-        from remat.chain import sequential_chain
+        from remat.discover.chain import sequential_chain
 
         model = wrapped.model
         chain = sequential_chain(model) if isinstance(model, nn.Sequential) else None

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import remat
-from remat.chain import discover_chain
+from remat.discover.chain import discover_chain
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench import (
+from remat.bench.runner import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
     BenchmarkResult,
     run_benchmark,
     save_plot,
 )
-from remat.checkpointable import Checkpointable
+from remat.automatic import Checkpointable
 from remat.errors import RematError, UnsupportedModel
 from remat.models import mlp_chain
 

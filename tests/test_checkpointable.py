@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.chain import sequential_chain
+from remat.discover.chain import sequential_chain
 from remat.measure import ChainMeasurement
 from remat.memory import BUDGET_FORMS, SAFETY_MARGIN, available_memory_bytes
 from remat.models import gpt2
@@ -193,7 +193,7 @@ def test_hooks_on_stage_modules_run_once_per_call() -> None:
 
 # ----------------------------------------------------------------------------- plan cache
 def test_plans_are_cached_per_input_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    import remat.checkpointable as checkpointable_module
+    import remat.automatic as checkpointable_module
 
     calls: list[int] = []
     measure_chain = checkpointable_module.measure_chain
@@ -268,7 +268,7 @@ def test_measure_leaves_the_model_untouched() -> None:
 
 
 def test_eval_mode_and_no_grad_run_the_plain_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    import remat.checkpointable as checkpointable_module
+    import remat.automatic as checkpointable_module
 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("measured or discovered outside a training call")
@@ -352,7 +352,7 @@ def test_the_minimum_budget_fits_for_any_margin_and_fixed_memory(
     margin: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """BudgetTooSmall.minimum_bytes is exactly the smallest budget, despite float rounding."""
-    import remat.checkpointable as checkpointable_module
+    import remat.automatic as checkpointable_module
 
     profile = random_chain(3, 2, max_units=40, unit_bytes=8)
     fixed = {"bytes": 0}
@@ -523,7 +523,7 @@ def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: s
 def test_a_plain_measuring_step_that_runs_out_of_memory_is_measured_frugally(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import remat.checkpointable as module
+    import remat.automatic as module
 
     original = module.measure_chain
     modes = []

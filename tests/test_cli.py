@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from remat import cli
-from remat.checkpointable import Checkpointable
+from remat.automatic import Checkpointable
 from remat.models import CATALOGUE, ModelSpec, mlp_chain
 from remat.plan.profile import ChainProfile
 

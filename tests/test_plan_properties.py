@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from remat.errors import BudgetTooSmall
 from remat.plan import ChainProfile, OptimalSolver, Region, Store, get_solver, simulate
-from remat.plan.schedule import Plan, validate_plan
+from remat.plan.operations import PlanTree, validate_plan
 from remat.plan.solvers import _ChainArrays, _plan_peak_units
 from remat.testing import all_plans, random_chain
 
@@ -33,11 +33,11 @@ def chains(draw: st.DrawFn, max_stages: int = 7, unit_bytes: int = 1) -> ChainPr
     )
 
 
-def store_everything(profile: ChainProfile) -> Plan:
+def store_everything(profile: ChainProfile) -> PlanTree:
     return tuple(Store(stage) for stage in range(profile.n_stages))
 
 
-def ends_with_region(plan: Plan) -> bool:
+def ends_with_region(plan: PlanTree) -> bool:
     if isinstance(plan[-1], Region):
         return True
     return any(ends_with_region(item.body) for item in plan if isinstance(item, Region))

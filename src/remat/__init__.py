@@ -1,7 +1,7 @@
 """remat: train PyTorch models in less memory by recomputing activations in backward."""
 
-from remat._state import is_recomputing
-from remat.checkpointable import Checkpointable, PlannedChain
+from remat.manual._state import is_recomputing
+from remat.automatic import Checkpointable, PlannedChain
 from remat.errors import (
     BudgetTooSmall,
     InvalidBudget,
@@ -11,10 +11,10 @@ from remat.errors import (
     RematError,
     UnsupportedModel,
 )
-from remat.marking import apply, is_marked, mark, unmark
+from remat.manual.marking import apply, is_marked, mark, unmark
 from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
-from remat.recompute import recompute
-from remat.residuals import SavedTensor, format_saved_residuals, saved_residuals
+from remat.manual.recompute import recompute
+from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
 from remat import models as models, plan as plan
 
 __version__ = "0.1.0"

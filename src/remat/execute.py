@@ -24,12 +24,12 @@ from typing import Any, Callable, Sequence, Union
 
 from torch import nn
 
-from remat._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
-from remat.chain import Chain, InputLink
+from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
+from remat.discover.chain import Chain, InputLink
 from remat.errors import RematError, UnsupportedModel
-from remat.measure import call_original, call_stage, intercept_stages
-from remat.plan.schedule import Region, Store
-from remat.recompute import RegionRecording, active_mode, recompute
+from remat.discover.intercept import call_original, call_stage, intercept_stages
+from remat.plan.operations import Region, Store
+from remat.manual.recompute import RegionRecording, active_mode, recompute
 
 __all__ = ["ChainExecutor", "expand_groups"]
 

@@ -12,12 +12,12 @@ import functools
 import numpy as np
 
 from remat.plan.profile import ChainProfile
-from remat.plan.schedule import Plan, Region, Store
+from remat.plan.operations import PlanTree, Region, Store
 
 __all__ = ["all_plans", "random_chain"]
 
 
-def all_plans(n_stages: int) -> tuple[Plan, ...]:
+def all_plans(n_stages: int) -> tuple[PlanTree, ...]:
     """Returns every valid plan tree of a chain of ``n_stages`` stages.
 
     There are 2, 8, 48, 352 and 2880 of them for 1 to 5 stages: use it on short chains.
@@ -31,11 +31,11 @@ def all_plans(n_stages: int) -> tuple[Plan, ...]:
 
 
 @functools.cache
-def _body_plans(start: int, stop: int) -> tuple[Plan, ...]:
+def _body_plans(start: int, stop: int) -> tuple[PlanTree, ...]:
     # Plans of [start, stop) whose first item is not the region [start, stop) itself.
     if start == stop:
         return ((),)
-    plans: list[Plan] = [(Store(start),) + rest for rest in _level_plans(start + 1, stop)]
+    plans: list[PlanTree] = [(Store(start),) + rest for rest in _level_plans(start + 1, stop)]
     for region_stop in range(start + 1, stop):
         for body in _body_plans(start, region_stop):
             for rest in _level_plans(region_stop, stop):
@@ -44,7 +44,7 @@ def _body_plans(start: int, stop: int) -> tuple[Plan, ...]:
 
 
 @functools.cache
-def _level_plans(start: int, stop: int) -> tuple[Plan, ...]:
+def _level_plans(start: int, stop: int) -> tuple[PlanTree, ...]:
     if start == stop:
         return ((),)
     bodies = _body_plans(start, stop)

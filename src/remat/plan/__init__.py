@@ -8,22 +8,21 @@ Nothing here needs the model or its device.
 
 from remat.plan.profile import ChainProfile, InvalidProfile
 from remat.plan.report import PlanReport, StageRow, format_bytes, format_seconds
-from remat.plan.schedule import (
+from remat.plan.operations import (
     InvalidPlan,
     Operation,
     OperationKind,
-    Plan,
+    PlanItem,
+    PlanTree,
     Region,
-    Schedule,
-    SimulationResult,
     Store,
-    TimelineEntry,
     operations,
     plan_from_data,
     plan_to_data,
-    simulate,
     validate_plan,
 )
+from remat.plan.schedule import Schedule
+from remat.plan.simulate import SimulationResult, TimelineEntry, simulate
 from remat.plan.solvers import (
     AutoSolver,
     OptimalSolver,
@@ -48,7 +47,8 @@ __all__ = [
     "OperationKind",
     "OptimalSolver",
     "PeriodicSolver",
-    "Plan",
+    "PlanItem",
+    "PlanTree",
     "PlanReport",
     "Region",
     "Schedule",

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from remat.memory import format_bytes
-from remat.plan.schedule import Schedule, Store, plan_to_data, simulate
+from remat.plan.operations import Store, plan_to_data
+from remat.plan.simulate import simulate
+
+if TYPE_CHECKING:
+    from remat.plan.schedule import Schedule
 
 __all__ = ["PlanReport", "StageRow", "format_bytes", "format_seconds"]
 

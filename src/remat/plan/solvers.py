@@ -30,7 +30,8 @@ import numpy as np
 
 from remat.errors import BudgetTooSmall, InvalidBudget, RematError
 from remat.plan.profile import ChainProfile
-from remat.plan.schedule import Item, Plan, Region, Schedule, Store
+from remat.plan.operations import PlanItem as Item, PlanTree as Plan, Region, Store
+from remat.plan.schedule import Schedule
 
 __all__ = [
     "AutoSolver",

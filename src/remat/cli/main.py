@@ -59,8 +59,8 @@ from remat.errors import BudgetTooSmall, InvalidBudget, RematError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from remat.bench import BenchmarkResult
-    from remat.checkpointable import PlannedChain
+    from remat.bench.runner import BenchmarkResult
+    from remat.automatic import PlannedChain
     from remat.models import ModelSpec
 
 __all__ = ["main"]
@@ -599,7 +599,7 @@ def _budget_value(text: str | None) -> Any:
 
 
 def _measure(workload: Workload, solver: str, output: _Output) -> tuple[Any, tuple[Any, ...]]:
-    from remat.checkpointable import Checkpointable
+    from remat.automatic import Checkpointable
 
     inputs, target = workload.make_batch()
     wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
@@ -769,7 +769,7 @@ def _run_bench(
 ) -> BenchmarkResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from remat.bench import run_benchmark
+    from remat.bench.runner import run_benchmark
 
     with Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -803,7 +803,7 @@ def _run_bench(
 def _print_bench(result: BenchmarkResult, output: _Output) -> None:
     from rich.table import Table
 
-    from remat.bench import format_row
+    from remat.bench.runner import format_row
 
     meta = result.metadata
     table = Table(
@@ -868,7 +868,7 @@ def _save_outputs(
     markdown_path: Path | None,
     plot_path: Path | None,
 ) -> None:
-    from remat.bench import save_plot
+    from remat.bench.runner import save_plot
 
     if json_path is not None:
         _write(json_path, lambda p: p.write_text(result.to_json() + "\n", encoding="utf-8"), output, "JSON")

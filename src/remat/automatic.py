@@ -13,12 +13,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from remat.chain import Chain, discover_chain
+from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_groups
 from remat.measure import ChainMeasurement, measure_chain
 from remat.memory import parse_budget
-from remat.plan.schedule import Schedule, simulate
+from remat.plan.schedule import Schedule
+from remat.plan.simulate import simulate
 from remat.plan.solvers import get_solver, numba_available
 
 __all__ = ["Checkpointable", "PlannedChain"]

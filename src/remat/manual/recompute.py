@@ -33,8 +33,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from remat import _state
-from remat._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
+from remat.manual import _state
+from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.errors import (
     NondeterministicRecompute,
     NotCallableBlock,

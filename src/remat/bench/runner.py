@@ -29,7 +29,7 @@ penalising the ones that happened to run at that moment.
 Usage::
 
     from functools import partial
-    from remat.bench import run_benchmark
+    from remat.bench.runner import run_benchmark
     from remat.models import CATALOGUE
 
     spec = CATALOGUE["resnet_small"]
@@ -55,8 +55,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from remat.chain import sequential_chain
-from remat.checkpointable import Checkpointable
+from remat.discover.chain import sequential_chain
+from remat.automatic import Checkpointable
 from remat.errors import BudgetTooSmall, RematError
 from remat.memory import MemoryTracker, format_bytes
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Union
 from torch import nn
 
 from remat.errors import NotCallableBlock, RematError
-from remat.recompute import recompute
+from remat.manual.recompute import recompute
 
 __all__ = ["apply", "is_marked", "mark", "unmark"]
 

@@ -1,0 +1,66 @@
+"""The ``remat`` command: see a model's recompute plan, and benchmark it, from the shell.
+
+Subcommands::
+
+    remat models                      the ready-made models, with parameter counts
+    remat plan MODEL [--budget B]     measure MODEL, solve, print the plan (or --json)
+    remat bench MODEL [--budgets ..]  no recompute vs checkpoint_sequential vs remat:
+                                      exact peak memory and step time, table/JSON/PNG
+    remat demo [--out DIR]            a bench of resnet_small on the CPU, with a PNG
+
+MODEL is a name from ``remat models``, or ``package.module:function``: a function with no
+arguments that returns an ``nn.Sequential``, or a tuple ``(model, sample_input)``. A
+model without a sample input needs ``--input-shape C,H,W``: the input is then a random
+float tensor of shape ``(batch, C, H, W)``. Catalogue models train on synthetic data with
+their own loss; a user's model trains on its input with the sum of its output as the loss.
+
+Exit codes:
+
+===  =====================================================================
+0    success
+1    an optional dependency is missing: ``pip install 'remat[cli]'``
+2    the budget is below the smallest feasible budget (the message gives it)
+3    unknown model name (the message lists the catalogue)
+4    the budget cannot be read (the message lists the accepted forms)
+5    the model factory cannot be imported or called, does not return an
+     ``nn.Sequential``, or the model fails on its input
+6    out of memory on the device while building or running the model
+7    invalid command-line arguments
+8    remat cannot plan this model (e.g. its stages are not a chain)
+9    an output file cannot be written
+130  interrupted
+===  =====================================================================
+
+Every error is one line on stderr, ``remat: error: ...``; ``--debug`` shows the traceback.
+This module is the output layer of remat: the only place that prints.
+"""
+
+from remat.cli.main import (
+    EXIT_BAD_BUDGET,
+    EXIT_BAD_MODEL,
+    EXIT_BUDGET_TOO_SMALL,
+    EXIT_CANNOT_WRITE,
+    EXIT_INTERRUPTED,
+    EXIT_MISSING_DEPENDENCY,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_UNKNOWN_MODEL,
+    EXIT_UNSUPPORTED_MODEL,
+    EXIT_USAGE,
+    main,
+)
+
+__all__ = [
+    "EXIT_BAD_BUDGET",
+    "EXIT_BAD_MODEL",
+    "EXIT_BUDGET_TOO_SMALL",
+    "EXIT_CANNOT_WRITE",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISSING_DEPENDENCY",
+    "EXIT_OK",
+    "EXIT_OUT_OF_MEMORY",
+    "EXIT_UNKNOWN_MODEL",
+    "EXIT_UNSUPPORTED_MODEL",
+    "EXIT_USAGE",
+    "main",
+]

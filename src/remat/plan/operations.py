@@ -1,0 +1,255 @@
+"""The plan tree, and the flat list of operations it stands for.
+
+A plan tree is a tuple of items covering the stages ``0 .. n-1`` in order. An item is
+either :class:`Store` (run the stage keeping what its backward needs) or :class:`Region`
+(run a range of stages once keeping only its input; when the backward reaches the range,
+run its ``body``, a plan tree of the same range, forward then backward).
+
+:func:`operations` flattens a tree into the schedule itself: the list of operations that
+the simulator (:mod:`remat.plan.simulate`) checks and the executor (:mod:`remat.execute`)
+runs. :func:`tree_of` reads the tree back from the operations.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from remat.errors import RematError
+
+__all__ = [
+    "InvalidPlan",
+    "Operation",
+    "OperationKind",
+    "PlanItem",
+    "PlanTree",
+    "Region",
+    "Store",
+    "operations",
+    "plan_from_data",
+    "plan_to_data",
+    "validate_plan",
+]
+
+
+class InvalidPlan(RematError, ValueError):
+    """A plan or an operation sequence does not describe a valid schedule of the chain."""
+
+
+@dataclass(frozen=True)
+class Store:
+    """Run stage ``stage`` once, keeping what its backward needs until that backward.
+
+    Attributes:
+        stage: the stage index.
+    """
+
+    stage: int
+
+
+@dataclass(frozen=True)
+class Region:
+    """Run stages ``[start, stop)`` keeping only ``x_start``; re-run them as ``body`` later.
+
+    In the forward pass the stages of the region run once and discard everything but their
+    input ``x_start`` (the checkpoint). When the backward pass reaches the region, ``body``
+    (a plan covering ``[start, stop)`` exactly) runs: its forward part, then its backward.
+
+    Attributes:
+        start: the first stage of the region.
+        stop: one past the last stage of the region.
+        body: the plan of ``[start, stop)`` run when the backward reaches the region. Its
+            first item, if a region, is strictly shorter than this one.
+    """
+
+    start: int
+    stop: int
+    body: tuple[Store | Region, ...]
+
+
+PlanItem = Store | Region
+"""One item of a plan tree."""
+
+PlanTree = tuple[PlanItem, ...]
+"""A plan tree: items covering the stages of a chain in order."""
+
+
+class OperationKind(str, enum.Enum):
+    """What one step of a schedule does."""
+
+    FORWARD_CHECKPOINT = "forward_checkpoint"
+    """Forward of the first stage of a region: its input is kept, nothing else."""
+    FORWARD_DISCARD = "forward_discard"
+    """Forward of a later stage of a region: nothing is kept."""
+    FORWARD_STORE = "forward_store"
+    """Forward keeping what the stage's backward needs."""
+    LOSS = "loss"
+    """The end of the forward pass: the gradient of the chain output appears."""
+    BACKWARD = "backward"
+    """Backward of a stage."""
+
+    @property
+    def is_forward(self) -> bool:
+        """Whether the operation runs the forward of a stage."""
+        return self in _FORWARD_KINDS
+
+
+_FORWARD_KINDS = frozenset(
+    {OperationKind.FORWARD_CHECKPOINT, OperationKind.FORWARD_DISCARD, OperationKind.FORWARD_STORE}
+)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One step of a schedule.
+
+    Attributes:
+        kind: what the step does.
+        stage: the stage it runs; None for :attr:`OperationKind.LOSS`.
+    """
+
+    kind: OperationKind
+    stage: int | None = None
+
+    def __str__(self) -> str:
+        if self.stage is None:
+            return self.kind.value
+        return f"{self.kind.value}({self.stage})"
+
+
+_LOSS = Operation(OperationKind.LOSS)
+
+
+def operations(plan: PlanTree) -> list[Operation]:
+    """Flattens a plan into the operations the executor runs, in order.
+
+    ``ops(items) = fwd(items[0]) + ops(items[1:]) + bwd(items[0])`` with ``ops(())`` the
+    loss marker at the top level and nothing inside a region's body; ``fwd(Store(i))`` is
+    ``forward_store(i)``, ``bwd(Store(i))`` is ``backward(i)``; ``fwd(Region)`` is
+    ``forward_checkpoint(start)`` and ``forward_discard`` of the other stages, and
+    ``bwd(Region)`` is the operations of its body.
+
+    Args:
+        plan: the plan (not validated here: see :func:`validate_plan`).
+
+    Returns:
+        The operations, forward pass first, with one ``loss`` marker.
+    """
+    result: list[Operation] = []
+    _append_operations(plan, result, top_level=True)
+    return result
+
+
+def _append_operations(items: Sequence[PlanItem], result: list[Operation], *, top_level: bool) -> None:
+    # Iterative over the items of one level: forwards in order, then backwards reversed.
+    for item in items:
+        if isinstance(item, Store):
+            result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
+        else:
+            result.append(Operation(OperationKind.FORWARD_CHECKPOINT, item.start))
+            result.extend(
+                Operation(OperationKind.FORWARD_DISCARD, stage)
+                for stage in range(item.start + 1, item.stop)
+            )
+    if top_level:
+        result.append(_LOSS)
+    for item in reversed(items):
+        if isinstance(item, Store):
+            result.append(Operation(OperationKind.BACKWARD, item.stage))
+        else:
+            _append_operations(item.body, result, top_level=False)
+
+
+def validate_plan(plan: PlanTree, n_stages: int) -> None:
+    """Checks that a plan is a valid schedule of a chain of ``n_stages`` stages.
+
+    Args:
+        plan: the plan.
+        n_stages: the number of stages of the chain.
+
+    Raises:
+        InvalidPlan: the plan does not cover the stages in order, a region is empty or its
+            body does not cover it, or a body starts with a region as long as its own.
+    """
+    if n_stages < 1:
+        raise InvalidPlan(f"a chain has at least one stage, got n_stages={n_stages}")
+    if not isinstance(plan, tuple):
+        raise InvalidPlan(f"a plan is a tuple of Store and Region items, got {type(plan).__name__}")
+    _validate_items(plan, 0, n_stages, "plan")
+
+
+def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: str) -> None:
+    if not isinstance(items, tuple) or not items:
+        raise InvalidPlan(f"{where} must be a non-empty tuple covering stages [{start}, {stop})")
+    position = start
+    for index, item in enumerate(items):
+        label = f"{where}[{index}]"
+        if isinstance(item, Store):
+            if item.stage != position:
+                raise InvalidPlan(
+                    f"{label} is Store({item.stage}) but stage {position} comes next "
+                    f"(items must cover [{start}, {stop}) in order)"
+                )
+            position += 1
+        elif isinstance(item, Region):
+            if item.start != position:
+                raise InvalidPlan(
+                    f"{label} is a region starting at stage {item.start} but stage {position} "
+                    f"comes next (items must cover [{start}, {stop}) in order)"
+                )
+            if item.stop <= item.start:
+                raise InvalidPlan(f"{label} is the empty region [{item.start}, {item.stop})")
+            first = item.body[0] if isinstance(item.body, tuple) and item.body else None
+            if isinstance(first, Region) and first.start == item.start and first.stop >= item.stop:
+                raise InvalidPlan(
+                    f"{label}: the body of region [{item.start}, {item.stop}) starts with the "
+                    f"region [{first.start}, {first.stop}); a body's first region must be "
+                    "strictly shorter than the region itself"
+                )
+            _validate_items(item.body, item.start, item.stop, f"{label}.body")
+            position = item.stop
+        else:
+            raise InvalidPlan(f"{label} is {item!r}, not a Store or a Region")
+        if position > stop:
+            raise InvalidPlan(f"{label} reaches stage {position - 1}, past the end {stop - 1}")
+    if position != stop:
+        raise InvalidPlan(
+            f"{where} covers stages [{start}, {position}) but must cover [{start}, {stop})"
+        )
+
+
+def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
+    """Returns a plan as JSON-able data: ``{"store": i}`` or ``{"region": [s, t], "body": [...]}``.
+
+    See :func:`plan_from_data` for the way back.
+    """
+    data: list[dict[str, Any]] = []
+    for item in plan:
+        if isinstance(item, Store):
+            data.append({"store": item.stage})
+        else:
+            data.append({"region": [item.start, item.stop], "body": plan_to_data(item.body)})
+    return data
+
+
+def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
+    """Builds a plan from the data :func:`plan_to_data` returns (not validated here).
+
+    Raises:
+        InvalidPlan: an entry is neither a store nor a region.
+    """
+    items: list[PlanItem] = []
+    for index, entry in enumerate(data):
+        if isinstance(entry, Mapping) and set(entry) == {"store"}:
+            items.append(Store(int(entry["store"])))
+        elif isinstance(entry, Mapping) and set(entry) == {"region", "body"}:
+            start, stop = entry["region"]
+            items.append(Region(int(start), int(stop), plan_from_data(entry["body"])))
+        else:
+            raise InvalidPlan(
+                f"plan entry {index} is {entry!r}; expected {{'store': i}} or "
+                "{'region': [start, stop], 'body': [...]}"
+            )
+    return tuple(items)
