@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import remat
-import remat.memory
+import remat.budget
 from remat import InvalidBudget, MemoryTracker, RematError, format_bytes, parse_budget
 from remat.memory import SAFETY_MARGIN, available_memory_bytes
 
@@ -279,7 +279,7 @@ def test_parse_budget_free_memory(budget: object, monkeypatch: pytest.MonkeyPatc
         asked.append(str(device))
         return 10_000
 
-    monkeypatch.setattr(remat.memory, "available_memory_bytes", free_bytes)
+    monkeypatch.setattr(remat.budget, "available_memory_bytes", free_bytes)
     assert parse_budget(budget, device="cpu") == int(10_000 * (1 - SAFETY_MARGIN))
     assert asked == ["cpu"]
 

@@ -1,4 +1,4 @@
-"""Exact accounting of live tensor memory, and memory budgets.
+"""Exact accounting of live tensor memory.
 
 :class:`MemoryTracker` is the ruler for every memory figure remat reports. It is a
 ``TorchDispatchMode`` that sees every tensor an operator returns and follows the
@@ -20,8 +20,6 @@ optimizer state and the inputs created before the step are not activation memory
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from remat.errors import InvalidBudget
+from remat.budget import BUDGET_FORMS, SAFETY_MARGIN, available_memory_bytes, parse_budget
+from remat.units import format_bytes
 
 __all__ = [
     "MemoryTracker",
@@ -42,20 +41,6 @@ __all__ = [
     "parse_budget",
     "track_memory",
 ]
-
-
-def format_bytes(n_bytes: float) -> str:
-    """Formats a byte count for people: ``1536`` -> ``"1.50 KiB"``."""
-    value = float(n_bytes)
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024.0 or unit == "GiB":
-            if unit == "B":
-                return f"{sign}{int(value)} B"
-            return f"{sign}{value:.2f} {unit}"
-        value /= 1024.0
-    return f"{sign}{value:.2f} TiB"  # pragma: no cover
 
 
 @dataclass
@@ -390,105 +375,3 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 def track_memory(**options: Any) -> MemoryTracker:
     """Shorthand for :class:`MemoryTracker` (``with remat.track_memory() as t: ...``)."""
     return MemoryTracker(**options)
-
-
-# ---------------------------------------------------------------------- budgets
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-BUDGET_FORMS = (
-    "an int number of bytes (e.g. 268435456); a string with a unit such as '512MiB', "
-    "'1.5GB', '300kB'; a float in (0, 1] for that fraction of the activation memory "
-    "without recompute (e.g. 0.5); or None for the memory the device has free"
-)
-
-#: Fraction of the free device memory remat leaves untouched when the budget is None.
-SAFETY_MARGIN = 0.1
-
-
-def available_memory_bytes(device: str | torch.device = "cpu") -> int:
-    """Memory the device has free now: free CUDA memory, or available RAM on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-
-
-def parse_budget(
-    budget: int | float | str | None,
-    *,
-    reference_bytes: int | None = None,
-    device: str | torch.device = "cpu",
-) -> int:
-    """Turns any accepted form of a memory budget into bytes.
-
-    Args:
-        budget: see ``BUDGET_FORMS``: bytes (int), a string with a unit, a fraction
-            (float in (0, 1]) of ``reference_bytes``, or None for the free device memory
-            minus a safety margin.
-        reference_bytes: the activation memory without recompute, needed for fractions.
-        device: the device whose free memory ``None`` means.
-
-    Raises:
-        InvalidBudget: the value is not one of the accepted forms.
-    """
-    if budget is None:
-        return int(available_memory_bytes(device) * (1.0 - SAFETY_MARGIN))
-    if isinstance(budget, bool):
-        raise InvalidBudget(f"budget {budget!r} is a bool; use {BUDGET_FORMS}")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise InvalidBudget(f"budget must be positive, got {budget} bytes; use {BUDGET_FORMS}")
-        return budget
-    if isinstance(budget, float):
-        if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
-            raise InvalidBudget(
-                f"a float budget is a fraction in (0, 1], got {budget!r}; use {BUDGET_FORMS}"
-            )
-        if reference_bytes is None:
-            raise InvalidBudget(
-                f"the fractional budget {budget} needs the activation memory without recompute; "
-                "measure the model first or give the budget in bytes"
-            )
-        return max(1, int(reference_bytes * budget))
-    if isinstance(budget, str):
-        text = budget.strip()
-        if text.lower() in {"none", "auto", "free"}:
-            return parse_budget(None, reference_bytes=reference_bytes, device=device)
-        match = _BUDGET_RE.match(text)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise InvalidBudget(f"cannot read the budget {budget!r}; use {BUDGET_FORMS}")
-        number = float(match.group(1))
-        unit = match.group(2).lower()
-        if unit == "" and "." in match.group(1) and number <= 1.0:
-            return parse_budget(number, reference_bytes=reference_bytes, device=device)
-        value = int(number * _UNITS[unit])
-        if value <= 0:
-            raise InvalidBudget(f"budget must be positive, got {budget!r}; use {BUDGET_FORMS}")
-        return value
-    raise InvalidBudget(f"budget of type {type(budget).__name__} is not understood; use {BUDGET_FORMS}")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from remat.memory import format_bytes
+from remat.units import format_bytes, format_seconds
 from remat.plan.operations import Store, plan_to_data
 from remat.plan.simulate import simulate
 
@@ -19,16 +19,6 @@ if TYPE_CHECKING:
     from remat.plan.schedule import Schedule
 
 __all__ = ["PlanReport", "StageRow", "format_bytes", "format_seconds"]
-
-
-def format_seconds(seconds: float) -> str:
-    """Formats a duration for people: ``0.0123`` -> ``"12.30 ms"``."""
-    magnitude = abs(seconds)
-    if magnitude >= 1.0 or magnitude == 0.0:
-        return f"{seconds:.3f} s"
-    if magnitude >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
 
 
 @dataclass(frozen=True)
