@@ -1,7 +1,8 @@
 """remat: train PyTorch models in less memory by recomputing activations in backward."""
 
-from remat.manual._state import is_recomputing
-from remat.automatic import Checkpointable, PlannedChain
+from remat import models as models
+from remat import plan as plan
+from remat.automatic import Checkpointable
 from remat.errors import (
     BudgetTooSmall,
     InvalidBudget,
@@ -11,11 +12,12 @@ from remat.errors import (
     RematError,
     UnsupportedModel,
 )
+from remat.manual._state import is_recomputing
 from remat.manual.marking import apply, is_marked, mark, unmark
-from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
 from remat.manual.recompute import recompute
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
-from remat import models as models, plan as plan
+from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
+from remat.plan.step import Plan
 
 __version__ = "0.1.0"
 
@@ -26,7 +28,7 @@ __all__ = [
     "MemoryTracker",
     "NondeterministicRecompute",
     "NotCallableBlock",
-    "PlannedChain",
+    "Plan",
     "RecomputeInputModified",
     "RematError",
     "SavedTensor",

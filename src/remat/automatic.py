@@ -1,95 +1,71 @@
-"""``remat.Checkpointable``: the optimal recompute schedule for a model, under a byte budget."""
+"""``remat.Checkpointable``: the optimal recompute schedule for a model, under a byte budget.
+
+This is where the automatic mode's steps meet: :mod:`remat.discover` finds the chain of
+stages, :mod:`remat.measure` profiles one training step, :mod:`remat.plan` solves for a
+schedule within the budget, and :mod:`remat.execute` runs it inside autograd.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Hashable
+from collections.abc import Hashable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from remat.budget import MINIMUM, Budget, parse_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
-from remat.execute import ChainExecutor, expand_groups
-from remat.measure import ChainMeasurement, measure_chain
-from remat.memory import parse_budget
-from remat.plan.schedule import Schedule
+from remat.execute import ChainExecutor, expand_operations
+from remat.measure import ChainMeasurement, measure_chain, preserved_model_state
+from remat.plan.profile import ChainProfile
 from remat.plan.simulate import simulate
-from remat.plan.solvers import get_solver, numba_available
+from remat.plan.solvers import Solver, get_solver, numba_available
+from remat.plan.step import BudgetSplit, Plan
+from remat.units import format_bytes
 
-__all__ = ["Checkpointable", "PlannedChain"]
+__all__ = ["DEFAULT_PLANNING_MARGIN", "LOSS_ALLOWANCE_OUTPUTS", "Checkpointable"]
 
 logger = logging.getLogger("remat")
 
 #: Fraction of the budget kept free when the prediction is not exact by construction.
-DEFAULT_MARGIN = 0.02
+DEFAULT_PLANNING_MARGIN = 0.02
 
 #: Without a loss_fn, the loss is assumed to hold this many tensors of the output's size.
-LOSS_ALLOWANCE = 3
+LOSS_ALLOWANCE_OUTPUTS = 3
 
 
-@dataclass
-class PlannedChain:
-    """A measured chain with its plan: what :meth:`Checkpointable.compute_sequence` returns.
+class _PlanOptions(NamedTuple):
+    """Everything a plan depends on besides the measurement (the key of the plan cache)."""
 
-    Printing it shows the plan: budget, predicted peak, predicted step time and overhead,
-    and a per-stage table. The whole-step figures add the memory held outside the chain
-    (``fixed_bytes``: the prefix's activations for a model that is not a plain Sequential).
+    mem_limit: Budget
+    solver_name: str
+    slots: int | None
+    margin: float | None
+    output_kept: bool
 
-    Attributes:
-        schedule: the solver's schedule over the grouped stages (the chain's own figures).
-        measurement: the measured figures it was planned from.
-        budget_bytes: the whole-step activation budget.
-        predicted_peak_bytes: predicted peak activation memory of a training step.
-        fixed_bytes: memory held outside the chain's schedule through the step (the
-            prefix's activations, outputs that escape the chain, the kept model output).
-    """
 
-    schedule: Schedule
-    measurement: ChainMeasurement
-    budget_bytes: int | None
-    predicted_peak_bytes: int
-    fixed_bytes: int = 0
+class _Planning(NamedTuple):
+    """A measurement made ready for the solver: the chain's profile and what the step adds."""
 
-    @property
-    def predicted_time_s(self) -> float:
-        """Predicted time of the chain's forward and backward, recomputations included."""
-        return self.schedule.predicted_time_s
-
-    @property
-    def overhead(self) -> float:
-        """Predicted extra time over no recompute, as a fraction (0.25 = 25% slower)."""
-        base = self.measurement.profile.total_time_s
-        return self.schedule.overhead_s / base if base > 0 else 0.0
-
-    @property
-    def forward_counts(self) -> tuple[int, ...]:
-        """How many times each planned stage's forward runs per step."""
-        return self.schedule.forward_counts
-
-    def __str__(self) -> str:
-        # The report above is the chain's schedule, planned within what the whole-step
-        # budget leaves after the planning margin and the memory held outside the chain.
-        from remat.memory import format_bytes
-
-        budget = "unlimited" if self.budget_bytes is None else format_bytes(self.budget_bytes)
-        return (
-            f"{self.schedule}\nwhole step: budget {budget}, predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)} (memory held outside the chain's "
-            f"schedule: {format_bytes(self.fixed_bytes)})"
-        )
+    profile: ChainProfile
+    held_outside_bytes: int
+    loss_allowance_bytes: int
+    margin: float
+    solver: Solver
 
 
 class Checkpointable(nn.Module):
     """Wraps a model and trains it with the fastest recompute schedule that fits a budget.
 
     The model is an ``nn.Sequential`` (nested Sequentials are flattened into one chain)
-    or any module whose forward runs a chain of blocks (see :func:`remat.chain.discover_chain`).
+    or any module whose forward runs a chain of blocks (see :func:`remat.discover.discover_chain`).
     In training mode with gradients enabled, the forward runs the planned schedule; in
     eval mode or under ``torch.no_grad()`` it is the model's plain forward.
 
@@ -101,7 +77,8 @@ class Checkpointable(nn.Module):
         model: the model to wrap (registered as ``self.model``).
         mem_limit: the activation memory budget of a training step: bytes (int), a string
             with a unit ("512MiB", "1.5GB"), a fraction in (0, 1] of the activation memory
-            without recompute, or None for the memory the device has free (minus a margin).
+            without recompute, None for the memory the device has free (minus a margin),
+            or ``"min"`` for the smallest feasible budget (see :mod:`remat.budget`).
         solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
         slots: memory slots of the dynamic program; None picks as many as keep the solve
             well under a second (500 for 200 stages, up to 20000 for short chains), so
@@ -109,11 +86,11 @@ class Checkpointable(nn.Module):
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
         loss_fn: ``loss_fn(output) -> loss`` used during measurement, e.g.
             ``lambda out: F.cross_entropy(out, target)``. Without it, remat measures with a
-            sum and leaves room for a loss holding ``LOSS_ALLOWANCE`` (3) tensors of the
-            output's size (see NOTE [loss allowance]); with it, the plan is exact.
+            sum and leaves room for a loss holding ``LOSS_ALLOWANCE_OUTPUTS`` (3) tensors of
+            the output's size (see NOTE [loss allowance]); with it, the plan is exact.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
             None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` (predicted to
-            the byte), otherwise ``DEFAULT_MARGIN`` (2%).
+            the byte), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
         output_kept: whether the training loop keeps the model's output alive through the
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
@@ -133,7 +110,7 @@ class Checkpointable(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        mem_limit: int | float | str | None = None,
+        mem_limit: Budget = None,
         *,
         solver: str = "optimal",
         slots: int | None = None,
@@ -147,7 +124,8 @@ class Checkpointable(nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Checkpointable wraps an nn.Module, got {type(model).__name__}")
         self.model = model
-        parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
+        if mem_limit != MINIMUM:
+            parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
         self.mem_limit = mem_limit
         self.solver_name = solver
         self.slots = slots
@@ -155,7 +133,10 @@ class Checkpointable(nn.Module):
         self._loss_fn = loss_fn
         self._chains: dict[Hashable, Chain] = {}
         self._measurements: dict[Hashable, ChainMeasurement] = {}
-        self._plans: dict[tuple[Hashable, Any], tuple[PlannedChain, ChainExecutor]] = {}
+        self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
+        self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
+        self._forced_plan: Plan | None = None
+        self._minimums: dict[Hashable, int] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
@@ -197,48 +178,67 @@ class Checkpointable(nn.Module):
         logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
         return measurement
 
-    def compute_sequence(self, mem_limit: int | float | str | None | object = ...) -> PlannedChain:
-        """Solves for the last measured input signature and returns the printable plan.
+    def plan_for(self, mem_limit: Budget | object = ...) -> Plan:
+        """The plan of the last measured input signature under a budget (cached).
 
         Args:
-            mem_limit: a budget in any accepted form; default: the one given at construction.
+            mem_limit: a budget in any accepted form, ``"min"`` included; default: the one
+                given at construction.
 
         Raises:
             BudgetTooSmall: no schedule fits; ``.minimum_bytes`` is the smallest budget that does.
         """
-        if self._last_key is None:
-            raise RuntimeError("call measure(*sample_inputs) (or run a training step) before compute_sequence()")
-        return self._plan(self._last_key, self.mem_limit if mem_limit is ... else mem_limit)[0]
+        return self._plan(self._measured_key(), self.mem_limit if mem_limit is ... else mem_limit)
+
+    def compute_sequence(self, mem_limit: Budget | object = ...) -> Plan:
+        """rotor's name of :meth:`plan_for`."""
+        return self.plan_for(mem_limit)
+
+    def minimum_budget_bytes(self) -> int:
+        """The smallest feasible whole-step budget, in bytes, for the last measured input."""
+        key = self._measured_key()
+        return self._minimum_budget_bytes(key, self._prepared(key))
+
+    @contextlib.contextmanager
+    def executing(self, plan: Plan) -> Iterator[Plan]:
+        """Within this block, training forwards run ``plan`` instead of the plan for ``mem_limit``.
+
+        ``plan`` may come from :meth:`plan_for` (any budget) or from :meth:`Plan.from_json`;
+        it must plan this model's chain of stage calls for the inputs it is run on.
+        """
+        previous = self._forced_plan
+        self._forced_plan = plan
+        try:
+            yield plan
+        finally:
+            self._forced_plan = previous
 
     @property
-    def plan(self) -> PlannedChain | None:
+    def plan(self) -> Plan | None:
         """The plan of the most recent training call, if any."""
         if self._last_key is None:
             return None
-        cached = self._plans.get((self._last_key, self._plan_key(self.mem_limit)))
-        return None if cached is None else cached[0]
-
-    def _plan_key(self, mem_limit: Any) -> str:
-        # Everything a plan depends on besides the measurement: changing an option after a
-        # first plan gives a new plan, not the cached one.
-        return repr((mem_limit, self.solver_name, self.slots, self._margin_option, self.output_kept))
+        return self._plans.get((self._last_key, self._options(self.mem_limit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
         key = _signature(args, kwargs)
-        if key not in self._measurements:
-            self.measure(*args, **kwargs)
-        self._last_key = key
-        _planned, executor = self._plan(key, self.mem_limit)
-        return executor(self.model, args, kwargs)
+        if self._forced_plan is not None:
+            plan = self._forced_plan
+        else:
+            if key not in self._measurements:
+                self.measure(*args, **kwargs)
+            self._last_key = key
+            plan = self._plan(key, self.mem_limit)
+        return self._executor(key, plan, args, kwargs)(self.model, args, kwargs)
 
     # ------------------------------------------------------------------ internals
     @property
     def margin(self) -> float:
         """The planning margin in use for the last measured input (see ``margin`` above)."""
         if self._last_key is None or self._last_key not in self._chains:
-            return self._margin_option if self._margin_option is not None else DEFAULT_MARGIN
+            return self._margin_option if self._margin_option is not None else DEFAULT_PLANNING_MARGIN
         return self._margin(self._last_key)
 
     def _margin(self, key: Hashable) -> float:
@@ -247,9 +247,17 @@ class Checkpointable(nn.Module):
         # An nn.Sequential measured with the real loss is predicted to the byte; anything
         # with parts outside the chain, or measured with the default loss, keeps a margin.
         exact = self._chains[key].whole_model and self._loss_fn is not None
-        return 0.0 if exact else DEFAULT_MARGIN
+        return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
-    def _solver(self, n_stages: int = 1) -> Any:
+    def _options(self, mem_limit: Budget) -> _PlanOptions:
+        return _PlanOptions(mem_limit, self.solver_name, self.slots, self._margin_option, self.output_kept)
+
+    def _measured_key(self) -> Hashable:
+        if self._last_key is None:
+            raise RuntimeError("call measure(*sample_inputs) (or run a training step) before planning")
+        return self._last_key
+
+    def _solver(self, n_stages: int = 1) -> Solver:
         if self.solver_name in ("optimal", "auto"):
             return get_solver(self.solver_name, slots=self._slots_for(n_stages))
         return get_solver(self.solver_name)
@@ -269,22 +277,25 @@ class Checkpointable(nn.Module):
             if isinstance(self.model, nn.Sequential):
                 chain = discover_chain(self.model, args, kwargs)
             else:
-                from remat.measure import preserved_model_state
-
                 devices = [p.device for p in self.model.parameters()]
                 with preserved_model_state(self.model, devices):
                     chain = discover_chain(self.model, args, kwargs)
             self._chains[key] = chain
         return chain
 
-    def _plan(self, key: Hashable, mem_limit: Any) -> tuple[PlannedChain, ChainExecutor]:
-        budget_key = self._plan_key(mem_limit)
-        cached = self._plans.get((key, budget_key))
-        if cached is not None:
-            return cached
+    def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
+        executor = self._executors.get((key, plan))
+        if executor is None:
+            chain = self._chain_for(key, args, kwargs)
+            operations = expand_operations(plan.schedule.operations, plan.groups)
+            executor = ChainExecutor(chain, operations, preserve_rng_state=self.preserve_rng_state)
+            self._executors[(key, plan)] = executor
+        return executor
+
+    def _prepared(self, key: Hashable) -> _Planning:
         measurement = self._measurements[key]
         profile = measurement.profile
-        fixed = measurement.fixed_bytes
+        allowance = 0
         if self._loss_fn is None:
             # NOTE [loss allowance]
             # Measured with the cheapest loss (a sum), the plan would not leave room for a
@@ -292,67 +303,80 @@ class Checkpointable(nn.Module):
             # of the output's size at its peak. Without the user's loss_fn, the chain's
             # output gradient is charged that much more (it is live from the loss to the
             # end of the last stage's backward).
+            allowance = LOSS_ALLOWANCE_OUTPUTS * measurement.output_bytes
             gradients = list(profile.gradient_bytes)
-            gradients[-1] += LOSS_ALLOWANCE * measurement.output_bytes
+            gradients[-1] += allowance
             profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
+        held_outside = measurement.fixed_bytes
         if self.output_kept:
             # The loss was measured with the output dropped once the loss is computed; a
             # loop that keeps it holds it through the whole step on top (counted twice at
             # the loss itself, which errs on the safe side).
-            fixed += measurement.output_bytes
-        store_all = simulate(profile, get_solver("none")(profile, None).items)
-        reference = store_all.peak_bytes + fixed
-        device = profile.metadata.get("device", "cpu")
-        budget = parse_budget(mem_limit, reference_bytes=reference, device=device)
+            held_outside += measurement.output_bytes
+        return _Planning(profile, held_outside, allowance, self._margin(key), self._solver(profile.n_stages))
+
+    @staticmethod
+    def _chain_bytes(planning: _Planning, total_bytes: int) -> int:
         # NOTE [planning margin]
         # The plan must fit with a margin for what per-stage measurement cannot attribute
         # (the model's own code around the chain, a real loss heavier than the default
         # one measured): the chain is planned for (1 - margin) of the budget, less the
-        # fixed memory. A Sequential measured with the real loss has nothing unattributed.
-        margin = self._margin(key)
+        # memory held outside it. A Sequential measured with the real loss has nothing
+        # unattributed.
+        return int(total_bytes * (1.0 - planning.margin)) - planning.held_outside_bytes
 
-        def chain_budget_of(total: int) -> int:
-            return int(total * (1.0 - margin)) - fixed
+    def _minimum_budget_bytes(self, key: Hashable, planning: _Planning) -> int:
+        cache_key = (key, self._options(None))
+        if cache_key not in self._minimums:
+            self._minimums[cache_key] = self._solve_minimum_budget_bytes(planning)
+        return self._minimums[cache_key]
 
-        chain_budget = chain_budget_of(budget)
-        solver = self._solver(profile.n_stages)
-        try:
-            if chain_budget <= 0:
-                raise BudgetTooSmall("", budget_bytes=chain_budget, minimum_bytes=0)
-            else:
-                schedule = solver(profile, chain_budget)
-        except BudgetTooSmall:
-            needed = _minimum_budget(solver, profile)
-            minimum = math.ceil((needed + fixed) / (1.0 - margin))
-            # The smallest budget whose chain budget is `needed`, whatever the float rounding.
-            while chain_budget_of(minimum) < needed:
-                minimum += 1
-            while minimum > 1 and chain_budget_of(minimum - 1) >= needed:
-                minimum -= 1
-            from remat.memory import format_bytes
+    def _solve_minimum_budget_bytes(self, planning: _Planning) -> int:
+        needed = planning.solver.minimum_bytes(planning.profile)
+        minimum = math.ceil((needed + planning.held_outside_bytes) / (1.0 - planning.margin))
+        # The smallest budget whose chain share is `needed`, whatever the float rounding.
+        while self._chain_bytes(planning, minimum) < needed:
+            minimum += 1
+        while minimum > 1 and self._chain_bytes(planning, minimum - 1) >= needed:
+            minimum -= 1
+        return minimum
 
+    def _plan(self, key: Hashable, mem_limit: Budget) -> Plan:
+        options = self._options(mem_limit)
+        cached = self._plans.get((key, options))
+        if cached is not None:
+            return cached
+        measurement = self._measurements[key]
+        planning = self._prepared(key)
+        if mem_limit == MINIMUM:
+            total = self._minimum_budget_bytes(key, planning)
+        else:
+            store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
+            device = planning.profile.metadata.get("device", "cpu")
+            total = parse_budget(
+                mem_limit, reference_bytes=store_all.peak_bytes + planning.held_outside_bytes, device=device
+            )
+        chain_bytes = self._chain_bytes(planning, total)
+        minimum = self._minimum_budget_bytes(key, planning)
+        if total < minimum:
             raise BudgetTooSmall(
-                f"no recompute schedule fits a budget of {budget} bytes ({format_bytes(budget)}); the "
+                f"no recompute schedule fits a budget of {total} bytes ({format_bytes(total)}); the "
                 f"smallest feasible budget for this model and input is {minimum} bytes "
                 f"({format_bytes(minimum)}). Raise mem_limit to at least that, or use a smaller batch",
-                budget_bytes=budget,
+                budget_bytes=total,
                 minimum_bytes=minimum,
-            ) from None
-        planned = PlannedChain(schedule, measurement, budget, schedule.predicted_peak_bytes + fixed, fixed)
-        chain = self._chains[key]
-        executor = ChainExecutor(
-            chain, expand_groups(schedule.items, measurement.groups), preserve_rng_state=self.preserve_rng_state
+            )
+        schedule = planning.solver(planning.profile, chain_bytes)
+        split = BudgetSplit(
+            total_bytes=total,
+            chain_bytes=chain_bytes,
+            held_outside_bytes=planning.held_outside_bytes,
+            loss_allowance_bytes=planning.loss_allowance_bytes,
+            margin_bytes=total - int(total * (1.0 - planning.margin)),
         )
-        self._plans[(key, budget_key)] = (planned, executor)
-        return planned, executor
-
-
-def _minimum_budget(solver: Any, profile: Any) -> int:
-    try:
-        solver(profile, 1)
-    except BudgetTooSmall as error:
-        return error.minimum_bytes
-    return 1
+        plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
+        self._plans[(key, options)] = plan
+        return plan
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:

@@ -16,7 +16,21 @@ import torch
 
 from remat.errors import InvalidBudget
 
-__all__ = ["BUDGET_FORMS", "SAFETY_MARGIN", "available_memory_bytes", "parse_budget"]
+__all__ = [
+    "BUDGET_FORMS",
+    "MINIMUM",
+    "FREE_MEMORY_MARGIN",
+    "Budget",
+    "available_memory_bytes",
+    "budget_from_text",
+    "parse_budget",
+]
+
+Budget = int | float | str | None
+"""A budget in any accepted form (see ``BUDGET_FORMS``)."""
+
+#: The budget that asks for the smallest feasible one (where a planner can give it).
+MINIMUM = "min"
 
 _UNITS = {
     "": 1,
@@ -43,7 +57,8 @@ BUDGET_FORMS = (
 )
 
 #: Fraction of the free device memory remat leaves untouched when the budget is None.
-SAFETY_MARGIN = 0.1
+FREE_MEMORY_MARGIN = 0.1
+SAFETY_MARGIN = FREE_MEMORY_MARGIN
 
 
 def available_memory_bytes(device: str | torch.device = "cpu") -> int:
@@ -81,7 +96,7 @@ def parse_budget(
         InvalidBudget: the value is not one of the accepted forms.
     """
     if budget is None:
-        return int(available_memory_bytes(device) * (1.0 - SAFETY_MARGIN))
+        return int(available_memory_bytes(device) * (1.0 - FREE_MEMORY_MARGIN))
     if isinstance(budget, bool):
         raise InvalidBudget(f"budget {budget!r} is a bool; use {BUDGET_FORMS}")
     if isinstance(budget, int):
@@ -90,9 +105,7 @@ def parse_budget(
         return budget
     if isinstance(budget, float):
         if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
-            raise InvalidBudget(
-                f"a float budget is a fraction in (0, 1], got {budget!r}; use {BUDGET_FORMS}"
-            )
+            raise InvalidBudget(f"a float budget is a fraction in (0, 1], got {budget!r}; use {BUDGET_FORMS}")
         if reference_bytes is None:
             raise InvalidBudget(
                 f"the fractional budget {budget} needs the activation memory without recompute; "
@@ -115,3 +128,24 @@ def parse_budget(
             raise InvalidBudget(f"budget must be positive, got {budget!r}; use {BUDGET_FORMS}")
         return value
     raise InvalidBudget(f"budget of type {type(budget).__name__} is not understood; use {BUDGET_FORMS}")
+
+
+def budget_from_text(text: str, *, allow_minimum: bool = True) -> int | float | str:
+    """Reads a budget written as text (a command-line option) into the form the library takes.
+
+    ``"0.5"`` is the fraction 0.5, ``"512MiB"`` and ``"268435456"`` stay text (read by
+    :func:`parse_budget`), ``"min"`` is :data:`MINIMUM` where ``allow_minimum`` is set.
+
+    Raises:
+        InvalidBudget: the text is no accepted form; the message lists the forms.
+    """
+    stripped = text.strip()
+    if stripped.lower() == MINIMUM:
+        if allow_minimum:
+            return MINIMUM
+        raise InvalidBudget(f"the budget {text!r} is not accepted here; use {BUDGET_FORMS}")
+    parse_budget(stripped, reference_bytes=1)  # raises on a form it cannot read
+    match = _BUDGET_RE.match(stripped)
+    if match is not None and match.group(2) == "" and "." in match.group(1) and float(match.group(1)) <= 1.0:
+        return float(match.group(1))
+    return stripped

@@ -1,13 +1,15 @@
-"""Running a planned schedule inside autograd, within the model's own forward.
+"""Running a schedule inside autograd, within the model's own forward.
 
-The plan is a tree (see :mod:`remat.plan.schedule`): top-level items are stored stages
-and regions; a region's body is again stored stages and nested regions. The executor
-intercepts the calls of the chain's stage modules in the model's unmodified forward:
+The executor runs the very list of operations that the simulator checks
+(:func:`remat.plan.operations.operations`). It reads that list once into a
+:class:`_Level` per region (which stage calls the first forward stores, which start a
+region, which run inside one, and the body each region replays) and then intercepts the
+calls of the chain's stage modules in the model's unmodified forward:
 
-* a stored stage runs as usual;
-* the first stage of a top-level region opens a recording (a recompute frame) that
-  keeps the stage's inputs; the region's stages run with everything they save replaced
-  by handles; the last stage closes it;
+* ``forward_store``: the stage runs as usual;
+* ``forward_checkpoint``: the stage opens a recording (a recompute frame) that keeps its
+  inputs; it and the ``forward_discard`` stages after it run with everything they save
+  replaced by handles; the region's last stage closes the recording;
 * when backward first needs one of those handles, the region's *body* is replayed from
   the kept inputs: its stored stages are run again with their saved tensors kept, and
   each nested region becomes a child frame that keeps only its own inputs, to be
@@ -20,40 +22,123 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from torch import nn
 
-from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.discover.chain import Chain, InputLink
-from remat.errors import RematError, UnsupportedModel
 from remat.discover.intercept import call_original, call_stage, intercept_stages
-from remat.plan.operations import Region, Store
+from remat.errors import RematError, UnsupportedModel
+from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.manual.recompute import RegionRecording, active_mode, recompute
+from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 
-__all__ = ["ChainExecutor", "expand_groups"]
+__all__ = ["ChainExecutor", "RegionSpan", "expand_operations"]
 
-Item = Union[Store, Region]
+_STORE = OperationKind.FORWARD_STORE
+_CHECKPOINT = OperationKind.FORWARD_CHECKPOINT
+_DISCARD = OperationKind.FORWARD_DISCARD
 
 
-def expand_groups(items: Sequence[Item], groups: Sequence[tuple[int, int]]) -> tuple[Item, ...]:
-    """Maps a plan over grouped stages onto the chain's stage calls."""
-    out: list[Item] = []
-    for item in items:
-        if isinstance(item, Store):
-            first, stop = groups[item.stage]
-            out.extend(Store(k) for k in range(first, stop))
+class RegionSpan(NamedTuple):
+    """The stage calls ``[start, stop)`` of a top-level region (what an observer is told)."""
+
+    start: int
+    stop: int
+
+
+def expand_operations(ops: Sequence[Operation], groups: Sequence[tuple[int, int]]) -> list[Operation]:
+    """Maps the operations of a schedule over planned stages onto the chain's stage calls.
+
+    A planned stage groups the stage calls ``groups[stage] = (first, stop)``: its forward
+    becomes a forward of each call (a checkpoint keeps the first call's input only, the
+    others discard), its backward a backward of each call, last first.
+    """
+    expanded: list[Operation] = []
+    for operation in ops:
+        if operation.stage is None:
+            expanded.append(operation)
+            continue
+        first, stop = groups[operation.stage]
+        if operation.kind is OperationKind.BACKWARD:
+            expanded.extend(Operation(operation.kind, call) for call in reversed(range(first, stop)))
+        elif operation.kind is _CHECKPOINT:
+            expanded.append(Operation(_CHECKPOINT, first))
+            expanded.extend(Operation(_DISCARD, call) for call in range(first + 1, stop))
         else:
-            start = groups[item.start][0]
-            stop = groups[item.stop - 1][1]
-            out.append(Region(start, stop, expand_groups(item.body, groups)))
-    return tuple(out)
+            expanded.extend(Operation(operation.kind, call) for call in range(first, stop))
+    return expanded
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of a level's first forward: a stored stage, or a region of stages."""
+
+    kind: OperationKind  # FORWARD_STORE or FORWARD_CHECKPOINT
+    start: int
+    stop: int
+    body: _Level | None = None  # what a region replays
+
+
+@dataclass(frozen=True)
+class _Level:
+    """The operations of one level (the whole chain, or a region's body), read once."""
+
+    steps: tuple[_Step, ...]
+
+
+def _read_level(ops: Sequence[Operation], start: int, stop: int, where: str) -> tuple[_Level, int]:
+    """Reads the level of stages ``[start, stop)`` from ``ops``; returns it and where it ends.
+
+    A level's operations are its first forward (one forward of every stage, in order), the
+    loss marker at the top level, then its backward part in reverse order of the steps: a
+    stored stage's ``backward``, or a region's body (its own level, ending with the
+    backward of the region's first stage).
+    """
+    steps: list[list[Any]] = []  # [kind, start, stop]
+    position = 0
+    for stage in range(start, stop):
+        operation = ops[position] if position < len(ops) else None
+        if operation is None or not operation.kind.is_forward or operation.stage != stage:
+            raise RematError(f"{where}: expected a forward of stage {stage}, found {operation}")
+        if operation.kind is _DISCARD:
+            if not steps or steps[-1][0] is not _CHECKPOINT:
+                raise RematError(f"{where}: {operation} is not inside a region")
+            steps[-1][2] = stage + 1
+        else:
+            steps.append([operation.kind, stage, stage + 1])
+        position += 1
+    if start == 0 and position < len(ops) and ops[position].kind is OperationKind.LOSS:
+        position += 1
+    bodies: dict[int, _Level] = {}
+    for kind, step_start, step_stop in reversed(steps):
+        if kind is _STORE:
+            expected = Operation(OperationKind.BACKWARD, step_start)
+            if position >= len(ops) or ops[position] != expected:
+                found = ops[position] if position < len(ops) else "the end"
+                raise RematError(f"{where}: expected {expected}, found {found}")
+            position += 1
+        else:
+            body, used = _read_level(ops[position:], step_start, step_stop, f"{where}, region {step_start}")
+            bodies[step_start] = body
+            position += used
+    level = _Level(tuple(_Step(kind, a, b, bodies.get(a)) for kind, a, b in steps))
+    return level, position
+
+
+def _read_schedule(ops: Sequence[Operation], n_calls: int) -> _Level:
+    level, used = _read_level(ops, 0, n_calls, "schedule")
+    if used != len(ops):
+        raise RematError(f"the schedule has {len(ops) - used} operations after its last backward")
+    return level
 
 
 class _Run:
     """The state of one forward of the chain: what the replays will need."""
 
-    def __init__(self, executor: "ChainExecutor") -> None:
+    def __init__(self, executor: ChainExecutor) -> None:
         self.executor = executor
         self.next_stage = 0
         self.previous_output: Any = None
@@ -70,123 +155,129 @@ class _Run:
                 "in order, in every forward (use remat.mark for models whose forward varies)"
             )
         self.next_stage += 1
-        action, region = executor.actions[index]
-        if action == "store":
+        kind, step = executor.first_forward[index]
+        if kind is _STORE:
             out = call_original(module, args, kwargs)
         else:
-            if action == "open":
-                if not executor.chain.whole_model:
-                    self.states[index] = capture_forward_state(
-                        (args, kwargs), preserve_rng_state=executor.preserve_rng_state
-                    )
-                body = region.body  # type: ignore[union-attr]
-                self.recording = RegionRecording(
-                    _Replay(self, body),
-                    (args, kwargs),
-                    {},
-                    preserve_rng_state=executor.preserve_rng_state,
-                    observer=None if executor.observer is None or region is None else executor.observer(region),
-                )
-            else:
-                self.links[index] = InputLink(args, kwargs, self.previous_output)
-                if not executor.chain.whole_model:
-                    self.states[index] = capture_forward_state(
-                        (args, kwargs), preserve_rng_state=executor.preserve_rng_state
-                    )
-            recording = self.recording
-            assert recording is not None
-            with recording.stage(), autocast_cache_off():
-                out = call_original(module, args, kwargs)
-            if index == region.stop - 1:  # type: ignore[union-attr]
-                recording.close()
-                self.recording = None
+            out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.previous_output = out if index + 1 < len(executor.chain) else None
         return out
 
-    # -- replay (runs during backward)
-    def run_items(self, items: Sequence[Item], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out: Any = None
-        for position, item in enumerate(items):
-            first = item.stage if isinstance(item, Store) else item.start
-            if position > 0:
-                args, kwargs = self.links[first].build(out)
-            if isinstance(item, Store):
-                # NOTE [random state of replayed stages]
-                # The model's own code between stages may draw random numbers, so each
-                # stage of a model's forward is replayed from the state it started with.
-                # In an nn.Sequential nothing runs between stages: the region's frame
-                # replays from the region's start and the stages draw in order (a state
-                # restored around each stage would rewind it for the next one).
-                state = self.states.get(first)
-                module = self.executor.chain.modules[first]
-                if state is None:
-                    out = call_stage(module, args, kwargs)
-                else:
-                    with replay_forward_state(state):
-                        out = call_stage(module, args, kwargs)
-            else:
-                out = recompute(_Replay(self, item.body), args, kwargs)
+    def _call_in_region(
+        self,
+        index: int,
+        kind: OperationKind,
+        step: _Step,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        executor = self.executor
+        if not executor.chain.whole_model:
+            self.states[index] = capture_forward_state((args, kwargs), preserve_rng_state=executor.preserve_rng_state)
+        if kind is _CHECKPOINT:
+            assert step.body is not None
+            observer = executor.observer(RegionSpan(step.start, step.stop)) if executor.observer else None
+            self.recording = RegionRecording(
+                _Replay(self, step.body),
+                (args, kwargs),
+                {},
+                preserve_rng_state=executor.preserve_rng_state,
+                observer=observer,
+            )
+        else:
+            self.links[index] = InputLink(args, kwargs, self.previous_output)
+        recording = self.recording
+        assert recording is not None
+        with recording.stage(), autocast_cache_off():
+            out = call_original(module, args, kwargs)
+        if index == step.stop - 1:
+            recording.close()
+            self.recording = None
         return out
+
+    # -- replay (runs during backward)
+    def run_level(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out: Any = None
+        for position, step in enumerate(level.steps):
+            if position > 0:
+                args, kwargs = self.links[step.start].build(out)
+            if step.kind is _STORE:
+                out = self._replay_stage(step.start, args, kwargs)
+            else:
+                assert step.body is not None
+                out = recompute(_Replay(self, step.body), args, kwargs)
+        return out
+
+    def _replay_stage(self, stage: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # NOTE [random state of replayed stages]
+        # The model's own code between stages may draw random numbers, so each stage of a
+        # model's forward is replayed from the state it started with. In an nn.Sequential
+        # nothing runs between stages: the region's frame replays from the region's start
+        # and the stages draw in order (a state restored around each stage would rewind
+        # it for the next one).
+        state = self.states.get(stage)
+        module = self.executor.chain.modules[stage]
+        if state is None:
+            return call_stage(module, args, kwargs)
+        with replay_forward_state(state):
+            return call_stage(module, args, kwargs)
 
 
 class _Replay:
     """Replays a region body: the function behind a recompute frame."""
 
-    def __init__(self, run: _Run, body: Sequence[Item]) -> None:
+    def __init__(self, run: _Run, body: _Level) -> None:
         self.run = run
-        self.body = tuple(body)
-        first = self.body[0]
-        self.__qualname__ = f"stages {first.stage if isinstance(first, Store) else first.start}.."
+        self.body = body
+        self.__qualname__ = f"stages {body.steps[0].start}.."
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.run.run_items(self.body, args, kwargs)
+        return self.run.run_level(self.body, args, kwargs)
 
 
 class ChainExecutor:
-    """Runs a plan over a chain's stage calls inside the model's forward.
+    """Runs a schedule over a chain's stage calls inside the model's forward.
 
     Args:
         chain: the stages.
-        items: the plan tree, in stage-call indices (see :func:`expand_groups`).
+        schedule: the schedule's operations over the chain's stage calls (see
+            :func:`expand_operations`), or a plan tree, which stands for its operations.
         preserve_rng_state: replay RNG states in recomputed stages.
-        observer: ``observer(region)`` gives the observer of each top-level region's
-            recording (see :class:`remat.recompute.RegionRecording`); used by measurement.
+        observer: ``observer(span)`` gives the observer of each top-level region's
+            recording (see :class:`remat.manual.recompute.RegionRecording`); ``span`` is
+            the region's :class:`RegionSpan`. Used by measurement.
+
+    Raises:
+        RematError: the operations are not a schedule of the chain's stage calls.
     """
 
     def __init__(
         self,
         chain: Chain,
-        items: Sequence[Item],
+        schedule: Sequence[Operation] | PlanTree,
         *,
         preserve_rng_state: bool = True,
-        observer: Callable[[Region], Any] | None = None,
+        observer: Callable[[RegionSpan], Any] | None = None,
     ) -> None:
         self.chain = chain
-        self.items = tuple(items)
+        if all(isinstance(item, Operation) for item in schedule):
+            ops = [item for item in schedule if isinstance(item, Operation)]
+        else:
+            ops = operations(tuple(schedule))  # type: ignore[arg-type]
+        self.operations = tuple(ops)
         self.preserve_rng_state = preserve_rng_state
         self.observer = observer
-        self.actions: list[tuple[str, Region | None]] = [("store", None)] * len(chain)
-        covered = 0
-        for item in self.items:
-            if isinstance(item, Store):
-                self._expect(covered, item.stage)
-                covered += 1
-            else:
-                self._expect(covered, item.start)
-                self.actions[item.start] = ("open", item)
-                for k in range(item.start + 1, item.stop):
-                    self.actions[k] = ("inside", item)
-                covered = item.stop
-        if covered != len(chain):
-            raise RematError(f"the plan covers {covered} of the chain's {len(chain)} stages")
-
-    @staticmethod
-    def _expect(covered: int, first: int) -> None:
-        if first != covered:
-            raise RematError(f"the plan skips from stage {covered} to stage {first}")
+        level = _read_schedule(self.operations, len(chain))
+        # How the first forward runs each stage call, and the region it belongs to.
+        self.first_forward: list[tuple[OperationKind, _Step]] = []
+        for step in level.steps:
+            for call in range(step.start, step.stop):
+                kind = _DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind
+                self.first_forward.append((kind, step))
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Runs ``model(*args, **kwargs)`` with the plan applied to its chain."""
+        """Runs ``model(*args, **kwargs)`` with the schedule applied to its chain."""
         if active_mode() is not None:
             # Inside a block that remat.recompute is already recomputing: that block's
             # frame decides what is kept, the chain runs as plain code inside it.

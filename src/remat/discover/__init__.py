@@ -3,4 +3,12 @@
 from remat.discover.chain import Chain, InputLink, discover_chain, sequential_chain
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 
-__all__ = ["Chain", "InputLink", "call_original", "call_stage", "discover_chain", "intercept_stages", "sequential_chain"]
+__all__ = [
+    "Chain",
+    "InputLink",
+    "call_original",
+    "call_stage",
+    "discover_chain",
+    "intercept_stages",
+    "sequential_chain",
+]

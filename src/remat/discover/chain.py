@@ -13,8 +13,9 @@ normally and is accounted for as fixed memory.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -212,7 +213,6 @@ class InputLink:
                 self._sources.append(("tensor", (value.detach(), value.requires_grad)))
             else:
                 self._sources.append(("value", value))
-        self.n_linked = sum(1 for kind, _ in self._sources if kind == "link")
 
     def build(self, previous_output: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The stage's (args, kwargs), with linked tensors taken from `previous_output`."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 

@@ -6,8 +6,6 @@ operations and its simulated peak and time) -> a :class:`PlanReport` (``print(sc
 Nothing here needs the model or its device.
 """
 
-from remat.plan.profile import ChainProfile, InvalidProfile
-from remat.plan.report import PlanReport, StageRow, format_bytes, format_seconds
 from remat.plan.operations import (
     InvalidPlan,
     Operation,
@@ -21,6 +19,8 @@ from remat.plan.operations import (
     plan_to_data,
     validate_plan,
 )
+from remat.plan.profile import ChainProfile, InvalidProfile
+from remat.plan.report import PlanReport, StageRow, format_bytes, format_seconds
 from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult, TimelineEntry, simulate
 from remat.plan.solvers import (
@@ -37,19 +37,24 @@ from remat.plan.solvers import (
     solve,
     store_everything_plan,
 )
+from remat.plan.step import PLAN_FORMAT, PLAN_VERSION, BudgetSplit, Plan
 
 __all__ = [
     "AutoSolver",
+    "BudgetSplit",
     "ChainProfile",
     "InvalidPlan",
     "InvalidProfile",
     "Operation",
     "OperationKind",
     "OptimalSolver",
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
     "PeriodicSolver",
+    "Plan",
     "PlanItem",
-    "PlanTree",
     "PlanReport",
+    "PlanTree",
     "Region",
     "Schedule",
     "SimulationResult",

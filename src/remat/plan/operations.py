@@ -149,10 +149,7 @@ def _append_operations(items: Sequence[PlanItem], result: list[Operation], *, to
             result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
         else:
             result.append(Operation(OperationKind.FORWARD_CHECKPOINT, item.start))
-            result.extend(
-                Operation(OperationKind.FORWARD_DISCARD, stage)
-                for stage in range(item.start + 1, item.stop)
-            )
+            result.extend(Operation(OperationKind.FORWARD_DISCARD, stage) for stage in range(item.start + 1, item.stop))
     if top_level:
         result.append(_LOSS)
     for item in reversed(items):
@@ -215,9 +212,7 @@ def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: s
         if position > stop:
             raise InvalidPlan(f"{label} reaches stage {position - 1}, past the end {stop - 1}")
     if position != stop:
-        raise InvalidPlan(
-            f"{where} covers stages [{start}, {position}) but must cover [{start}, {stop})"
-        )
+        raise InvalidPlan(f"{where} covers stages [{start}, {position}) but must cover [{start}, {stop})")
 
 
 def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:

@@ -11,12 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from remat.units import format_bytes, format_seconds
 from remat.plan.operations import Store, plan_to_data
 from remat.plan.simulate import simulate
+from remat.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from remat.plan.schedule import Schedule
+    from remat.plan.step import BudgetSplit
 
 __all__ = ["PlanReport", "StageRow", "format_bytes", "format_seconds"]
 
@@ -51,10 +52,13 @@ class PlanReport:
 
     Args:
         schedule: the schedule to report on.
+        budget: for the plan of a whole training step, how its budget is shared out;
+            the report then gives whole-step figures, with the chain's share beside them.
     """
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, *, budget: BudgetSplit | None = None) -> None:
         self.schedule = schedule
+        self.budget = budget
         profile = schedule.profile
         self.baseline = simulate(profile, tuple(Store(stage) for stage in range(profile.n_stages)))
         kept = set(schedule.stored_stages)
@@ -119,17 +123,11 @@ class PlanReport:
     def __str__(self) -> str:
         schedule = self.schedule
         n_stages = schedule.profile.n_stages
-        budget = (
-            "unlimited" if schedule.budget_bytes is None else format_bytes(schedule.budget_bytes)
-        )
         recomputed = sum(1 for row in self.rows if not row.kept)
         extra_forwards = sum(row.forward_runs - 1 for row in self.rows)
-        lines = [
-            f"remat plan: {n_stages} stages, solver {schedule.solver_name!r}",
-            f"  budget:          {budget}",
-            f"  predicted peak:  {format_bytes(schedule.predicted_peak_bytes)}"
-            f"  ({_percent(self.memory_fraction)} of storing everything:"
-            f" {format_bytes(self.baseline.peak_bytes)})",
+        lines = [f"remat plan: {n_stages} stages, solver {schedule.solver_name!r}"]
+        lines += self._memory_lines()
+        lines += [
             f"  step time:       {format_seconds(schedule.predicted_time_s)}"
             f"  (storing everything: {format_seconds(self.baseline.time_s)},"
             f" overhead +{_percent(self.overhead_fraction)})",
@@ -160,6 +158,34 @@ class PlanReport:
             ]
             lines.append("  " + "  ".join(formatted).rstrip())
         return "\n".join(lines)
+
+    def _memory_lines(self) -> list[str]:
+        schedule = self.schedule
+        if self.budget is None:
+            budget = "unlimited" if schedule.budget_bytes is None else format_bytes(schedule.budget_bytes)
+            return [
+                f"  budget:          {budget}",
+                f"  predicted peak:  {format_bytes(schedule.predicted_peak_bytes)}"
+                f"  ({_percent(self.memory_fraction)} of storing everything:"
+                f" {format_bytes(self.baseline.peak_bytes)})",
+            ]
+        # A whole step: one budget figure, and how it splits.
+        split = self.budget
+        outside = split.held_outside_bytes
+        total = "unlimited" if split.total_bytes is None else format_bytes(split.total_bytes)
+        chain = "unlimited" if split.chain_bytes is None else format_bytes(split.chain_bytes)
+        loss = f" ({format_bytes(split.loss_allowance_bytes)} of it for the loss)" if split.loss_allowance_bytes else ""
+        peak = schedule.predicted_peak_bytes + outside
+        everything = self.baseline.peak_bytes + outside
+        fraction = peak / everything if everything else 1.0
+        return [
+            f"  whole step: budget {total}, predicted peak {format_bytes(peak)}",
+            f"  budget:          {total} = chain {chain}{loss} + held outside the chain"
+            f" {format_bytes(outside)} + margin {format_bytes(split.margin_bytes)}",
+            f"  predicted peak:  {format_bytes(peak)} = chain {format_bytes(schedule.predicted_peak_bytes)}"
+            f" + held outside the chain {format_bytes(outside)}"
+            f"  ({_percent(fraction)} of storing everything: {format_bytes(everything)})",
+        ]
 
     def __repr__(self) -> str:
         schedule = self.schedule

@@ -92,9 +92,7 @@ class SimulationResult:
 # largest of these. The planner's dynamic program (solvers.py) reproduces exactly this model.
 
 
-def simulate(
-    profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[Operation]
-) -> SimulationResult:
+def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[Operation]) -> SimulationResult:
     """Predicts the peak memory and the time of a schedule of a chain.
 
     Args:
@@ -200,10 +198,7 @@ def _simulate_operations(profile: ChainProfile, ops: Sequence[Operation]) -> Sim
                 forward_counts[stage] += 1
                 times_s.append(profile.forward_time_s[stage])
                 peak_during = (
-                    live
-                    + activation[stage + 1]
-                    + profile.saved_bytes[stage]
-                    + profile.forward_temp_bytes[stage]
+                    live + activation[stage + 1] + profile.saved_bytes[stage] + profile.forward_temp_bytes[stage]
                 )
                 created = create(stage + 1)
                 if kind is OperationKind.FORWARD_STORE:
@@ -262,8 +257,7 @@ def _simulate_operations(profile: ChainProfile, ops: Sequence[Operation]) -> Sim
         peak_bytes=peak,
         time_s=math.fsum(times_s),
         overhead_s=math.fsum(
-            (count - 1) * forward_s
-            for count, forward_s in zip(forward_counts, profile.forward_time_s, strict=True)
+            (count - 1) * forward_s for count, forward_s in zip(forward_counts, profile.forward_time_s, strict=True)
         ),
         forward_counts=tuple(forward_counts),
         timeline=tuple(timeline),

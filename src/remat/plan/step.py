@@ -1,0 +1,203 @@
+"""The plan of a whole training step: a chain's schedule, and how the budget is shared out.
+
+A :class:`Schedule` plans the chain of stages alone. A training step also holds memory
+outside the chain (what runs before it, outputs that escape it, the model output a loop
+keeps), leaves room for a loss that was not measured, and keeps a margin for what
+measurement cannot attribute. :class:`Plan` puts the two together: it is what
+``Checkpointable.plan`` and ``Checkpointable.plan_for`` return, what ``print(plan)``
+shows, and what ``plan.to_json()`` writes, the one plan format of remat
+(``Plan.from_json`` reads it back, with no model and no device).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from remat.plan.operations import InvalidPlan, plan_from_data
+from remat.plan.profile import ChainProfile
+from remat.plan.report import PlanReport
+from remat.plan.schedule import Schedule
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "BudgetSplit", "Plan"]
+
+PLAN_FORMAT = "remat.plan"
+"""The value of the ``"format"`` key of a saved plan."""
+
+PLAN_VERSION = 2
+"""The version of the plan layout that this module writes and reads."""
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """How the budget of a training step is shared out.
+
+    ``total_bytes = chain_bytes + held_outside_bytes + margin_bytes`` (up to rounding):
+    the chain's schedule is planned within ``chain_bytes``.
+
+    Attributes:
+        total_bytes: the whole-step activation budget; None for unlimited.
+        chain_bytes: what the chain's schedule is planned within; None for unlimited.
+        held_outside_bytes: memory held through the step outside the chain's schedule
+            (activations of the code before the chain, outputs that escape it, the model
+            output a training loop keeps).
+        loss_allowance_bytes: room kept, within the chain's share, for a loss that was
+            not measured (see NOTE [loss allowance] in ``remat.automatic``); 0 when the
+            real loss was measured.
+        margin_bytes: kept free for what per-stage measurement cannot attribute.
+    """
+
+    total_bytes: int | None
+    chain_bytes: int | None
+    held_outside_bytes: int = 0
+    loss_allowance_bytes: int = 0
+    margin_bytes: int = 0
+
+    @classmethod
+    def unlimited(cls, held_outside_bytes: int = 0, loss_allowance_bytes: int = 0) -> BudgetSplit:
+        """The split of no budget at all."""
+        return cls(None, None, held_outside_bytes, loss_allowance_bytes, 0)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A recompute plan of a whole training step.
+
+    Attributes:
+        schedule: the schedule of the chain's planned stages (the chain's own figures).
+        budget: how the step's budget is shared out.
+        groups: for each planned stage, the ``(first, stop)`` stage calls it groups.
+        measured_peak_bytes: the peak of the measured step (every activation stored).
+        measurement: what the plan was made from (a ``remat.measure.ChainMeasurement``);
+            None for a plan read back from JSON.
+    """
+
+    schedule: Schedule
+    budget: BudgetSplit
+    groups: tuple[tuple[int, int], ...]
+    measured_peak_bytes: int = 0
+    measurement: Any = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def budget_bytes(self) -> int | None:
+        """The whole-step budget in bytes (None: unlimited)."""
+        return self.budget.total_bytes
+
+    @property
+    def held_outside_bytes(self) -> int:
+        """Memory held through the step outside the chain's schedule."""
+        return self.budget.held_outside_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Predicted peak activation memory of the whole training step."""
+        return self.schedule.predicted_peak_bytes + self.budget.held_outside_bytes
+
+    @property
+    def predicted_time_s(self) -> float:
+        """Predicted seconds of the chain's forwards and backwards, recomputations included."""
+        return self.schedule.predicted_time_s
+
+    @property
+    def overhead(self) -> float:
+        """Predicted extra time over no recompute, as a fraction (0.25: 25% slower)."""
+        return self.report().overhead_fraction
+
+    @property
+    def forward_counts(self) -> tuple[int, ...]:
+        """How many times each planned stage's forward runs per step."""
+        return self.schedule.forward_counts
+
+    @property
+    def stage_calls(self) -> int:
+        """How many stage calls the chain makes (planned stages group them)."""
+        return self.groups[-1][1] if self.groups else 0
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> PlanReport:
+        """The printable report of this plan (what ``print(plan)`` shows)."""
+        return PlanReport(self.schedule, budget=self.budget)
+
+    def __str__(self) -> str:
+        return str(self.report())
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-able data: the one plan format of remat.
+
+        Byte figures at the top level are for the whole step; ``schedule`` is the report
+        of the chain's schedule and ``profile`` the costs it was planned from (with the
+        loss allowance, if any, in the chain output's gradient).
+        """
+        report = self.report()
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "solver": self.schedule.solver_name,
+            "budget_bytes": self.budget_bytes,
+            "budget": asdict(self.budget),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_time_s": self.predicted_time_s,
+            "predicted_overhead": report.overhead_fraction,
+            "no_recompute_peak_bytes": report.baseline.peak_bytes + self.held_outside_bytes,
+            "forward_counts": list(self.forward_counts),
+            "kept_stages": [row.index for row in report.rows if row.kept],
+            "schedule": report.to_dict(),
+            "measured": {
+                "peak_bytes": self.measured_peak_bytes,
+                "fixed_bytes": self.held_outside_bytes,
+                "stage_calls": self.stage_calls,
+                "groups": [list(group) for group in self.groups],
+            },
+            "profile": self.schedule.profile.to_dict(),
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The plan as a JSON document (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Reads a plan written by :meth:`to_dict`, and checks it against its own profile.
+
+        Raises:
+            InvalidPlan: the data is not a plan of this format, or its schedule does not
+                give the peak it records.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
+            raise InvalidPlan(f"not a remat plan: expected 'format': {PLAN_FORMAT!r}")
+        if data.get("version") != PLAN_VERSION:
+            raise InvalidPlan(f"plan version {data.get('version')!r} is not {PLAN_VERSION}, the one this remat reads")
+        try:
+            profile = ChainProfile.from_dict(data["profile"])
+            report = data["schedule"]
+            budget = BudgetSplit(**data["budget"])
+            schedule = Schedule.from_plan(
+                profile,
+                plan_from_data(report["plan"]),
+                budget_bytes=budget.chain_bytes,
+                solver_name=str(data["solver"]),
+            )
+            measured = data["measured"]
+            groups = tuple((int(first), int(stop)) for first, stop in measured["groups"])
+            plan = cls(schedule, budget, groups, int(measured["peak_bytes"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidPlan(f"the plan document is incomplete or malformed: {error!r}") from None
+        if plan.predicted_peak_bytes != data.get("predicted_peak_bytes"):
+            raise InvalidPlan(
+                f"the plan records a predicted peak of {data.get('predicted_peak_bytes')} bytes, but its "
+                f"schedule simulates to {plan.predicted_peak_bytes} bytes on its profile"
+            )
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Reads a plan from the JSON that :meth:`to_json` writes (see :meth:`from_dict`)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InvalidPlan(f"the plan is not valid JSON: {error}") from None
+        return cls.from_dict(data)
