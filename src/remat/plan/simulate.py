@@ -124,141 +124,172 @@ def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[O
 
 
 def _simulate_operations(profile: ChainProfile, ops: Sequence[Operation]) -> SimulationResult:
-    n_stages = profile.n_stages
-    activation = profile.activation_bytes
-    gradient = profile.gradient_bytes
-    # Each computation of x_k is a value of its own: a recomputed x_k can coexist with an
-    # older copy whose frontier has not ended yet. values[v] = [boundary, holder count].
-    values: list[list[int]] = []
-    current: list[int | None] = [None] * (n_stages + 1)
-    stored_holder: list[int | None] = [None] * (n_stages + 1)
-    output_holder: list[int | None] = [None] * (n_stages + 1)
-    checkpoint_holders: list[list[int]] = [[] for _ in range(n_stages + 1)]
-    saved_live = [False] * n_stages
-    gradient_live = [False] * (n_stages + 1)
-    backward_done = [False] * n_stages
-    forward_counts = [0] * n_stages
-    live = 0
-    peak = 0
-    times_s: list[float] = []
-    frontier: int | None = None
-    loss_seen = False
-    timeline: list[TimelineEntry] = []
+    return _Simulation(profile).run(ops)
 
-    def is_live(boundary: int) -> bool:
-        return boundary == 0 or current[boundary] is not None
 
-    def create(boundary: int) -> int:
-        nonlocal live
-        values.append([boundary, 1])
-        current[boundary] = len(values) - 1
-        live += activation[boundary]
-        return len(values) - 1
+class _Simulation:
+    """The state of a simulated schedule (see NOTE [memory model of the simulator])."""
 
-    def hold(boundary: int) -> int | None:
-        value = current[boundary]
+    def __init__(self, profile: ChainProfile) -> None:
+        n_stages = profile.n_stages
+        self.profile = profile
+        self.n_stages = n_stages
+        # Each computation of x_k is a value of its own: a recomputed x_k can coexist with
+        # an older copy whose frontier has not ended yet. values[v] = [boundary, holders].
+        self.values: list[list[int]] = []
+        self.current: list[int | None] = [None] * (n_stages + 1)
+        self.stored_holder: list[int | None] = [None] * (n_stages + 1)
+        self.output_holder: list[int | None] = [None] * (n_stages + 1)
+        self.checkpoint_holders: list[list[int]] = [[] for _ in range(n_stages + 1)]
+        self.saved_live = [False] * n_stages
+        self.gradient_live = [False] * (n_stages + 1)
+        self.backward_done = [False] * n_stages
+        self.forward_counts = [0] * n_stages
+        self.live_bytes = 0
+        self.times_s: list[float] = []
+        self.frontier: int | None = None
+        self.loss_seen = False
+
+    # -- values of the boundaries x_k and their holders
+    def is_live(self, boundary: int) -> bool:
+        return boundary == 0 or self.current[boundary] is not None
+
+    def create(self, boundary: int) -> int:
+        self.values.append([boundary, 1])
+        self.current[boundary] = len(self.values) - 1
+        self.live_bytes += self.profile.activation_bytes[boundary]
+        return len(self.values) - 1
+
+    def hold(self, boundary: int) -> int | None:
+        value = self.current[boundary]
         if value is not None:
-            values[value][1] += 1
+            self.values[value][1] += 1
         return value
 
-    def release(value: int | None) -> None:
-        nonlocal live
+    def release(self, value: int | None) -> None:
         if value is None:
             return
-        values[value][1] -= 1
-        if values[value][1] == 0:
-            boundary = values[value][0]
-            live -= activation[boundary]
-            if current[boundary] == value:
-                current[boundary] = None
+        self.values[value][1] -= 1
+        if self.values[value][1] == 0:
+            boundary = self.values[value][0]
+            self.live_bytes -= self.profile.activation_bytes[boundary]
+            if self.current[boundary] == value:
+                self.current[boundary] = None
 
-    for position, operation in enumerate(ops):
-        stage = operation.stage
-        kind = operation.kind
+    def end_frontier(self) -> int | None:
+        ended, self.frontier = self.frontier, None
+        return ended
+
+    # -- the operations; each returns its peak and the value its end releases
+    def loss(self, where: str) -> tuple[int, int | None]:
+        if self.loss_seen:
+            raise InvalidPlan(f"{where}: a schedule has one loss marker")
+        if not self.is_live(self.n_stages):
+            raise InvalidPlan(f"{where}: the chain output has not been computed")
+        self.loss_seen = True
+        gradient_bytes = self.profile.gradient_bytes[self.n_stages]
+        peak_during = self.live_bytes + gradient_bytes
+        self.live_bytes += gradient_bytes
+        self.gradient_live[self.n_stages] = True
+        return peak_during, self.end_frontier()
+
+    def forward(self, kind: OperationKind, stage: int, where: str) -> tuple[int, int | None]:
+        profile = self.profile
+        if not self.is_live(stage):
+            raise InvalidPlan(f"{where}: its input x_{stage} is not live")
+        if self.backward_done[stage]:
+            raise InvalidPlan(f"{where}: runs after the backward of stage {stage}")
+        self.forward_counts[stage] += 1
+        self.times_s.append(profile.forward_time_s[stage])
+        peak_during = (
+            self.live_bytes
+            + profile.activation_bytes[stage + 1]
+            + profile.saved_bytes[stage]
+            + profile.forward_temp_bytes[stage]
+        )
+        created = self.create(stage + 1)
+        if kind is OperationKind.FORWARD_STORE:
+            if self.saved_live[stage]:
+                raise InvalidPlan(f"{where}: stage {stage} is already stored")
+            self.saved_live[stage] = True
+            self.live_bytes += profile.saved_bytes[stage]
+            if profile.saves_input[stage] and stage > 0:
+                self.stored_holder[stage] = self.hold(stage)
+            if profile.saves_output[stage]:
+                self.output_holder[stage + 1] = self.hold(stage + 1)
+        elif kind is OperationKind.FORWARD_CHECKPOINT and stage > 0:
+            checkpoint = self.hold(stage)
+            if checkpoint is not None:
+                self.checkpoint_holders[stage].append(checkpoint)
+        ended = self.end_frontier()
+        self.frontier = created
+        return peak_during, ended
+
+    def backward(self, stage: int, where: str) -> tuple[int, int | None]:
+        profile = self.profile
+        if self.backward_done[stage]:
+            raise InvalidPlan(f"{where}: the backward of stage {stage} runs twice")
+        if not self.saved_live[stage]:
+            raise InvalidPlan(f"{where}: stage {stage} was not stored before its backward")
+        if not self.gradient_live[stage + 1]:
+            raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
+        self.backward_done[stage] = True
+        self.times_s.append(profile.backward_time_s[stage])
+        # A frontier still open here is the output a region body recomputed last: nothing
+        # consumes it, so only a holder other than the frontier keeps it.
+        self.release(self.end_frontier())
+        peak_during = self.live_bytes + profile.gradient_bytes[stage] + profile.backward_temp_bytes[stage]
+        self.live_bytes += (
+            profile.gradient_bytes[stage] - profile.gradient_bytes[stage + 1] - profile.saved_bytes[stage]
+        )
+        self.gradient_live[stage] = True
+        self.gradient_live[stage + 1] = False
+        self.saved_live[stage] = False
+        self.release(self.stored_holder[stage])
+        self.stored_holder[stage] = None
+        for checkpoint in self.checkpoint_holders[stage]:
+            self.release(checkpoint)
+        self.checkpoint_holders[stage].clear()
+        self.release(self.output_holder[stage + 1])
+        self.output_holder[stage + 1] = None
+        return peak_during, None
+
+    def step(self, position: int, operation: Operation) -> int:
+        """Runs one operation; returns its peak."""
         where = f"operation {position} ({operation})"
-        if kind is OperationKind.LOSS:
-            if loss_seen:
-                raise InvalidPlan(f"{where}: a schedule has one loss marker")
-            if not is_live(n_stages):
-                raise InvalidPlan(f"{where}: the chain output has not been computed")
-            loss_seen = True
-            peak_during = live + gradient[n_stages]
-            live += gradient[n_stages]
-            gradient_live[n_stages] = True
-            released_frontier = frontier
-            frontier = None
-        else:
-            if stage is None or not 0 <= stage < n_stages:
-                raise InvalidPlan(f"{where}: stage must be in [0, {n_stages})")
-            if kind.is_forward:
-                if not is_live(stage):
-                    raise InvalidPlan(f"{where}: its input x_{stage} is not live")
-                if backward_done[stage]:
-                    raise InvalidPlan(f"{where}: runs after the backward of stage {stage}")
-                forward_counts[stage] += 1
-                times_s.append(profile.forward_time_s[stage])
-                peak_during = (
-                    live + activation[stage + 1] + profile.saved_bytes[stage] + profile.forward_temp_bytes[stage]
-                )
-                created = create(stage + 1)
-                if kind is OperationKind.FORWARD_STORE:
-                    if saved_live[stage]:
-                        raise InvalidPlan(f"{where}: stage {stage} is already stored")
-                    saved_live[stage] = True
-                    live += profile.saved_bytes[stage]
-                    if profile.saves_input[stage] and stage > 0:
-                        stored_holder[stage] = hold(stage)
-                    if profile.saves_output[stage]:
-                        output_holder[stage + 1] = hold(stage + 1)
-                elif kind is OperationKind.FORWARD_CHECKPOINT and stage > 0:
-                    checkpoint = hold(stage)
-                    if checkpoint is not None:
-                        checkpoint_holders[stage].append(checkpoint)
-                released_frontier = frontier
-                frontier = created
-            else:
-                if backward_done[stage]:
-                    raise InvalidPlan(f"{where}: the backward of stage {stage} runs twice")
-                if not saved_live[stage]:
-                    raise InvalidPlan(f"{where}: stage {stage} was not stored before its backward")
-                if not gradient_live[stage + 1]:
-                    raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
-                backward_done[stage] = True
-                times_s.append(profile.backward_time_s[stage])
-                # A frontier still open here is the output a region body recomputed last:
-                # nothing consumes it, so only a holder other than the frontier keeps it.
-                release(frontier)
-                frontier = None
-                peak_during = live + gradient[stage] + profile.backward_temp_bytes[stage]
-                live += gradient[stage]
-                gradient_live[stage] = True
-                live -= gradient[stage + 1]
-                gradient_live[stage + 1] = False
-                live -= profile.saved_bytes[stage]
-                saved_live[stage] = False
-                release(stored_holder[stage])
-                stored_holder[stage] = None
-                for checkpoint in checkpoint_holders[stage]:
-                    release(checkpoint)
-                checkpoint_holders[stage].clear()
-                release(output_holder[stage + 1])
-                output_holder[stage + 1] = None
-                released_frontier = frontier
-                frontier = None
-        release(released_frontier)
-        peak = max(peak, peak_during, live)
-        timeline.append(TimelineEntry(operation, live, peak_during))
-    if not loss_seen:
-        raise InvalidPlan("the schedule has no loss marker")
-    missing = [stage for stage in range(n_stages) if not backward_done[stage]]
-    if missing:
-        raise InvalidPlan(f"the schedule never runs the backward of stages {missing}")
-    return SimulationResult(
-        peak_bytes=peak,
-        time_s=math.fsum(times_s),
-        overhead_s=math.fsum(
-            (count - 1) * forward_s for count, forward_s in zip(forward_counts, profile.forward_time_s, strict=True)
-        ),
-        forward_counts=tuple(forward_counts),
-        timeline=tuple(timeline),
-    )
+        stage = operation.stage
+        if operation.kind is OperationKind.LOSS:
+            return self._finish(self.loss(where))
+        if stage is None or not 0 <= stage < self.n_stages:
+            raise InvalidPlan(f"{where}: stage must be in [0, {self.n_stages})")
+        if operation.kind.is_forward:
+            return self._finish(self.forward(operation.kind, stage, where))
+        return self._finish(self.backward(stage, where))
+
+    def _finish(self, outcome: tuple[int, int | None]) -> int:
+        peak_during, released = outcome
+        self.release(released)
+        return peak_during
+
+    def run(self, ops: Sequence[Operation]) -> SimulationResult:
+        peak = 0
+        timeline: list[TimelineEntry] = []
+        for position, operation in enumerate(ops):
+            peak_during = self.step(position, operation)
+            peak = max(peak, peak_during, self.live_bytes)
+            timeline.append(TimelineEntry(operation, self.live_bytes, peak_during))
+        if not self.loss_seen:
+            raise InvalidPlan("the schedule has no loss marker")
+        missing = [stage for stage in range(self.n_stages) if not self.backward_done[stage]]
+        if missing:
+            raise InvalidPlan(f"the schedule never runs the backward of stages {missing}")
+        forward_times_s = self.profile.forward_time_s
+        return SimulationResult(
+            peak_bytes=peak,
+            time_s=math.fsum(self.times_s),
+            overhead_s=math.fsum(
+                (count - 1) * forward_s for count, forward_s in zip(self.forward_counts, forward_times_s, strict=True)
+            ),
+            forward_counts=tuple(self.forward_counts),
+            timeline=tuple(timeline),
+        )
