@@ -89,7 +89,9 @@ class _Level:
     steps: tuple[_Step, ...]
 
 
-def _read_level(ops: Sequence[Operation], start: int, stop: int, where: str) -> tuple[_Level, int]:
+def _read_level(
+    ops: Sequence[Operation], start: int, stop: int, where: str, *, top_level: bool = False
+) -> tuple[_Level, int]:
     """Reads the level of stages ``[start, stop)`` from ``ops``; returns it and where it ends.
 
     A level's operations are its first forward (one forward of every stage, in order), the
@@ -97,20 +99,11 @@ def _read_level(ops: Sequence[Operation], start: int, stop: int, where: str) -> 
     stored stage's ``backward``, or a region's body (its own level, ending with the
     backward of the region's first stage).
     """
-    steps: list[list[Any]] = []  # [kind, start, stop]
-    position = 0
-    for stage in range(start, stop):
-        operation = ops[position] if position < len(ops) else None
-        if operation is None or not operation.kind.is_forward or operation.stage != stage:
-            raise RematError(f"{where}: expected a forward of stage {stage}, found {operation}")
-        if operation.kind is _DISCARD:
-            if not steps or steps[-1][0] is not _CHECKPOINT:
-                raise RematError(f"{where}: {operation} is not inside a region")
-            steps[-1][2] = stage + 1
-        else:
-            steps.append([operation.kind, stage, stage + 1])
-        position += 1
-    if start == 0 and position < len(ops) and ops[position].kind is OperationKind.LOSS:
+    steps = _read_first_forward(ops, start, stop, where)
+    position = stop - start
+    if top_level:
+        if position >= len(ops) or ops[position].kind is not OperationKind.LOSS:
+            raise RematError(f"{where}: expected the loss marker after the first forward")
         position += 1
     bodies: dict[int, _Level] = {}
     for kind, step_start, step_stop in reversed(steps):
@@ -128,8 +121,24 @@ def _read_level(ops: Sequence[Operation], start: int, stop: int, where: str) -> 
     return level, position
 
 
+def _read_first_forward(ops: Sequence[Operation], start: int, stop: int, where: str) -> list[list[Any]]:
+    """The steps of a level's first forward, as ``[kind, start, stop]``: stores and regions."""
+    steps: list[list[Any]] = []
+    for position, stage in enumerate(range(start, stop)):
+        operation = ops[position] if position < len(ops) else None
+        if operation is None or not operation.kind.is_forward or operation.stage != stage:
+            raise RematError(f"{where}: expected a forward of stage {stage}, found {operation}")
+        if operation.kind is _DISCARD:
+            if not steps or steps[-1][0] is not _CHECKPOINT:
+                raise RematError(f"{where}: {operation} is not inside a region")
+            steps[-1][2] = stage + 1
+        else:
+            steps.append([operation.kind, stage, stage + 1])
+    return steps
+
+
 def _read_schedule(ops: Sequence[Operation], n_calls: int) -> _Level:
-    level, used = _read_level(ops, 0, n_calls, "schedule")
+    level, used = _read_level(ops, 0, n_calls, "schedule", top_level=True)
     if used != len(ops):
         raise RematError(f"the schedule has {len(ops) - used} operations after its last backward")
     return level

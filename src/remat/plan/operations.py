@@ -191,20 +191,7 @@ def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: s
                 )
             position += 1
         elif isinstance(item, Region):
-            if item.start != position:
-                raise InvalidPlan(
-                    f"{label} is a region starting at stage {item.start} but stage {position} "
-                    f"comes next (items must cover [{start}, {stop}) in order)"
-                )
-            if item.stop <= item.start:
-                raise InvalidPlan(f"{label} is the empty region [{item.start}, {item.stop})")
-            first = item.body[0] if isinstance(item.body, tuple) and item.body else None
-            if isinstance(first, Region) and first.start == item.start and first.stop >= item.stop:
-                raise InvalidPlan(
-                    f"{label}: the body of region [{item.start}, {item.stop}) starts with the "
-                    f"region [{first.start}, {first.stop}); a body's first region must be "
-                    "strictly shorter than the region itself"
-                )
+            _check_region(item, position, start, stop, label)
             _validate_items(item.body, item.start, item.stop, f"{label}.body")
             position = item.stop
         else:
@@ -213,6 +200,23 @@ def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: s
             raise InvalidPlan(f"{label} reaches stage {position - 1}, past the end {stop - 1}")
     if position != stop:
         raise InvalidPlan(f"{where} covers stages [{start}, {position}) but must cover [{start}, {stop})")
+
+
+def _check_region(item: Region, position: int, start: int, stop: int, label: str) -> None:
+    if item.start != position:
+        raise InvalidPlan(
+            f"{label} is a region starting at stage {item.start} but stage {position} "
+            f"comes next (items must cover [{start}, {stop}) in order)"
+        )
+    if item.stop <= item.start:
+        raise InvalidPlan(f"{label} is the empty region [{item.start}, {item.stop})")
+    first = item.body[0] if isinstance(item.body, tuple) and item.body else None
+    if isinstance(first, Region) and first.start == item.start and first.stop >= item.stop:
+        raise InvalidPlan(
+            f"{label}: the body of region [{item.start}, {item.stop}) starts with the "
+            f"region [{first.start}, {first.stop}); a body's first region must be "
+            "strictly shorter than the region itself"
+        )
 
 
 def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
