@@ -31,3 +31,29 @@ def test_plain_function_and_no_state_left() -> None:
     y = (x * x).sum()
     y.backward()  # no hook left behind
     assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_no_hook_is_left_behind_even_a_pass_through_one() -> None:
+    """After the call, no saved-tensor hook and no global module hook of remat remains."""
+    from torch.nn.modules import module as module_hooks
+
+    def global_hooks() -> tuple[int, int]:
+        return len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(2, 4, requires_grad=True)
+    before = global_hooks()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    saved = remat.saved_residuals(model, x)
+    count = len(saved)
+    assert count > 0
+    assert global_hooks() == before
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    model(x).sum().backward()  # a later step is not recorded into the list returned before
+    assert len(saved) == count
+    try:  # and an error inside the function leaves nothing behind either
+        remat.saved_residuals(lambda a: model(a).undefined_method(), x)
+    except AttributeError:
+        pass
+    assert global_hooks() == before
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

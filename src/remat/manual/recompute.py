@@ -598,7 +598,6 @@ class _ReentrantFunction(torch.autograd.Function):
         call.out_spec = spec
         call.out_constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
         tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
-        ctx.n_outputs = len(tensors_out)
         ctx.out_metas = [_Meta.of(t) for t in tensors_out]
         return tensors_out
 
