@@ -13,6 +13,7 @@ import logging
 import math
 import warnings
 from collections.abc import Hashable, Iterator
+from types import EllipsisType
 from typing import Any, NamedTuple
 
 import torch
@@ -178,7 +179,7 @@ class Checkpointable(nn.Module):
         logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
         return measurement
 
-    def plan_for(self, mem_limit: Budget | object = ...) -> Plan:
+    def plan_for(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
         """The plan of the last measured input signature under a budget (cached).
 
         Args:
@@ -188,9 +189,9 @@ class Checkpointable(nn.Module):
         Raises:
             BudgetTooSmall: no schedule fits; ``.minimum_bytes`` is the smallest budget that does.
         """
-        return self._plan(self._measured_key(), self.mem_limit if mem_limit is ... else mem_limit)
+        return self._plan(self._measured_key(), self.mem_limit if isinstance(mem_limit, EllipsisType) else mem_limit)
 
-    def compute_sequence(self, mem_limit: Budget | object = ...) -> Plan:
+    def compute_sequence(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
         """rotor's name of :meth:`plan_for`."""
         return self.plan_for(mem_limit)
 

@@ -11,8 +11,8 @@ import functools
 
 import numpy as np
 
-from remat.plan.profile import ChainProfile
 from remat.plan.operations import PlanTree, Region, Store
+from remat.plan.profile import ChainProfile
 
 __all__ = ["all_plans", "random_chain"]
 
@@ -104,9 +104,7 @@ def random_chain(
 
     def times(count: int) -> tuple[float, ...]:
         if integer_times:
-            return tuple(
-                float(value) for value in rng.integers(1, max(1, int(max_time_s)) + 1, count)
-            )
+            return tuple(float(value) for value in rng.integers(1, max(1, int(max_time_s)) + 1, count))
         return tuple(float(value) for value in rng.uniform(0.05, 1.0, count) * max_time_s)
 
     return ChainProfile(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,9 +96,7 @@ def snapshot_bytes(module: nn.Module) -> int:
 def _pre_hook(module: nn.Module, args: Any) -> None:
     if _LOCAL.recompute_depth == 0 or not _has_running_stats(module):
         return
-    snapshot = {
-        name: buf.detach().clone() for name, buf in module.named_buffers(recurse=False) if buf is not None
-    }
+    snapshot = {name: buf.detach().clone() for name, buf in module.named_buffers(recurse=False) if buf is not None}
     _LOCAL.stat_snapshots.append((module, snapshot))
 
 
@@ -138,9 +137,7 @@ def running_stats_guard() -> Iterator[None]:
     with _GUARD_LOCK:
         if _GUARD_USERS == 0:
             _GUARD_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
-            _GUARD_HANDLES.append(
-                nn.modules.module.register_module_forward_hook(_post_hook, always_call=True)
-            )
+            _GUARD_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
         _GUARD_USERS += 1
     _LOCAL.guard_depth += 1
     try:

@@ -8,7 +8,8 @@ in backward, and only its output is kept.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -19,7 +20,7 @@ __all__ = ["apply", "is_marked", "mark", "unmark"]
 
 _RECOMPUTE_OPTIONS = {"use_reentrant", "preserve_rng_state", "output_recompute"}
 
-Where = Union[Callable[[str, nn.Module], bool], type, tuple[type, ...]]
+Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]
 
 
 class _RecomputedForward:
@@ -65,9 +66,7 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
         )
     unknown = set(recompute_options) - _RECOMPUTE_OPTIONS
     if unknown:
-        raise RematError(
-            f"unknown option(s) {sorted(unknown)} for mark(); accepted: {sorted(_RECOMPUTE_OPTIONS)}"
-        )
+        raise RematError(f"unknown option(s) {sorted(unknown)} for mark(); accepted: {sorted(_RECOMPUTE_OPTIONS)}")
     options = dict(recompute_options, output_recompute=output_recompute)
     current = module.__dict__.get("forward")
     original = current.original if isinstance(current, _RecomputedForward) else current
@@ -108,16 +107,15 @@ def apply(model: nn.Module, where: Where, **options: Any) -> nn.Module:
         remat.apply(model, lambda name, m: name.startswith("layers."))
     """
     if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(c, type) for c in where)):
-        classes = where
-        predicate: Callable[[str, nn.Module], bool] = lambda _name, m: isinstance(m, classes)
+        classes: Any = where
+        selected = [m for _, m in model.named_modules() if isinstance(m, classes)]
     elif callable(where):
-        predicate = where  # type: ignore[assignment]
+        selected = [m for name, m in model.named_modules() if where(name, m)]
     else:
         raise RematError(
             f"apply() needs where=a function (name, module) -> bool, a module class or a tuple of "
             f"classes; got {type(where).__name__}"
         )
-    selected = [m for name, m in model.named_modules() if predicate(name, m)]
     for module in selected:
         mark(module, **options)
     return model

@@ -27,20 +27,21 @@ Two implementations stand behind one function:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from remat.manual import _state
-from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.errors import (
     NondeterministicRecompute,
     NotCallableBlock,
     RecomputeInputModified,
     RematError,
 )
+from remat.manual import _state
+from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 
 __all__ = ["recompute"]
 
@@ -152,7 +153,7 @@ class _StopRecompute(BaseException):
 class _Handle:
     __slots__ = ("root", "index", "value", "__weakref__")
 
-    def __init__(self, root: "_Root", index: int) -> None:
+    def __init__(self, root: _Root, index: int) -> None:
         self.root = root
         self.index = index
         self.value: torch.Tensor | None = None
@@ -165,7 +166,7 @@ class _Meta:
     device: torch.device
 
     @staticmethod
-    def of(t: torch.Tensor) -> "_Meta":
+    def of(t: torch.Tensor) -> _Meta:
         return _Meta(t.shape, t.dtype, t.device)
 
 
@@ -185,19 +186,19 @@ class _OutputOf:
 
     __slots__ = ("frame", "leaf")
 
-    def __init__(self, frame: "_Frame", leaf: int) -> None:
+    def __init__(self, frame: _Frame, leaf: int) -> None:
         self.frame = frame
         self.leaf = leaf
 
 
 # id(tensor) -> (weakref to tensor, frame, flat output index) for output_recompute blocks
-_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], "_Frame", int]] = {}
+_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], _Frame, int]] = {}
 
 
 class _Frame:
     def __init__(
         self,
-        root: "_Root | None",
+        root: _Root | None,
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -234,7 +235,7 @@ class _Frame:
         self.span: _Span | None = None
 
     @property
-    def root(self) -> "_Root":
+    def root(self) -> _Root:
         if self._root_ref is None:
             return self  # type: ignore[return-value]
         root = self._root_ref()
@@ -245,7 +246,7 @@ class _Frame:
     # -- inputs
     def _materialise_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat: list[Any] = []
-        for position, (value, version) in enumerate(zip(self.inputs, self.versions)):
+        for position, (value, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
             if isinstance(value, _OutputOf):
                 tensor = value.frame.outputs_for_recompute()[value.leaf]
                 flat.append(detached_alias(tensor, tensor.requires_grad))
@@ -348,7 +349,7 @@ class _Root(_Frame):
 _ROOT_OWNER: Any = object()  # owner entry meaning "the root itself" (no reference cycle)
 
 
-def _owner(root: "_Root", index: int) -> "_Frame | None":
+def _owner(root: _Root, index: int) -> _Frame | None:
     owner = root.owners[index]
     return root if owner is _ROOT_OWNER else owner
 
@@ -588,7 +589,7 @@ def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:
 # =========================================================================== reentrant
 class _ReentrantFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: "_ReentrantCall", _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, call: _ReentrantCall, _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
@@ -620,7 +621,7 @@ class _ReentrantFunction(torch.autograd.Function):
                 "forward; the recompute would see other values. Clone it before modifying it, or "
                 "do not recompute this block"
             ) from error
-        inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires)]
+        inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
             out = call.run(inputs)
         outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
@@ -633,7 +634,7 @@ class _ReentrantFunction(torch.autograd.Function):
                 "the block must compute the same thing when it is recomputed (check control flow "
                 "that depends on global state, and use remat.is_recomputing() for side effects)"
             )
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
@@ -657,7 +658,7 @@ class _ReentrantCall:
 
     def run(self, tensors: list[torch.Tensor]) -> Any:
         flat = list(self.constants)
-        for position, tensor in zip(self.positions, tensors):
+        for position, tensor in zip(self.positions, tensors, strict=True):
             flat[position] = tensor
         args, kwargs = tree_unflatten(flat, self.spec)
         return self.function(*args, **kwargs)
@@ -709,7 +710,7 @@ class RegionRecording:
         self._root = _Root(function, args, kwargs, preserve_rng_state)
         self._root.observer = observer
 
-    def stage(self) -> "_DiscardingStage":
+    def stage(self) -> _DiscardingStage:
         """Context manager: the tensors saved inside it are recomputed in backward."""
         return _DiscardingStage(self._root)
 

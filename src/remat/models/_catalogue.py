@@ -54,9 +54,7 @@ class ModelSpec:
     make_target: Callable[[tuple[Tensor, ...]], Tensor]
     loss_fn: Callable[[Tensor, Tensor], Tensor]
 
-    def make_batch(
-        self, batch_size: int, device: torch.device | str = "cpu"
-    ) -> tuple[tuple[Tensor, ...], Tensor]:
+    def make_batch(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[tuple[Tensor, ...], Tensor]:
         """Draws one synthetic batch: the model's inputs and the matching target.
 
         Args:
@@ -70,9 +68,7 @@ class ModelSpec:
         return inputs, self.make_target(inputs)
 
 
-def _random_images(
-    batch_size: int, device: torch.device, *, size: int, channels: int = 3
-) -> tuple[Tensor, ...]:
+def _random_images(batch_size: int, device: torch.device, *, size: int, channels: int = 3) -> tuple[Tensor, ...]:
     return (torch.randn(batch_size, channels, size, size, device=device),)
 
 
@@ -80,9 +76,7 @@ def _random_features(batch_size: int, device: torch.device, *, width: int) -> tu
     return (torch.randn(batch_size, width, device=device),)
 
 
-def _random_tokens(
-    batch_size: int, device: torch.device, *, vocab_size: int, tokens: int
-) -> tuple[Tensor, ...]:
+def _random_tokens(batch_size: int, device: torch.device, *, vocab_size: int, tokens: int) -> tuple[Tensor, ...]:
     return (torch.randint(0, vocab_size, (batch_size, tokens), device=device),)
 
 
@@ -116,9 +110,7 @@ def _regression_loss(output: Tensor, target: Tensor) -> Tensor:
 
 
 _CLASSES = 10
-_GPT_DEMO = GPTConfig(
-    vocab_size=1024, n_positions=128, d_model=128, n_heads=4, n_layers=4, dropout=0.1
-)
+_GPT_DEMO = GPTConfig(vocab_size=1024, n_positions=128, d_model=128, n_heads=4, n_layers=4, dropout=0.1)
 _VIT_DEMO = ViTConfig(
     image_size=32,
     patch_size=4,
@@ -132,9 +124,7 @@ _VIT_DEMO = ViTConfig(
 _MLP_WIDTH = 256
 
 
-def _image_classifier(
-    name: str, description: str, factory: Callable[..., nn.Sequential], *, size: int
-) -> ModelSpec:
+def _image_classifier(name: str, description: str, factory: Callable[..., nn.Sequential], *, size: int) -> ModelSpec:
     return ModelSpec(
         name=name,
         description=description,
@@ -179,9 +169,7 @@ def _build() -> dict[str, ModelSpec]:
                 f"vocabulary {_GPT_DEMO.vocab_size}, {_GPT_DEMO.n_positions} tokens"
             ),
             factory=partial(gpt2, _GPT_DEMO),
-            make_input=partial(
-                _random_tokens, vocab_size=_GPT_DEMO.vocab_size, tokens=_GPT_DEMO.n_positions
-            ),
+            make_input=partial(_random_tokens, vocab_size=_GPT_DEMO.vocab_size, tokens=_GPT_DEMO.n_positions),
             make_target=_next_tokens,
             loss_fn=_language_model_loss,
         ),

@@ -70,10 +70,7 @@ class GPTEmbedding(nn.Module):
         """
         tokens = ids.shape[-1]
         if tokens > self.position.num_embeddings:
-            raise ValueError(
-                f"sequence of {tokens} tokens is longer than n_positions="
-                f"{self.position.num_embeddings}"
-            )
+            raise ValueError(f"sequence of {tokens} tokens is longer than n_positions={self.position.num_embeddings}")
         positions = torch.arange(tokens, device=ids.device)
         return self.dropout(self.token(ids) + self.position(positions))
 
@@ -101,9 +98,7 @@ class LMHead(nn.Module):
             weight = nn.Parameter(torch.empty(vocab_size, d_model))
             nn.init.normal_(weight, 0.0, 0.02)
         elif weight.shape != (vocab_size, d_model):
-            raise ValueError(
-                f"shared weight has shape {tuple(weight.shape)}, expected {(vocab_size, d_model)}"
-            )
+            raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {(vocab_size, d_model)}")
         self.weight = weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -144,9 +139,7 @@ def gpt2(config: GPTConfig | None = None, **overrides: Any) -> nn.Sequential:
         ValueError: ``n_heads`` does not divide ``d_model``.
     """
     config = dataclasses.replace(config or GPTConfig(), **overrides)
-    embedding = GPTEmbedding(
-        config.vocab_size, config.n_positions, config.d_model, dropout=config.dropout
-    )
+    embedding = GPTEmbedding(config.vocab_size, config.n_positions, config.d_model, dropout=config.dropout)
     blocks = nn.Sequential(
         *(
             TransformerBlock(

@@ -195,9 +195,7 @@ def resnet(
     channels = width
     for index, count in enumerate(counts):
         stride = 1 if index == 0 else 2
-        layers[f"layer{index + 1}"], channels = _stage(
-            block, channels, width * 2**index, count, stride
-        )
+        layers[f"layer{index + 1}"], channels = _stage(block, channels, width * 2**index, count, stride)
     layers["avgpool"] = nn.AdaptiveAvgPool2d((1, 1))
     layers["flatten"] = nn.Flatten(1)
     layers["fc"] = nn.Linear(channels, num_classes)
@@ -251,10 +249,7 @@ def resnet_small(
         ValueError: ``blocks_per_stage`` is empty or holds a count below 1.
     """
     if not blocks_per_stage or min(blocks_per_stage) < 1:
-        raise ValueError(
-            "blocks_per_stage must be a non-empty list of positive counts, "
-            f"got {blocks_per_stage!r}"
-        )
+        raise ValueError(f"blocks_per_stage must be a non-empty list of positive counts, got {blocks_per_stage!r}")
     layers: OrderedDict[str, nn.Module] = OrderedDict(
         conv1=nn.Conv2d(in_channels, width, kernel_size=3, padding=1, bias=False),
         bn1=nn.BatchNorm2d(width),
@@ -263,9 +258,7 @@ def resnet_small(
     channels = width
     for index, count in enumerate(blocks_per_stage):
         stride = 1 if index == 0 else 2
-        layers[f"layer{index + 1}"], channels = _stage(
-            BasicBlock, channels, width * 2**index, count, stride
-        )
+        layers[f"layer{index + 1}"], channels = _stage(BasicBlock, channels, width * 2**index, count, stride)
     layers["avgpool"] = nn.AdaptiveAvgPool2d((1, 1))
     layers["flatten"] = nn.Flatten(1)
     layers["fc"] = nn.Linear(channels, num_classes)

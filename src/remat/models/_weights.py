@@ -49,9 +49,7 @@ def copy_weights(source: nn.Module, destination: nn.Module) -> None:
         ("buffer", list(source.named_buffers()), list(destination.named_buffers())),
     ):
         if len(source_named) != len(destination_named):
-            raise ValueError(
-                f"source has {len(source_named)} {kind}s, destination has {len(destination_named)}"
-            )
+            raise ValueError(f"source has {len(source_named)} {kind}s, destination has {len(destination_named)}")
         for index, ((source_name, from_tensor), (destination_name, to_tensor)) in enumerate(
             zip(source_named, destination_named, strict=True)
         ):
