@@ -11,7 +11,7 @@ import torch
 # 2-core machine cost far more than they gain, and results do not depend on thread count.
 torch.set_num_threads(1)
 
-_recompute_module = importlib.import_module("remat.manual.recompute")
+_recompute_module = importlib.import_module("remat.manual._frames")
 _state_module = importlib.import_module("remat.manual._state")
 
 

@@ -31,8 +31,9 @@ from torch import nn
 from remat.discover.chain import Chain, InputLink
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
+from remat.manual._frames import RegionRecording, active_mode
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
-from remat.manual.recompute import RegionRecording, active_mode, recompute
+from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 
 __all__ = ["ChainExecutor", "RegionSpan", "expand_operations"]

@@ -1,0 +1,560 @@
+"""The hook-based implementation of recompute: nested recompute frames.
+
+Every tensor autograd saves inside a recomputed block is replaced by a handle
+(``torch.autograd.graph.saved_tensors_hooks``); when backward first needs one, the block
+runs again from its kept inputs and fills the handles (see NOTE [nested recompute
+frames]). :class:`RegionRecording` opens such a frame over several stage calls, for the
+executor of a schedule.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from remat.errors import (
+    NondeterministicRecompute,
+    RecomputeInputModified,
+    RematError,
+)
+from remat.manual import _state
+from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
+
+__all__ = ["RegionRecording", "TensorMeta", "active_mode", "detached_alias", "recompute_with_hooks"]
+
+
+# =========================================================================== hooks
+# NOTE [nested recompute frames]
+# A *frame* is one execution of a recomputed block. Every tensor saved for backward while
+# a block runs for the first time becomes a handle numbered in the order it was saved,
+# and the numbering belongs to the outermost frame (the root): blocks nested inside a
+# block that is running for the first time simply run inside it. When backward needs a
+# handle that holds nothing, the frame that owns it is recomputed ("fill" mode): its
+# saved tensors are stored into the root's handles, in the same order. A nested block
+# met during that recompute does not materialise anything: it becomes a child frame that
+# keeps its own inputs and takes ownership of the handles its operations would fill
+# ("skip" mode), and it is recomputed in turn only when backward reaches one of them.
+# This is what makes the optimal schedules of the planner executable: a region's body
+# is a sequence of stored stages and nested regions, and only the stored stages'
+# activations are materialised when the region is recomputed.
+#
+# The first forward records where each nested block's handles start and stop (a tree of
+# spans). When a recompute meets a nested block, the child takes its whole span at once;
+# if the recompute needs nothing beyond that span, it stops right there instead of
+# running the child only to throw its work away, and the child first runs when backward
+# reaches it. So a block nested last in its parent runs once per recompute of its own,
+# not once more for its parent's.
+#
+# Each recomputed tensor lives in its handle, and the handle lives exactly as long as the
+# autograd node that saved it: the memory is released as soon as that node has run.
+
+
+def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A new leaf sharing `tensor`'s storage, requiring grad as the original did.
+
+    Recomputes run on such aliases: the same operations save the same tensors as in the
+    original forward, and the recompute's own graph stays apart from the original one.
+    """
+    alias = tensor.detach()
+    if requires_grad and (alias.is_floating_point() or alias.is_complex()):
+        alias.requires_grad_(True)
+    return alias
+
+
+class _StopRecompute(BaseException):
+    """Raised inside a recompute once every needed handle is filled."""
+
+
+class _Handle:
+    __slots__ = ("root", "index", "value", "__weakref__")
+
+    def __init__(self, root: _Root, index: int) -> None:
+        self.root = root
+        self.index = index
+        self.value: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(t.shape, t.dtype, t.device)
+
+
+class _Span:
+    """Where a nested block's handles start and stop in its root, and its own nested blocks."""
+
+    __slots__ = ("start", "stop", "children")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.stop: int | None = None
+        self.children: list[_Span] = []
+
+
+class _OutputOf:
+    """A lazy input: output number `leaf` of a frame run with output_recompute=True."""
+
+    __slots__ = ("frame", "leaf")
+
+    def __init__(self, frame: _Frame, leaf: int) -> None:
+        self.frame = frame
+        self.leaf = leaf
+
+
+# id(tensor) -> (weakref to tensor, frame, flat output index) for output_recompute blocks
+_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], _Frame, int]] = {}
+
+
+class _Frame:
+    def __init__(
+        self,
+        root: _Root | None,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        preserve_rng_state: bool,
+        start: int,
+    ) -> None:
+        # A child refers to its root weakly: the root owns its children (through
+        # `owners`), and the root stays alive as long as one of its handles does.
+        self._root_ref = None if root is None else weakref.ref(root)
+        self.function = function
+        self.name = getattr(function, "__qualname__", None) or type(function).__name__
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.inputs: list[Any] = []
+        self.versions: list[int | None] = []
+        for value in flat:
+            lazy = _lazy_output(value)
+            if lazy is not None:
+                self.inputs.append(lazy)
+                self.versions.append(None)
+            elif isinstance(value, torch.Tensor):
+                self.inputs.append((value.detach(), value.requires_grad))
+                self.versions.append(value._version)
+            else:
+                self.inputs.append(value)
+                self.versions.append(None)
+        self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+        self.start = start
+        self.stop: int | None = None
+        self.cursor = start
+        self.output_recompute = False
+        self.cached_outputs: list[Any] | None = None
+        self.observer: Any = None  # see RegionRecording
+        # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
+        self.span: _Span | None = None
+
+    @property
+    def root(self) -> _Root:
+        if self._root_ref is None:
+            return self  # type: ignore[return-value]
+        root = self._root_ref()
+        if root is None:  # pragma: no cover - a child only runs while its root lives
+            raise RematError("internal error: a recompute frame outlived its root")
+        return root
+
+    # -- inputs
+    def _materialise_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat: list[Any] = []
+        for position, (value, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
+            if isinstance(value, _OutputOf):
+                tensor = value.frame.outputs_for_recompute()[value.leaf]
+                flat.append(detached_alias(tensor, tensor.requires_grad))
+            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+                tensor, requires_grad = value
+                if version is not None and tensor._version != version:
+                    raise RecomputeInputModified(
+                        f"input {position} of the recomputed block {self.name!r} was modified in "
+                        f"place after the forward (version {version} -> {tensor._version}); the "
+                        "recompute would see other values. Clone it before modifying it, or do not "
+                        "recompute this block"
+                    )
+                flat.append(detached_alias(tensor, requires_grad))
+            else:
+                flat.append(value)
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return args, kwargs
+
+    def release_inputs(self) -> None:
+        self.inputs = []
+
+    # -- running
+    def run(self, mode: str) -> Any:
+        """Re-runs the block in `mode` ("fill" or "outputs")."""
+        if not self.inputs and self.spec.num_leaves:
+            raise RematError(
+                f"the recomputed block {self.name!r} was asked to run again after its inputs were "
+                "released; this happens when backward runs twice through a recomputed block "
+                "without retain_graph=True"
+            )
+        args, kwargs = self._materialise_inputs()
+        self.cursor = self.start
+        root = self.root
+        last_needed = root.last_needed(self) if mode == "fill" else None
+        if mode == "fill" and last_needed is None:
+            return None
+        observer = self.observer if self._root_ref is None else None
+        if observer is not None:
+            observer.on_recompute(True)
+        _STACK.push(_Context("fill", self, last_needed))
+        try:
+            with torch.enable_grad(), replay_forward_state(self.state), _state.recomputing():
+                try:
+                    out = self.function(*args, **kwargs)
+                except _StopRecompute:
+                    out = None
+        finally:
+            _STACK.pop()
+        if observer is not None:
+            observer.on_recompute(False)
+        if mode == "fill":
+            self._finish_fill()
+        return out
+
+    def _finish_fill(self) -> None:
+        root = self.root
+        if root.last_needed(self) is not None:
+            raise NondeterministicRecompute(
+                f"the recompute of block {self.name!r} saved {self.cursor - self.start} tensors "
+                f"for backward, the original forward saved {(self.stop or 0) - self.start}; the block "
+                "must run the same operations when it is recomputed (check control flow that "
+                "depends on global state, and use remat.is_recomputing() for side effects)"
+            )
+        # Every live handle this frame owned is filled or owned by a child: the kept
+        # inputs are no longer needed (the first operations hold them if they saved them).
+        if not self.output_recompute:
+            self.release_inputs()
+
+    def outputs_for_recompute(self) -> list[torch.Tensor]:
+        if self.cached_outputs is None:
+            out = self.run("outputs")
+            self.cached_outputs = [leaf for leaf in tree_leaves(out)]
+        return self.cached_outputs
+
+
+class _Root(_Frame):
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        preserve_rng_state: bool,
+    ) -> None:
+        super().__init__(None, function, args, kwargs, preserve_rng_state, start=0)
+        self.handles: list[weakref.ref[_Handle]] = []
+        self.metas: list[TensorMeta] = []
+        self.owners: list[_Frame | None] = []
+        self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
+
+    def last_needed(self, frame: _Frame) -> int | None:
+        """Index of the last live, empty handle `frame` is responsible for."""
+        stop = frame.stop if frame.stop is not None else len(self.handles)
+        for index in range(stop - 1, frame.start - 1, -1):
+            handle = self.handles[index]()
+            if handle is not None and handle.value is None and _owner(self, index) is frame:
+                return index
+        return None
+
+
+_ROOT_OWNER: Any = object()  # owner entry meaning "the root itself" (no reference cycle)
+
+
+def _owner(root: _Root, index: int) -> _Frame | None:
+    owner = root.owners[index]
+    return root if owner is _ROOT_OWNER else owner
+
+
+class _Context:
+    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks")
+
+    def __init__(self, mode: str, frame: _Frame, last_needed: int | None = None) -> None:
+        self.mode = mode  # "discard", "fill" or "skip"
+        self.frame = frame
+        self.last_needed = last_needed
+        self.children_met = 0  # nested blocks met so far by this fill
+
+
+class _Stack:
+    """The thread-local stack of active frames, kept in step with the saved-tensor hooks."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+
+    @property
+    def items(self) -> list[_Context]:
+        items = getattr(self._local, "items", None)
+        if items is None:
+            items = self._local.items = []
+        return items
+
+    def top(self) -> _Context | None:
+        items = self.items
+        return items[-1] if items else None
+
+    def push(self, context: _Context) -> None:
+        self.items.append(context)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks.__enter__()
+        context.hooks = hooks  # type: ignore[attr-defined]
+
+    def pop(self) -> None:
+        context = self.items.pop()
+        context.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+_STACK = _Stack()
+
+
+def _pack(tensor: torch.Tensor) -> Any:
+    context = _STACK.top()
+    if context is None:  # pragma: no cover - hooks are pushed with a context
+        return tensor
+    frame = context.frame
+    root = frame.root
+    if context.mode == "discard":
+        if root.observer is not None:
+            root.observer.on_discarded(tensor)
+        index = len(root.handles)
+        handle = _Handle(root, index)
+        root.handles.append(weakref.ref(handle))
+        root.metas.append(TensorMeta.of(tensor))
+        root.owners.append(_ROOT_OWNER)
+        return handle
+    index = frame.cursor
+    frame.cursor += 1
+    if context.mode == "skip":
+        if index < len(root.owners):
+            root.owners[index] = frame
+        return None
+    # fill
+    if frame.stop is not None and index >= frame.stop or index >= len(root.handles):
+        raise NondeterministicRecompute(
+            f"the recompute of block {frame.name!r} saved more tensors for backward than the "
+            f"original forward ({index - frame.start + 1} > {(frame.stop or len(root.handles)) - frame.start}); "
+            "the block must run the same operations when it is recomputed"
+        )
+    filled = root.handles[index]()
+    if filled is not None and filled.value is None and _owner(root, index) is frame:
+        expected = root.metas[index]
+        if TensorMeta.of(tensor) != expected:
+            raise NondeterministicRecompute(
+                f"the recompute of block {frame.name!r} saved a tensor of shape {tuple(tensor.shape)}, "
+                f"{tensor.dtype} on {tensor.device} where the original forward saved "
+                f"{tuple(expected.shape)}, {expected.dtype} on {expected.device} (saved tensor "
+                f"#{index - frame.start}); the block must compute the same thing when recomputed"
+            )
+        filled.value = tensor.detach()
+        root.owners[index] = None
+    if context.last_needed is not None and index >= context.last_needed:
+        # Everything this frame must provide is there (children met on the way own the
+        # rest): the remainder of the block need not run.
+        raise _StopRecompute
+    return None
+
+
+def _unpack(handle: Any) -> torch.Tensor:
+    if not isinstance(handle, _Handle):
+        if handle is None:
+            raise RematError(
+                "a tensor saved during a recompute was used by backward; this is a bug in remat "
+                "or a graph built from a recomputed output, which is not supported"
+            )
+        return handle
+    root = handle.root
+    while handle.value is None:
+        owner = _owner(root, handle.index)
+        if owner is None:
+            raise NondeterministicRecompute(
+                f"the recompute of block {root.name!r} did not produce saved tensor #{handle.index}; "
+                "the block must run the same operations when it is recomputed"
+            )
+        owner.run("fill")
+        if handle.value is None and _owner(root, handle.index) is owner:
+            raise NondeterministicRecompute(
+                f"the recompute of block {owner.name!r} stopped before producing saved tensor "
+                f"#{handle.index - owner.start}; the block must run the same operations when recomputed"
+            )
+    return handle.value
+
+
+def _lazy_output(value: Any) -> _OutputOf | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    entry = _RECOMPUTABLE_OUTPUTS.get(id(value))
+    if entry is None or entry[0]() is not value:
+        return None
+    return _OutputOf(entry[1], entry[2])
+
+
+def _forget_output(key: int) -> Callable[[Any], None]:
+    def forget(_ref: Any) -> None:
+        _RECOMPUTABLE_OUTPUTS.pop(key, None)
+
+    return forget
+
+
+def _register_outputs(frame: _Frame, out: Any) -> None:
+    for leaf_index, leaf in enumerate(tree_leaves(out)):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            key = id(leaf)
+            _RECOMPUTABLE_OUTPUTS[key] = (
+                weakref.ref(leaf, _forget_output(key)),
+                frame,
+                leaf_index,
+            )
+
+
+def recompute_with_hooks(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+    output_recompute: bool,
+) -> Any:
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    context = _STACK.top()
+    if context is None:
+        root = _Root(function, args, kwargs, preserve_rng_state)
+        root.output_recompute = output_recompute
+        root.span = _Span(0)
+        root.open_spans.append(root.span)
+        _STACK.push(_Context("discard", root))
+        try:
+            with autocast_cache_off():
+                out = function(*args, **kwargs)
+        finally:
+            _STACK.pop()
+            root.open_spans.clear()
+        root.stop = root.span.stop = len(root.handles)
+        if output_recompute:
+            _register_outputs(root, out)
+        return out
+    if context.mode == "discard":
+        # Inside a block running for the first time: everything here is discarded
+        # anyway, so the nested block is just a call; only where it starts and stops
+        # is recorded.
+        root = context.frame.root
+        if not root.open_spans:
+            return function(*args, **kwargs)
+        span = _Span(len(root.handles))
+        root.open_spans[-1].children.append(span)
+        root.open_spans.append(span)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            root.open_spans.pop()
+            span.stop = len(root.handles)
+    if context.mode == "skip":
+        # Inside a child being skipped over: the child owns all of it.
+        return function(*args, **kwargs)
+    # fill: this nested block becomes a child frame that owns its handles.
+    parent = context.frame
+    root = parent.root
+    child = _Frame(root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    recorded = _recorded_span(parent, context)
+    if recorded is not None:
+        child.span = recorded
+        child.stop = recorded.stop
+        for index in range(recorded.start, recorded.stop):  # type: ignore[arg-type]
+            if _owner(root, index) is parent:
+                root.owners[index] = child
+        if context.last_needed is not None:
+            last_needed = root.last_needed(parent)
+            if last_needed is None:
+                # The parent needs nothing from here on: the child keeps its inputs and
+                # runs when backward reaches it.
+                raise _StopRecompute
+            context.last_needed = last_needed
+    _STACK.push(_Context("skip", child))
+    try:
+        out = function(*args, **kwargs)
+    finally:
+        _STACK.pop()
+    if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
+        raise NondeterministicRecompute(
+            f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
+            f"tensors for backward, its first forward saved {recorded.stop - recorded.start}; "
+            "the block must run the same operations when it is recomputed"
+        )
+    parent.cursor = child.cursor
+    child.stop = child.cursor
+    return out
+
+
+def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:
+    """The span the first forward recorded for the nested block `parent` meets now."""
+    ordinal = context.children_met
+    context.children_met += 1
+    if parent.span is None or ordinal >= len(parent.span.children):
+        return None
+    span = parent.span.children[ordinal]
+    if span.start != parent.cursor or span.stop is None:
+        return None
+    return span
+
+
+# =========================================================================== reentrant
+class RegionRecording:
+    """A recomputed region whose first forward spans several calls (used by the executor).
+
+    The executor of a plan cannot wrap a region of a user's forward in one function call:
+    the region starts in one stage call and ends in another, with the user's own code in
+    between. It opens a recording with the function that *replays* the region from its
+    kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
+    tensors saved inside stage calls are discarded (the user's code between stages keeps
+    what it saves as usual, so the replay never needs to run it).
+
+    An `observer` (used by measurement) is told of every tensor the region discards,
+    ``observer.on_discarded(tensor)``, and of each recompute of the region,
+    ``observer.on_recompute(started: bool)`` before and after it.
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        preserve_rng_state: bool = True,
+        observer: Any = None,
+    ) -> None:
+        self._root = _Root(function, args, kwargs, preserve_rng_state)
+        self._root.observer = observer
+
+    def stage(self) -> _DiscardingStage:
+        """Context manager: the tensors saved inside it are recomputed in backward."""
+        return _DiscardingStage(self._root)
+
+    def close(self) -> None:
+        """Ends the region's first forward."""
+        self._root.stop = len(self._root.handles)
+
+
+class _DiscardingStage:
+    def __init__(self, root: _Root) -> None:
+        self._root = root
+
+    def __enter__(self) -> None:
+        _STACK.push(_Context("discard", self._root))
+
+    def __exit__(self, *exc: Any) -> None:
+        _STACK.pop()
+
+
+def active_mode() -> str | None:
+    """The recompute mode of the current thread: None, "discard", "fill" or "skip"."""
+    context = _STACK.top()
+    return None if context is None else context.mode

@@ -1,0 +1,122 @@
+"""The reentrant implementation of recompute: a custom autograd Function.
+
+The block runs under ``no_grad``; the Function's backward runs it again with grad enabled
+from the kept inputs and calls ``torch.autograd.backward`` on the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from remat.errors import (
+    NondeterministicRecompute,
+    RecomputeInputModified,
+    RematError,
+)
+from remat.manual import _state
+from remat.manual._frames import TensorMeta, detached_alias
+from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
+
+__all__ = ["recompute_reentrant"]
+
+
+class _ReentrantFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _ReentrantCall, _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        ctx.requires = [t.requires_grad for t in tensors]
+        with torch.no_grad():
+            out = call.run(list(tensors))
+        flat, spec = tree_flatten(out)
+        call.out_spec = spec
+        call.out_constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
+        ctx.out_metas = [TensorMeta.of(t) for t in tensors_out]
+        return tensors_out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RematError(
+                "recompute(..., use_reentrant=True) does not support torch.autograd.grad() or "
+                "backward(inputs=...); use the default use_reentrant=False"
+            )
+        call: _ReentrantCall = ctx.call
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:
+            # autograd checks the version of every saved tensor (the kept inputs here)
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RecomputeInputModified(
+                f"an input of the recomputed block {call.name!r} was modified in place after the "
+                "forward; the recompute would see other values. Clone it before modifying it, or "
+                "do not recompute this block"
+            ) from error
+        inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
+        with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
+            out = call.run(inputs)
+        outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        metas = [TensorMeta.of(t) for t in outs]
+        if metas != ctx.out_metas:
+            raise NondeterministicRecompute(
+                f"the recompute of block {call.name!r} returned tensors "
+                f"{[(tuple(m.shape), m.dtype, str(m.device)) for m in metas]} where the original "
+                f"forward returned {[(tuple(m.shape), m.dtype, str(m.device)) for m in ctx.out_metas]}; "
+                "the block must compute the same thing when it is recomputed (check control flow "
+                "that depends on global state, and use remat.is_recomputing() for side effects)"
+            )
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+        return (None, None) + input_grads
+
+
+class _ReentrantCall:
+    def __init__(self, function: Callable[..., Any], args: Any, kwargs: Any, state: ForwardState) -> None:
+        self.function = function
+        self.name = getattr(function, "__qualname__", None) or type(function).__name__
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        self.constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        self.state = state
+        self.out_spec: Any = None
+        self.out_constants: list[Any] = []
+
+    def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        flat, _ = tree_flatten((args, kwargs))
+        return [flat[i] for i in self.positions]
+
+    def run(self, tensors: list[torch.Tensor]) -> Any:
+        flat = list(self.constants)
+        for position, tensor in zip(self.positions, tensors, strict=True):
+            flat[position] = tensor
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return self.function(*args, **kwargs)
+
+
+def recompute_reentrant(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], preserve_rng_state: bool
+) -> Any:
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    flat, _ = tree_flatten((args, kwargs))
+    state = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+    call = _ReentrantCall(function, args, kwargs, state)
+    tensors = call.tensors(args, kwargs)
+    # The anchor makes the output require grad even when no input does, so that the
+    # parameters used inside the block still receive their gradients.
+    anchor = torch.empty((), requires_grad=True)
+    outs = _ReentrantFunction.apply(call, anchor, *tensors)
+    outs_iter = iter(outs)
+    flat_out = [next(outs_iter) if c is None else c for c in call.out_constants]
+    return tree_unflatten(flat_out, call.out_spec)
+
+
+# =========================================================================== regions
