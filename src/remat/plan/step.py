@@ -102,9 +102,14 @@ class Plan:
         return self.schedule.predicted_time_s
 
     @property
-    def overhead(self) -> float:
+    def overhead_fraction(self) -> float:
         """Predicted extra time over no recompute, as a fraction (0.25: 25% slower)."""
         return self.report().overhead_fraction
+
+    @property
+    def overhead(self) -> float:
+        """The same as :attr:`overhead_fraction`."""
+        return self.overhead_fraction
 
     @property
     def forward_counts(self) -> tuple[int, ...]:
