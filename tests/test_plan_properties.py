@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from remat.errors import BudgetTooSmall
 from remat.plan import ChainProfile, OptimalSolver, Region, Store, get_solver, simulate
 from remat.plan.operations import PlanTree, validate_plan
-from remat.plan.solvers import _ChainArrays, _plan_peak_units
+from remat.plan.solvers.arrays import _ChainArrays, _plan_peak_units
 from remat.testing import all_plans, random_chain
 
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
@@ -115,9 +115,7 @@ def test_cost_is_non_increasing_in_the_budget(profile: ChainProfile) -> None:
 
 @PROPERTY_SETTINGS
 @given(profile=chains(), fraction=st.floats(0.0, 1.0))
-def test_optimal_is_never_slower_than_a_baseline_that_fits(
-    profile: ChainProfile, fraction: float
-) -> None:
+def test_optimal_is_never_slower_than_a_baseline_that_fits(profile: ChainProfile, fraction: float) -> None:
     everything = simulate(profile, store_everything(profile)).peak_bytes
     budget = int(fraction * everything)
     optimal = optimal_or_none(profile, budget)

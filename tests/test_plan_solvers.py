@@ -23,7 +23,7 @@ from remat.plan import (
     solve,
     validate_plan,
 )
-from remat.plan.solvers import _REGISTRY
+from remat.plan.solvers.contract import _REGISTRY
 from remat.testing import all_plans, random_chain
 
 SOLVERS = available_solvers()
@@ -236,10 +236,7 @@ def test_auto_picks_numpy_for_small_problems_and_gives_optimal_plans() -> None:
     expected = "numba" if numba_available() else "numpy"
     assert auto._implementation_for(big) == expected  # type: ignore[attr-defined]
     minimum = get_solver("optimal").minimum_bytes(profile)  # type: ignore[attr-defined]
-    assert (
-        auto(profile, minimum + 5).predicted_time_s
-        == get_solver("optimal")(profile, minimum + 5).predicted_time_s
-    )
+    assert auto(profile, minimum + 5).predicted_time_s == get_solver("optimal")(profile, minimum + 5).predicted_time_s
 
 
 def test_coarse_slots_still_fit_the_budget() -> None:
@@ -268,3 +265,18 @@ def test_planning_from_a_saved_profile(tmp_path: Path) -> None:
     again = solve(loaded, budget, solver="optimal")
     assert again.items == original.items
     assert again.predicted_peak_bytes == original.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("name", available_solvers())
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_minimum_bytes_is_the_smallest_budget_each_solver_fits(name: str, seed: int) -> None:
+    """The minimum is a method of every solver, and agrees with the error a smaller budget raises."""
+    profile = random_chain(seed, 6, max_units=30, unit_bytes=512)
+    solver = get_solver(name)
+    minimum = solver.minimum_bytes(profile)
+    with pytest.raises(BudgetTooSmall) as raised:
+        solver(profile, 1)
+    assert raised.value.minimum_bytes == minimum
+    assert solver(profile, minimum).predicted_peak_bytes <= minimum
+    with pytest.raises(BudgetTooSmall):
+        solver(profile, minimum - 1)

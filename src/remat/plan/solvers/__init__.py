@@ -1,0 +1,51 @@
+"""Solvers: from a chain profile and a memory budget to a recompute schedule.
+
+Every solver follows one contract (:class:`Solver`): its configuration goes to
+``__init__``, the problem to ``__call__(profile, budget_bytes)``, which returns a
+:class:`~remat.plan.schedule.Schedule`. Solvers are registered under lowercase names:
+
+=============  ===============================================================
+``"optimal"``  the dynamic program: the fastest schedule that fits the budget
+``"auto"``     the dynamic program, with the implementation picked by size
+``"none"``     store everything (no recomputation)
+``"inputs"``   keep only the input of every stage, recompute the rest
+``"periodic"`` ``torch.utils.checkpoint.checkpoint_sequential``'s segments
+=============  ===============================================================
+
+>>> schedule = get_solver("optimal", slots=500)(profile, 2 * 2**30)  # doctest: +SKIP
+>>> print(schedule)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from remat.plan.solvers.baselines import PeriodicSolver, StoreEverythingSolver, StoreInputsSolver, store_everything_plan
+from remat.plan.solvers.contract import (
+    Solver,
+    available_solvers,
+    get_solver,
+    numba_available,
+    register_solver,
+    solve,
+)
+from remat.plan.solvers.optimal import AutoSolver, OptimalSolver
+
+__all__ = [
+    "AutoSolver",
+    "OptimalSolver",
+    "PeriodicSolver",
+    "Solver",
+    "StoreEverythingSolver",
+    "StoreInputsSolver",
+    "available_solvers",
+    "get_solver",
+    "numba_available",
+    "register_solver",
+    "solve",
+    "store_everything_plan",
+]
+
+register_solver("optimal", OptimalSolver)
+register_solver("auto", AutoSolver)
+register_solver("none", StoreEverythingSolver)
+register_solver("inputs", StoreInputsSolver)
+register_solver("periodic", PeriodicSolver)

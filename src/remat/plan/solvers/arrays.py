@@ -1,0 +1,231 @@
+"""The dynamic program's view of a chain: its sizes in whole memory units, and peak terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.plan.operations import PlanItem, PlanTree, Store
+from remat.plan.profile import ChainProfile
+
+__all__ = ["INT_INFINITY"]
+
+INT_INFINITY = np.int64(2**62)
+"""Stands for an infeasible peak in the integer tables."""
+
+
+# NOTE [memory accounting of the dynamic program]
+# The program is exact with respect to simulate() (schedule.py) for every plan tree in which
+# no level ends with a region; plans that do are never better (see "trailing regions").
+#
+# Subproblem (a, b, h), 0 <= a <= b <= n-1: run the items of one level covering stages
+# a..b, i.e. their forwards, then (when b = n-1, the top level) the loss marker, then their
+# backwards, recomputing regions' bodies as the backward reaches them. Its peak is counted
+# relative to the bytes that stay constant during it ("background"), and includes:
+#   X = bytes of x_a (0 for a = 0), live during the first operation at least. h says whether
+#       something outside keeps x_a for the whole subproblem: the checkpoint of the region
+#       whose body this is, or the "output" holder of a stored stage a-1 that saves its
+#       output. With h = 0, x_a's only outside holder is the frontier, gone after the first
+#       operation.
+#   G = bytes of G_{b+1} when b < n-1: a recomputed body runs with the gradient of its output
+#       live until backward(b), the first backward of the subproblem. When b = n-1 there is
+#       no G before the loss marker.
+# The live bytes after an operation never exceed its peak (simulate's note), and the last
+# operation of a subproblem is a backward, so only the peaks during operations matter;
+# releases that happen when the subproblem ends (the checkpoint of x_a) do not.
+#
+# Option "store a" (a < b): forward_store(a), then subproblem (a+1, b, so_a), then backward(a).
+#   keep  = X if h or si_a else 0          (x_a after forward_store(a))
+#   bg    = keep + S_a                     (constant while (a+1, b) runs)
+#   peak  = max(X + G + x_{a+1} + S_a + ft_a,                        forward_store(a)
+#               bg + peak(a+1, b, so_a),                              the rest
+#               bg + [x_{a+1} if so_a] + G_{a+1} + G_a + bt_a)        backward(a)
+#   In the last line G_{b+1} is gone and G_{a+1} is live; x_{a+1} stays only if stage a
+#   saves its output (h of the subproblem (a+1, b) is so_a for that reason).
+# Option "store a" (a = b < n-1), inside a body:
+#   peak  = max(X + G + x_{a+1} + S_a + ft_a,
+#               keep + G + [x_{a+1} if so_a] + S_a + G_a + bt_a)
+#   The recomputed x_{a+1} feeds nothing: its frontier ends before backward(a), and only
+#   stage a's own saving keeps it (the executor stops the recompute once the saved tensors
+#   are back, before computing an output nothing keeps).
+# Option "store a" (a = b = n-1), the last stage at the top level:
+#   peak  = max(X + x_n + S_a + ft_a,
+#               keep + x_n + S_a + G_n,                               loss marker
+#               keep + [x_n if so_a] + S_a + G_n + G_a + bt_a)        backward(a)
+# Option "region [a, j)" (a < j <= b): forward_checkpoint(a), forward_discard(a+1 .. j-1),
+#   then subproblem (j, b, 0), then the body, subproblem (a, j-1, 1):
+#   peak  = max(X + G + x_{a+1} + S_a + ft_a,                        forward_checkpoint(a)
+#               X + G + max_{a<k<j} (x_k + x_{k+1} + S_k + ft_k),     forward_discard(k)
+#               X + peak(j, b, 0),                                    the rest; x_a checkpointed
+#               peak(a, j-1, 1))                                      the body, with G_j
+#   x_j is held only by its frontier (hence h = 0); when the body starts, the rest has
+#   released everything but G_j, which is the body's G. Stages inside the region never hold
+#   S_k after their discarding forward, but it was materialised, as simulate() counts it.
+#   The body's first item, if a region, is strictly shorter (j' <= j-1 by the same rule).
+# The top-level problem is (0, n-1, h) with X = 0. A single stage has only "store".
+#
+# Trailing regions: a level whose last item is a region [j, b+1) is never better than the
+# same level with that region replaced by the items of its body. The body's operations are
+# the same in both; without the region, x_j is not pinned by a checkpoint, G_{b+1} (or, at the
+# top level, G_n) is not live during the body's forwards, x_{b+1}'s frontier does not outlive
+# the first operation of the body, and the discarding forwards are not run: every peak is
+# lower or equal and the time is lower. The program therefore only considers j <= b, and it
+# is optimal among all plan trees (the brute-force test checks this for small chains).
+#
+# Memory is discretised: with a slot of ceil(budget / slots) bytes, every size is rounded up
+# to whole slots and the budget rounded down, so a plan that fits in slots fits in bytes.
+# cost(a, b, h, m) is the least time of the subproblem with a peak of at most m slots; it is
+# non-increasing in m, infinite below the least peak mp(a, b, h) of any plan (a min-max
+# program computes it), and equal to the store-everything time from the store-everything
+# peak sat(a, b, h) on. Only m in [mp, sat) is stored, which is where the work is:
+#   cost(store a)      = f_a + b_a + cost(a+1, b, so_a, m - bg)       when m >= its own peaks
+#   cost(region [a,j)) = (f_a + .. + f_{j-1}) + cost(j, b, 0, m - X) + cost(a, j-1, 1, m)
+# A region's cost at m is at least its cost at the largest m of the row, so the m where the
+# best cost so far is already below that are skipped (best is non-increasing in m).
+# The least peak of the whole chain, computed in exact bytes, is BudgetTooSmall.minimum_bytes;
+# at any budget from it on a plan is returned: the least-peak plan when rounding to slots
+# leaves the time program nothing, or when that plan happens to be faster.
+
+
+@dataclass(frozen=True)
+class _ChainArrays:
+    """The sizes of a chain in whole units (slots or bytes) and the derived peak terms."""
+
+    n_stages: int
+    unit_bytes: int
+    activation: np.ndarray  # (n+1,) int64, activation[0] = 0
+    gradient: np.ndarray  # (n+1,) int64
+    saved: np.ndarray  # (n,) int64
+    forward_temp: np.ndarray  # (n,) int64
+    backward_temp: np.ndarray  # (n,) int64
+    saves_input: np.ndarray  # (n,) int64 0/1
+    saves_output: np.ndarray  # (n,) int64 0/1
+    first_forward: np.ndarray  # (n,) int64: x_{a+1} + S_a + ft_a
+    discard_forward: np.ndarray  # (n,) int64: x_k + x_{k+1} + S_k + ft_k
+    outer_gradient: np.ndarray  # (n,) int64: G of a subproblem ending at b (0 for b = n-1)
+    store_background: np.ndarray  # (n, 2) int64: bg of "store a" for h = 0, 1
+    store_backward: np.ndarray  # (n, 2) int64: peak of backward(a) of "store a", a < b
+    single_peak: np.ndarray  # (n, 2) int64: peak of the one-stage subproblem (a, a, h)
+    forward_backward_s: np.ndarray  # (n,) float64: forward + backward seconds
+    forward_prefix_s: np.ndarray  # (n+1,) float64: cumulative forward seconds
+    base_s: np.ndarray  # (n, n) float64: store-everything seconds of stages a..b
+
+    @classmethod
+    def from_profile(cls, profile: ChainProfile, unit_bytes: int) -> _ChainArrays:
+        n = profile.n_stages
+
+        def units(values: tuple[int, ...]) -> np.ndarray:
+            raw = np.asarray(values, dtype=np.int64)
+            return -(-raw // unit_bytes)  # ceil division: round up
+
+        activation = units(profile.activation_bytes)
+        activation[0] = 0
+        gradient = units(profile.gradient_bytes)
+        saved = units(profile.saved_bytes)
+        forward_temp = units(profile.forward_temp_bytes)
+        backward_temp = units(profile.backward_temp_bytes)
+        saves_input = np.asarray(profile.saves_input, dtype=np.int64)
+        saves_output = np.asarray(profile.saves_output, dtype=np.int64)
+        first_forward = activation[1:] + saved + forward_temp
+        discard_forward = activation[:-1] + activation[1:] + saved + forward_temp
+        outer_gradient = gradient[1:].copy()
+        outer_gradient[-1] = 0  # no gradient before the loss at the top level
+        keep = np.stack([activation[:-1] * saves_input, activation[:-1]], axis=1)
+        store_background = keep + saved[:, None]
+        output_kept = (activation[1:] * saves_output)[:, None]
+        store_backward = store_background + output_kept + (gradient[1:] + gradient[:-1] + backward_temp)[:, None]
+        # One-stage subproblems: inside a body (a < n-1) and the last stage at the top level.
+        own_forward = (activation[:-1] + outer_gradient + first_forward)[:, None]
+        single_peak = np.maximum(
+            own_forward,
+            keep + output_kept + (outer_gradient + saved + gradient[:-1] + backward_temp)[:, None],
+        )
+        last = n - 1
+        single_peak[last] = np.maximum.reduce(
+            [
+                np.full(2, own_forward[last, 0]),
+                keep[last] + activation[n] + saved[last] + gradient[n],
+                keep[last] + output_kept[last] + saved[last] + gradient[n] + gradient[last] + backward_temp[last],
+            ]
+        )
+        forward_s = np.asarray(profile.forward_time_s, dtype=np.float64)
+        forward_backward_s = forward_s + np.asarray(profile.backward_time_s, dtype=np.float64)
+        forward_prefix_s = np.concatenate(([0.0], np.cumsum(forward_s)))
+        base_s = np.zeros((n, n), dtype=np.float64)
+        for stop in range(n):
+            base_s[stop, stop] = forward_backward_s[stop]
+            for start in range(stop - 1, -1, -1):
+                base_s[start, stop] = forward_backward_s[start] + base_s[start + 1, stop]
+        return cls(
+            n_stages=n,
+            unit_bytes=unit_bytes,
+            activation=activation,
+            gradient=gradient,
+            saved=saved,
+            forward_temp=forward_temp,
+            backward_temp=backward_temp,
+            saves_input=saves_input,
+            saves_output=saves_output,
+            first_forward=first_forward,
+            discard_forward=discard_forward,
+            outer_gradient=outer_gradient,
+            store_background=store_background,
+            store_backward=store_backward,
+            single_peak=single_peak,
+            forward_backward_s=forward_backward_s,
+            forward_prefix_s=forward_prefix_s,
+            base_s=base_s,
+        )
+
+    def store_own_peak(self, start: int, stop: int, held: int) -> int:
+        """The peak of "store start" without the rest of the subproblem (start..stop)."""
+        if start == stop:
+            return int(self.single_peak[start, held])
+        forward = self.activation[start] + self.outer_gradient[stop] + self.first_forward[start]
+        return int(max(forward, self.store_backward[start, held]))
+
+    def region_forward_peaks(self, start: int, end: int) -> np.ndarray:
+        """The peaks of the forwards of regions ``[start, stop)`` for every stop in ``start+1 .. end``.
+
+        In a subproblem ending at ``end``: ``x_start`` and the outer gradient, plus the largest
+        of the checkpointing forward of ``start`` and the discarding forwards after it. This
+        is the one definition of a region's forward peak; the numba kernels compute the same
+        running maximum in their loops.
+        """
+        inner = np.maximum.accumulate(
+            np.concatenate(([self.first_forward[start]], self.discard_forward[start + 1 : end]))
+        )
+        return self.activation[start] + self.outer_gradient[end] + inner
+
+    def region_forward_peak(self, start: int, stop: int, end: int) -> int:
+        """The peak of the forwards of region [start, stop) in a subproblem ending at ``end``."""
+        return int(self.region_forward_peaks(start, end)[stop - start - 1])
+
+
+def _plan_peak_units(arrays: _ChainArrays, plan: PlanTree) -> int:
+    """The peak of a plan by the dynamic program's accounting (in the units of ``arrays``).
+
+    Used to check that the accounting agrees with :func:`simulate`.
+
+    Raises:
+        ValueError: a level of the plan ends with a region (outside the program's family).
+    """
+
+    def level_peak(items: tuple[PlanItem, ...], start: int, end: int, held: int) -> int:
+        first = items[0]
+        if isinstance(first, Store):
+            own = arrays.store_own_peak(start, end, held)
+            if start == end:
+                return own
+            background = int(arrays.store_background[start, held])
+            rest = level_peak(items[1:], start + 1, end, int(arrays.saves_output[start]))
+            return max(own, background + rest)
+        if len(items) == 1:
+            raise ValueError(f"the level ending at stage {end} ends with a region")
+        forward = arrays.region_forward_peak(first.start, first.stop, end)
+        rest = level_peak(items[1:], first.stop, end, 0)
+        body = level_peak(first.body, first.start, first.stop - 1, 1)
+        return max(forward, int(arrays.activation[start]) + rest, body)
+
+    return level_peak(plan, 0, arrays.n_stages - 1, 0)

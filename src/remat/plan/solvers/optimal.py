@@ -1,0 +1,216 @@
+"""The optimal solver: the fastest schedule that fits the budget, by dynamic programming."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import ClassVar
+
+from remat.errors import RematError
+from remat.plan.operations import PlanItem, PlanTree, Store
+from remat.plan.profile import ChainProfile
+from remat.plan.schedule import Schedule
+from remat.plan.solvers.arrays import _ChainArrays
+from remat.plan.solvers.baselines import PeriodicSolver, StoreInputsSolver, store_everything_plan
+from remat.plan.solvers.contract import _ADVICE_OPTIMAL, _budget_too_small, _validated_budget_bytes, numba_available
+from remat.plan.solvers.kernels import _costs_numba, _costs_numpy, _CostTable, _least_peaks
+from remat.plan.solvers.reconstruct import _build_plan, _fastest_choice, _least_peak_choice
+
+__all__ = ["AutoSolver", "OptimalSolver"]
+
+logger = logging.getLogger("remat.plan.solvers")
+
+
+#: Chains up to this length get a second, relaxed pass of the dynamic program.
+_RELAXED_PASS_MAX_STAGES = 120
+
+
+def _baseline_plans(n_stages: int) -> list[PlanTree]:
+    """Store-inputs and the periodic plans with 2 .. 2*sqrt(n) segments."""
+    plans: list[PlanTree] = [StoreInputsSolver.plan_of(n_stages)] if n_stages > 1 else []
+    for segments in range(2, min(n_stages, 2 * (math.isqrt(n_stages) + 1)) + 1):
+        plans.append(PeriodicSolver(segments=segments).plan(n_stages))
+    return plans
+
+
+def _plan_time_s(profile: ChainProfile, plan: PlanTree) -> float:
+    """The time of a plan from its forward counts, without simulating it."""
+    counts = [0] * profile.n_stages
+    pending: list[PlanItem] = list(plan)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Store):
+            counts[item.stage] += 1
+        else:
+            for stage in range(item.start, item.stop):
+                counts[stage] += 1
+            pending.extend(item.body)
+    return math.fsum(
+        [count * forward_s for count, forward_s in zip(counts, profile.forward_time_s, strict=True)]
+        + list(profile.backward_time_s)
+    )
+
+
+# ------------------------------------------------------------ the solvers
+
+
+def _resolve_implementation(implementation: str | None) -> str:
+    if implementation is None:
+        return "numba" if numba_available() else "numpy"
+    if implementation not in ("numba", "numpy"):
+        raise ValueError(f"implementation must be 'numba', 'numpy' or None, got {implementation!r}")
+    if implementation == "numba" and not numba_available():
+        raise RematError(
+            "the numba implementation needs numba: pip install 'remat[fast]' (or pass implementation='numpy')"
+        )
+    return implementation
+
+
+class OptimalSolver:
+    """``"optimal"``: the fastest schedule that fits the budget, by dynamic programming.
+
+    The program (see ``NOTE [memory accounting of the dynamic program]`` in this module)
+    considers every plan tree of :mod:`remat.plan.schedule` and agrees exactly with
+    :func:`~remat.plan.schedule.simulate` when the sizes are whole slots. Sizes are rounded
+    up to slots of ``ceil(budget / slots)`` bytes, so the plan's real peak never exceeds the
+    budget; more slots waste less of the budget and take longer.
+
+    Args:
+        slots: the number of memory slots the budget is divided into (default 500).
+        implementation: ``"numba"`` (compiled, fast), ``"numpy"`` (no compiler, slower and
+            memory-hungry on long chains), or None for numba when it is installed.
+
+    Raises:
+        ValueError: ``slots`` is not a positive integer or ``implementation`` is unknown.
+        RematError: ``implementation="numba"`` without numba installed.
+    """
+
+    name: ClassVar[str] = "optimal"
+    slots: int
+    implementation: str
+
+    def __init__(self, *, slots: int = 500, implementation: str | None = None) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        self.slots = int(slots)
+        self.implementation = _resolve_implementation(implementation)
+
+    def minimum_bytes(self, profile: ChainProfile) -> int:
+        """The smallest budget in bytes for which this solver returns a schedule.
+
+        It is the least peak of any plan tree (computed exactly, in bytes).
+        """
+        arrays = _ChainArrays.from_profile(profile, unit_bytes=1)
+        least, _ = _least_peaks(arrays, self._implementation_for(profile))
+        return int(least[0, profile.n_stages - 1, 0])
+
+    def _implementation_for(self, profile: ChainProfile) -> str:
+        return self.implementation
+
+    def __call__(self, profile: ChainProfile, budget_bytes: int | None) -> Schedule:
+        """Returns the fastest schedule whose simulated peak fits the budget.
+
+        Raises:
+            BudgetTooSmall: the budget is below the least peak of any schedule.
+            InvalidBudget: the budget is not a whole number of bytes >= 0, nor None.
+        """
+        budget = _validated_budget_bytes(budget_bytes)
+        n = profile.n_stages
+        everything = Schedule.from_plan(profile, store_everything_plan(n), budget_bytes=budget, solver_name=self.name)
+        if budget is None or everything.predicted_peak_bytes <= budget:
+            return everything
+        implementation = self._implementation_for(profile)
+        exact = _ChainArrays.from_profile(profile, unit_bytes=1)
+        least_exact, _ = _least_peaks(exact, implementation)
+        minimum = int(least_exact[0, n - 1, 0])
+        if budget < minimum:
+            raise _budget_too_small(self.name, profile, budget, minimum, _ADVICE_OPTIMAL)
+        least_choice = _least_peak_choice(exact, least_exact)
+        fastest = self._fastest_plan(profile, budget, implementation)
+        best: Schedule | None = None
+        if fastest is not None:
+            best = self._checked_schedule(profile, fastest, budget)
+        # A least-peak plan always fits; it is only faster when rounding to slots hid it.
+        # (The one built for the minimum itself too: whatever fits the minimum fits here.)
+        for least_plan in {_build_plan(exact, budget, least_choice), _build_plan(exact, minimum, least_choice)}:
+            if best is None or _plan_time_s(profile, least_plan) < best.predicted_time_s * (1.0 - 1e-12):
+                best = self._checked_schedule(profile, least_plan, budget)
+        assert best is not None
+        return self._faster_candidate(profile, budget, implementation, best)
+
+    def _faster_candidate(self, profile: ChainProfile, budget: int, implementation: str, best: Schedule) -> Schedule:
+        """``best``, or a plan that rounding to slots hid and that is faster and fits to the byte."""
+        n = profile.n_stages
+        candidates: list[PlanTree] = []
+        # Rounding up to slots rejects plans whose exact peak is within a few slots of the
+        # budget. Where it is cheap, solve once more with the budget raised by that much.
+        if n <= _RELAXED_PASS_MAX_STAGES:
+            unit = max(1, -(-budget // self.slots))
+            relaxed = self._fastest_plan(profile, budget + (2 * n + 2) * unit, implementation)
+            if relaxed is not None:
+                candidates.append(relaxed)
+        # The baselines are checked exactly too, so the result is never slower than one that fits.
+        candidates.extend(_baseline_plans(n))
+        for plan in candidates:
+            if _plan_time_s(profile, plan) < best.predicted_time_s * (1.0 - 1e-12):
+                candidate = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
+                if candidate.predicted_peak_bytes <= budget:
+                    best = candidate
+        return best
+
+    def _checked_schedule(self, profile: ChainProfile, plan: PlanTree, budget: int) -> Schedule:
+        schedule = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
+        if schedule.predicted_peak_bytes > budget:
+            raise RematError(
+                f"internal error in solver {self.name!r}: the plan's simulated peak "
+                f"{schedule.predicted_peak_bytes} bytes exceeds the budget {budget} bytes; "
+                "please report this with the saved profile"
+            )
+        return schedule
+
+    def _fastest_plan(self, profile: ChainProfile, budget: int, implementation: str) -> PlanTree | None:
+        unit = max(1, -(-budget // self.slots))
+        arrays = _ChainArrays.from_profile(profile, unit_bytes=unit)
+        budget_units = budget // unit
+        least, saturation = _least_peaks(arrays, implementation)
+        n = profile.n_stages
+        if least[0, n - 1, 0] > budget_units:
+            logger.info(
+                "solver %r: with %d slots of %d bytes the rounding leaves no plan within %d "
+                "bytes; using the least-peak plan",
+                self.name,
+                self.slots,
+                unit,
+                budget,
+            )
+            return None
+        costs: _CostTable
+        if implementation == "numba":
+            costs = _costs_numba(arrays, budget_units, least, saturation)
+        else:
+            costs = _costs_numpy(arrays, budget_units)
+        return _build_plan(arrays, budget_units, _fastest_choice(arrays, costs))
+
+
+class AutoSolver(OptimalSolver):
+    """``"auto"``: the dynamic program, with the implementation chosen by problem size.
+
+    Small problems use numpy (no compilation); larger ones numba when it is installed.
+
+    Args:
+        slots: the number of memory slots (see :class:`OptimalSolver`).
+        numpy_work_limit: the largest ``n_stages ** 3 * slots`` solved with numpy when
+            numba is available.
+    """
+
+    name: ClassVar[str] = "auto"
+
+    def __init__(self, *, slots: int = 500, numpy_work_limit: int = 10**8) -> None:
+        super().__init__(slots=slots, implementation="numpy")
+        self.numpy_work_limit = int(numpy_work_limit)
+        self._numba = numba_available()
+
+    def _implementation_for(self, profile: ChainProfile) -> str:
+        small = profile.n_stages**3 * self.slots <= self.numpy_work_limit
+        return "numpy" if small or not self._numba else "numba"

@@ -1,0 +1,124 @@
+"""PlanTree reconstruction: a plan tree from the programs' tables, one choice per subproblem."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.errors import RematError
+from remat.plan.operations import PlanItem, PlanTree, Region, Store
+from remat.plan.solvers.arrays import _ChainArrays
+from remat.plan.solvers.kernels import _CostTable
+
+__all__: list[str] = []
+
+
+@dataclass
+class _OpenLevel:
+    """A level of the plan being built: its items so far and the subproblem left."""
+
+    items: list[PlanItem]
+    origin: int
+    start: int
+    end: int
+    held: int
+    memory: int
+    parent: _OpenLevel | None
+
+
+def _build_plan(arrays: _ChainArrays, memory: int, choose: Callable[[int, int, int, int], int]) -> PlanTree:
+    """Builds the plan from the top-level problem, asking ``choose`` at every subproblem.
+
+    ``choose(start, end, held, memory)`` returns 0 for "store start" or the stop of the
+    region to open. Iterative, so that deep nestings do not hit Python's recursion limit.
+    """
+    root = _OpenLevel([], 0, 0, arrays.n_stages - 1, 0, memory, None)
+    stack = [root]
+    while stack:
+        frame = stack[-1]
+        if frame.start > frame.end:
+            stack.pop()
+            if frame.parent is not None:
+                region = Region(frame.origin, frame.end + 1, tuple(frame.items))
+                frame.parent.items.append(region)
+            continue
+        start = frame.start
+        stop = choose(start, frame.end, frame.held, frame.memory)
+        if stop == 0:
+            frame.items.append(Store(start))
+            frame.memory -= int(arrays.store_background[start, frame.held])
+            frame.held = int(arrays.saves_output[start])
+            frame.start = start + 1
+        else:
+            stack.append(_OpenLevel([], start, start, stop - 1, 1, frame.memory, frame))
+            frame.memory -= int(arrays.activation[start])
+            frame.held = 0
+            frame.start = stop
+    return tuple(root.items)
+
+
+def _fastest_choice(arrays: _ChainArrays, costs: _CostTable) -> Callable[[int, int, int, int], int]:
+    """Picks, at each subproblem, the option of least cost (storing on near-ties)."""
+    relative_tolerance = 1e-12
+
+    def choose(start: int, end: int, held: int, memory: int) -> int:
+        if start == end:
+            return 0
+        store = math.inf
+        if memory >= arrays.store_own_peak(start, end, held):
+            background = int(arrays.store_background[start, held])
+            following = costs.lookup(
+                np.array(start + 1),
+                np.array(end),
+                np.array(arrays.saves_output[start]),
+                np.array(memory - background),
+            )
+            store = float(arrays.forward_backward_s[start] + following)
+        stops = np.arange(start + 1, end + 1)
+        activation = int(arrays.activation[start])
+        feasible = memory >= arrays.region_forward_peaks(start, end)
+        recompute_s = arrays.forward_prefix_s[stops] - arrays.forward_prefix_s[start]
+        rest = costs.lookup(stops, np.full_like(stops, end), np.zeros_like(stops), np.array(memory - activation))
+        body = costs.lookup(np.full_like(stops, start), stops - 1, np.ones_like(stops), np.array(memory))
+        regions = np.where(feasible, recompute_s + rest + body, np.inf)
+        best_index = int(np.argmin(regions))
+        best = float(regions[best_index])
+        if math.isinf(store) and math.isinf(best):
+            raise RematError(f"internal error: subproblem ({start}, {end}, {held}) has no plan within {memory} slots")
+        if store <= best + relative_tolerance * abs(best):
+            return 0
+        return int(stops[best_index])
+
+    return choose
+
+
+def _least_peak_choice(arrays: _ChainArrays, least: np.ndarray) -> Callable[[int, int, int, int], int]:
+    """Picks "store" at each subproblem if it fits in memory, else the shortest region that does."""
+
+    def choose(start: int, end: int, held: int, memory: int) -> int:
+        if start == end:
+            return 0
+        background = int(arrays.store_background[start, held])
+        store = max(
+            arrays.store_own_peak(start, end, held),
+            background + int(least[start + 1, end, arrays.saves_output[start]]),
+        )
+        if store <= memory:
+            return 0
+        activation = int(arrays.activation[start])
+        peaks = np.maximum(
+            np.maximum(
+                arrays.region_forward_peaks(start, end),
+                activation + least[start + 1 : end + 1, end, 0],
+            ),
+            least[start, start:end, 1],
+        )
+        fitting = np.flatnonzero(peaks <= memory)
+        if fitting.size == 0:
+            raise RematError(f"internal error: no plan of ({start}, {end}, {held}) within {memory} bytes")
+        return start + 1 + int(fitting[0])
+
+    return choose
