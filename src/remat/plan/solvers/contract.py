@@ -89,7 +89,7 @@ def solve(
     profile: ChainProfile,
     budget_bytes: int | None = None,
     *,
-    solver: str | Solver = "auto",
+    solver: str | Solver = "optimal",
     **options: Any,
 ) -> Schedule:
     """Plans a chain under a memory budget: the one-call form of the solver registry.
