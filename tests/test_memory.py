@@ -11,7 +11,7 @@ from torch import nn
 import remat
 import remat.budget
 from remat import InvalidBudget, MemoryTracker, RematError, format_bytes, parse_budget
-from remat.memory import SAFETY_MARGIN, available_memory_bytes
+from remat.budget import SAFETY_MARGIN, available_memory_bytes
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 

@@ -20,22 +20,30 @@ optimizer state and the inputs created before the step are not activation memory
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+# Budget parsing and byte formatting live in remat.budget and remat.units; these names are
+# also importable from here because the CLI and remat's public surface import them so.
 from remat.budget import BUDGET_FORMS, SAFETY_MARGIN, available_memory_bytes, parse_budget
 from remat.units import format_bytes
 
 __all__ = [
+    "BUDGET_FORMS",
+    "SAFETY_MARGIN",
+    "AllocationRecord",
     "MemoryTracker",
     "Section",
+    "Window",
     "available_memory_bytes",
     "format_bytes",
     "parse_budget",
@@ -43,13 +51,41 @@ __all__ = [
 ]
 
 
+_unpack_saved = operator.itemgetter(0)
+
+
 @dataclass
 class _Allocation:
     allocation_id: int
     nbytes: int
-    device: str
     allocated_at: int
     freed_at: int | None = None
+
+
+class AllocationRecord(NamedTuple):
+    """What the tracker knows of one allocation (see :meth:`MemoryTracker.allocation_records`).
+
+    Attributes:
+        nbytes: its size when it was last seen.
+        allocated_event: index of the event that allocated it.
+    """
+
+    nbytes: int
+    allocated_event: int
+
+
+class Window(NamedTuple):
+    """Live bytes around a window of the event stream (see :meth:`MemoryTracker.window`).
+
+    Attributes:
+        before_bytes: live bytes just before the window's first event.
+        peak_bytes: the highest live byte count inside the window (at least ``before_bytes``).
+        after_bytes: live bytes after the window's last event.
+    """
+
+    before_bytes: int
+    peak_bytes: int
+    after_bytes: int
 
 
 @dataclass
@@ -114,10 +150,11 @@ class MemoryTracker(TorchDispatchMode):
         self._curve_cache: tuple[int, set[int], np.ndarray] | None = None
         self._gradient_ids: set[int] = set()
         self._hooks: list[Any] = []
+        self._saved_ids: list[int] = []  # allocations of the tensors saved for backward, in order
         self._next_id = 0
 
     # ------------------------------------------------------------------ dispatch
-    def __enter__(self) -> "MemoryTracker":
+    def __enter__(self) -> MemoryTracker:
         self._active = True
         self._frozen_excluded = None
         super().__enter__()
@@ -135,56 +172,65 @@ class MemoryTracker(TorchDispatchMode):
             # run: zeroing or restoring .grad afterwards does not change the figures.
             self._frozen_excluded = self._excluded_ids()
 
+    # NOTE [lean dispatch]
+    # __torch_dispatch__ runs for every operator of the step, so it makes no Python call of
+    # its own per tensor: the storage bookkeeping of each output is inline, the inputs are
+    # read by one helper per operator, and the only other call is the finalizer of each
+    # storage when it dies.
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        input_keys: set[int] = set()
-        for leaf in tree_leaves((args, kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if leaf.requires_grad and leaf.is_leaf and id(leaf) not in self._leaves:
-                self._leaves[id(leaf)] = weakref.ref(leaf)
-                self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
-            key = _storage_key(leaf)
-            if key is not None:
-                input_keys.add(key)
+        input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
         out = func(*args, **kwargs)
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._observe(leaf, input_keys)
+        device_type = self._device_type
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
+                continue
+            if device_type is not None and tensor.device.type != device_type:
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = storage._cdata
+            nbytes = int(storage.nbytes())
+            with self._lock:
+                allocation_id = self._live_by_key.get(key)
+                if allocation_id is None:
+                    if key in input_keys:
+                        # A view of (or an in-place result on) a storage that existed
+                        # before the run, such as a parameter: not an allocation of this run.
+                        continue
+                    allocation_id = self._next_id
+                    self._next_id += 1
+                    self._allocations[allocation_id] = _Allocation(allocation_id, nbytes, len(self._events))
+                    self._live_by_key[key] = allocation_id
+                    self._events.append((allocation_id, nbytes))
+                else:
+                    allocation = self._allocations[allocation_id]
+                    if allocation.freed_at is None and nbytes != allocation.nbytes:
+                        # resize_ of a storage we already follow
+                        self._events.append((allocation_id, nbytes - allocation.nbytes))
+                        allocation.nbytes = nbytes
+                    continue
+            weakref.finalize(storage, self._on_free, key, allocation_id)
         return out
 
-    def _observe(self, tensor: torch.Tensor, input_keys: set[int]) -> None:
-        if tensor.is_meta or tensor.layout != torch.strided:
-            return
-        if self._device_type is not None and tensor.device.type != self._device_type:
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        key = storage._cdata
-        nbytes = int(storage.nbytes())
-        with self._lock:
-            allocation_id = self._live_by_key.get(key)
-            if allocation_id is None and key in input_keys:
-                # A view of (or an in-place result on) a storage that existed before
-                # the run, such as a parameter: not an allocation of this run.
-                return
-            if allocation_id is not None:
-                allocation = self._allocations[allocation_id]
-                if allocation.freed_at is None and nbytes != allocation.nbytes:
-                    # resize_ of a storage we already follow
-                    self._events.append((allocation_id, nbytes - allocation.nbytes))
-                    allocation.nbytes = nbytes
-                return
-            allocation_id = self._next_id
-            self._next_id += 1
-            self._allocations[allocation_id] = _Allocation(
-                allocation_id, nbytes, str(tensor.device), len(self._events)
-            )
-            self._live_by_key[key] = allocation_id
-            self._events.append((allocation_id, nbytes))
-        weakref.finalize(storage, self._on_free, key, allocation_id)
+    def _input_storage_keys(self, leaves: Iterable[Any], *, hook_leaves: bool) -> set[int]:
+        """The storages of the tensors among `leaves`; hooks the leaf tensors that require grad."""
+        keys: set[int] = set()
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if hook_leaves and leaf.requires_grad and leaf.is_leaf and id(leaf) not in self._leaves:
+                self._leaves[id(leaf)] = weakref.ref(leaf)
+                self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
+            if leaf.is_meta or leaf.layout != torch.strided:
+                continue
+            try:
+                keys.add(leaf.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                pass
+        return keys
 
     def _on_free(self, key: int, allocation_id: int) -> None:
         with self._lock:
@@ -193,25 +239,83 @@ class MemoryTracker(TorchDispatchMode):
             allocation = self._allocations.get(allocation_id)
             if allocation is None or allocation.freed_at is not None:
                 return
-            if not self._active:
-                # Freed after the run: the run's figures end at __exit__.
-                allocation.freed_at = len(self._events)
-                return
             allocation.freed_at = len(self._events)
-            self._events.append((allocation_id, -allocation.nbytes))
+            if self._active:
+                # Freed after the run: the run's figures end at __exit__.
+                self._events.append((allocation_id, -allocation.nbytes))
 
-    def allocated_at(self, tensor: torch.Tensor) -> int | None:
-        """Event index at which `tensor`'s storage was allocated, or None if not tracked."""
-        key = _storage_key(tensor)
+    # ------------------------------------------------------------------ saved tensors
+    # NOTE [saved-tensor records]
+    # The pack hook runs for every tensor autograd saves, so it only notes the allocation
+    # id, inline. Storages are known by allocation id, not address: a saved tensor can die
+    # before the next is saved, and its address be reused. The packed value is a
+    # one-tuple so that the unpack hook is a C-level item getter.
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks that note the allocation behind every tensor saved for backward.
+
+        Use them inside the tracked run (``with tracker, tracker.saved_tensors_hooks(): ...``)
+        and read what was saved with :meth:`saved_allocations`. They keep each tensor as is.
+        """
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor]:
+        if tensor.layout != torch.strided:
+            return (tensor,)
+        if not tensor.is_meta:
+            try:
+                key = tensor.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                key = None
+            with self._lock:
+                allocation_id = self._live_by_key.get(key)
+                if allocation_id is not None:
+                    self._saved_ids.append(allocation_id)
+        return (tensor.detach(),)
+
+    @property
+    def n_saved(self) -> int:
+        """Number of tracked tensors saved for backward so far (see :meth:`saved_allocations`)."""
+        return len(self._saved_ids)
+
+    def saved_allocations(self, start: int = 0) -> list[int]:
+        """Allocation ids of the tracked tensors saved for backward, from the `start`-th on."""
         with self._lock:
-            allocation_id = self._live_by_key.get(key) if key is not None else None
-            return None if allocation_id is None else self._allocations[allocation_id].allocated_at
+            return self._saved_ids[start:]
 
+    # ------------------------------------------------------------------ allocations
     def allocation_id(self, tensor: torch.Tensor) -> int | None:
         """The id of the live tracked allocation behind `tensor`, or None."""
-        key = _storage_key(tensor)
+        if tensor.is_meta or tensor.layout != torch.strided:
+            return None
+        try:
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            return None
         with self._lock:
-            return self._live_by_key.get(key) if key is not None else None
+            return self._live_by_key.get(key)
+
+    def allocations_of(self, tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+        """Allocation id -> bytes, for the live tracked storages behind `tensors`."""
+        out: dict[int, int] = {}
+        keys = self._input_storage_keys(tensors, hook_leaves=False)
+        with self._lock:
+            for key in keys:
+                allocation_id = self._live_by_key.get(key)
+                if allocation_id is not None:
+                    out[allocation_id] = self._allocations[allocation_id].nbytes
+        return out
+
+    def allocation_records(self, allocation_ids: Iterable[int]) -> dict[int, AllocationRecord]:
+        """Allocation id -> (bytes when last seen, allocation event), for these ids."""
+        with self._lock:
+            allocations = [self._allocations[i] for i in allocation_ids]
+        return {a.allocation_id: AllocationRecord(a.nbytes, a.allocated_at) for a in allocations}
+
+    def live_allocations(self) -> dict[int, AllocationRecord]:
+        """Allocation id -> (bytes, allocation event), for the tracked storages alive now."""
+        with self._lock:
+            allocations = [self._allocations[i] for i in self._live_by_key.values()]
+        return {a.allocation_id: AllocationRecord(a.nbytes, a.allocated_at) for a in allocations}
 
     def surviving_allocations(self, start: int, stop: int) -> dict[int, int]:
         """Allocation id -> bytes, for what was allocated in [start, stop) and still lived at `stop`.
@@ -228,22 +332,7 @@ class MemoryTracker(TorchDispatchMode):
                 and a.allocation_id not in excluded
             }
 
-    def live_allocations(self) -> dict[int, int]:
-        """Allocation id -> allocation event index, for the tracked storages alive now."""
-        with self._lock:
-            return {i: self._allocations[i].allocated_at for i in self._live_by_key.values()}
-
-    def allocation_bytes(self, allocation_id: int) -> int:
-        """Bytes of an allocation (its size when it was last seen)."""
-        with self._lock:
-            return self._allocations[allocation_id].nbytes
-
-    def allocation_event(self, allocation_id: int) -> int:
-        """Event index at which an allocation was made."""
-        with self._lock:
-            return self._allocations[allocation_id].allocated_at
-
-    def section(self, name: str) -> "_SectionContext":
+    def section(self, name: str) -> _SectionContext:
         """Marks a window of the run, to read its peak later with :meth:`section_peak_bytes`."""
         return _SectionContext(self, name)
 
@@ -255,9 +344,14 @@ class MemoryTracker(TorchDispatchMode):
     def _on_leaf_gradient(self, grad: torch.Tensor) -> None:
         # A gradient on its way into a leaf's .grad (for a tied weight, one of several
         # partial gradients summed there) is parameter-gradient memory.
-        key = _storage_key(grad)
+        if grad.is_meta or grad.layout != torch.strided:
+            return
+        try:
+            key = grad.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            return
         with self._lock:
-            allocation_id = self._live_by_key.get(key) if key is not None else None
+            allocation_id = self._live_by_key.get(key)
             if allocation_id is not None:
                 self._gradient_ids.add(allocation_id)
 
@@ -277,76 +371,76 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             return {self._live_by_key[k] for k in keys if k in self._live_by_key} | self._gradient_ids
 
-    def _live_after_each_event(self) -> np.ndarray:
-        """Live bytes after each event, parameter gradients excluded (cached once frozen)."""
+    def _counted_events(self) -> np.ndarray:
+        """The events as an (n, 2) array of (allocation id, delta), parameter gradients zeroed."""
         excluded = self._excluded_ids()
         with self._lock:
-            events = list(self._events)
+            events = np.array(self._events, dtype=np.int64).reshape(-1, 2)
+        if excluded:
+            events[np.isin(events[:, 0], np.fromiter(excluded, dtype=np.int64, count=len(excluded))), 1] = 0
+        return events
+
+    def _live_after_each_event(self) -> np.ndarray:
+        """Live bytes after each event, parameter gradients excluded (cached once frozen)."""
         cached = self._curve_cache
-        if cached is not None and cached[0] == len(events) and cached[1] is excluded:
+        if cached is not None and cached[0] == len(self._events) and cached[1] is self._frozen_excluded:
             return cached[2]
-        deltas = np.fromiter(
-            (0 if allocation_id in excluded else delta for allocation_id, delta in events),
-            dtype=np.int64,
-            count=len(events),
-        )
-        live = np.cumsum(deltas)
-        if excluded is self._frozen_excluded:
-            self._curve_cache = (len(events), excluded, live)
+        live = np.cumsum(self._counted_events()[:, 1])
+        if self._frozen_excluded is not None:
+            self._curve_cache = (len(live), self._frozen_excluded, live)
         return live
 
-    def _curve(self, start: int = 0, stop: int | None = None) -> tuple[int, int, int]:
-        """Returns (live before `start`, peak within [start, stop), live at `stop`)."""
+    def window(self, start_event: int = 0, stop_event: int | None = None) -> Window:
+        """Live bytes before, at the peak of and after the events ``[start_event, stop_event)``.
+
+        Event indices are those of :attr:`n_events` read during the run: the window opened
+        by reading ``n_events`` at one moment and closed by reading it at a later one covers
+        what was allocated and freed in between. Parameter gradients are left out.
+
+        Args:
+            start_event: index of the window's first event.
+            stop_event: index one past its last event (``None``: the end of the run).
+
+        Returns:
+            A :class:`Window`; an empty window reports the live bytes at its start three times.
+        """
         live = self._live_after_each_event()
-        stop = len(live) if stop is None else min(stop, len(live))
-        before = int(live[start - 1]) if start > 0 else 0
-        if stop <= start:
-            return before, before, before
-        return before, max(before, int(live[start:stop].max())), int(live[stop - 1])
+        stop = len(live) if stop_event is None else min(stop_event, len(live))
+        before = int(live[start_event - 1]) if start_event > 0 else 0
+        if stop <= start_event:
+            return Window(before, before, before)
+        return Window(before, max(before, int(live[start_event:stop].max())), int(live[stop - 1]))
 
     @property
     def peak_bytes(self) -> int:
         """The highest live byte count reached during the run (parameter gradients excluded)."""
-        return self._curve()[1]
+        return self.window().peak_bytes
 
     @property
     def live_bytes(self) -> int:
         """Bytes allocated during the run and still alive now (parameter gradients excluded)."""
-        return self._curve()[2]
+        return self.window().after_bytes
 
     @property
     def n_events(self) -> int:
         """Number of allocation and free events so far."""
         return len(self._events)
 
-    def section_peak_bytes(self, name: str, index: int = -1) -> tuple[int, int, int]:
+    def section_peak_bytes(self, name: str, index: int = -1) -> Window:
         """(live at start, peak inside, live at end) of a closed section."""
         sections = self.sections(name)
         if not sections:
             raise KeyError(f"no closed section named {name!r}")
         section = sections[index]
-        return self._curve(section.start_event, section.stop_event)
+        return self.window(section.start_event, section.stop_event)
 
     def timeline(self) -> list[int]:
         """Live bytes after each allocation or free event (parameter gradients excluded)."""
         excluded = self._excluded_ids()
         with self._lock:
             events = list(self._events)
-        live = 0
-        out: list[int] = []
-        for allocation_id, delta in events:
-            if allocation_id in excluded:
-                continue
-            live += delta
-            out.append(live)
-        return out
-
-    def allocations(self) -> Iterator[tuple[int, str, int, int | None]]:
-        """Yields (nbytes, device, allocated_at event, freed_at event) for each allocation."""
-        with self._lock:
-            items = list(self._allocations.values())
-        for a in items:
-            yield a.nbytes, a.device, a.allocated_at, a.freed_at
+        deltas = [delta for allocation_id, delta in events if allocation_id not in excluded]
+        return [int(live) for live in np.cumsum(np.array(deltas, dtype=np.int64))]
 
 
 class _SectionContext:
@@ -361,15 +455,6 @@ class _SectionContext:
 
     def __exit__(self, *exc: Any) -> None:
         self._section.stop_event = self._tracker.n_events
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    if tensor.is_meta or tensor.layout != torch.strided:
-        return None
-    try:
-        return int(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def track_memory(**options: Any) -> MemoryTracker:

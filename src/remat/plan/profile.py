@@ -105,9 +105,7 @@ class ChainProfile:
             raise InvalidProfile("a chain profile needs at least one stage; got 0 names")
         for index, name in enumerate(names):
             if not isinstance(name, str):
-                raise InvalidProfile(
-                    f"names[{index}] must be a str, got {type(name).__name__} {name!r}"
-                )
+                raise InvalidProfile(f"names[{index}] must be a str, got {type(name).__name__} {name!r}")
         object.__setattr__(self, "names", names)
         for field_name in _PER_STAGE_FIELDS + _PER_BOUNDARY_FIELDS:
             values = _as_tuple(getattr(self, field_name), field_name)
@@ -118,17 +116,7 @@ class ChainProfile:
                     f"{field_name} has {len(values)} values but the chain has {n_stages} stages "
                     f"({names[0]!r} .. {names[-1]!r}); expected {expected}, one per {what}"
                 )
-            check: Callable[[str, int, Any, tuple[str, ...]], Any]
-            if field_name in _BYTE_FIELDS:
-                check = _check_bytes
-            elif field_name in _TIME_FIELDS:
-                check = _check_time
-            else:
-                check = _check_flag
-            values = tuple(
-                check(field_name, index, value, names) for index, value in enumerate(values)
-            )
-            object.__setattr__(self, field_name, values)
+            object.__setattr__(self, field_name, _FIELD_CHECKS[field_name](field_name, values, names))
         if not isinstance(self.metadata, Mapping):
             raise InvalidProfile(f"metadata must be a dict, got {type(self.metadata).__name__}")
         object.__setattr__(self, "metadata", dict(self.metadata))
@@ -211,8 +199,7 @@ class ChainProfile:
             raise InvalidProfile(f"a saved profile is a JSON object, got {type(data).__name__}")
         if data.get("format") != PROFILE_FORMAT:
             raise InvalidProfile(
-                f"not a remat chain profile: 'format' is {data.get('format')!r}, "
-                f"expected {PROFILE_FORMAT!r}"
+                f"not a remat chain profile: 'format' is {data.get('format')!r}, expected {PROFILE_FORMAT!r}"
             )
         if data.get("version") != PROFILE_VERSION:
             raise InvalidProfile(
@@ -283,9 +270,7 @@ def _as_tuple(values: Any, field_name: str) -> tuple[Any, ...]:
         try:
             return tuple(values)
         except TypeError:
-            raise InvalidProfile(
-                f"{field_name} must be a sequence, got {type(values).__name__}"
-            ) from None
+            raise InvalidProfile(f"{field_name} must be a sequence, got {type(values).__name__}") from None
     return tuple(values)
 
 
@@ -297,7 +282,38 @@ def _stage_label(field_name: str, index: int, names: tuple[str, ...]) -> str:
     return f"{field_name}[{index}] (stage {names[index]!r})"
 
 
-def _check_bytes(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> int:
+# NOTE [per-field validation]
+# A profile is built once per measurement and once per load, with a few values per stage.
+# Each field is checked in one pass; a value of the usual exact type (int, float, bool)
+# is accepted inline, and only the others go through the per-value conversion, which
+# names the stage in its error.
+
+
+def _check_bytes(field_name: str, values: tuple[Any, ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    checked = list(values)
+    for index, value in enumerate(values):
+        if type(value) is not int or value < 0:
+            checked[index] = _to_bytes(field_name, index, value, names)
+    return tuple(checked)
+
+
+def _check_times(field_name: str, values: tuple[Any, ...], names: tuple[str, ...]) -> tuple[float, ...]:
+    checked = list(values)
+    for index, value in enumerate(values):
+        if type(value) is not float or not 0.0 <= value < math.inf:
+            checked[index] = _to_seconds(field_name, index, value, names)
+    return tuple(checked)
+
+
+def _check_flags(field_name: str, values: tuple[Any, ...], names: tuple[str, ...]) -> tuple[bool, ...]:
+    checked = list(values)
+    for index, value in enumerate(values):
+        if type(value) is not bool:
+            checked[index] = _to_flag(field_name, index, value, names)
+    return tuple(checked)
+
+
+def _to_bytes(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> int:
     label = _stage_label(field_name, index, names)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, float) and value.is_integer():
@@ -309,7 +325,7 @@ def _check_bytes(field_name: str, index: int, value: Any, names: tuple[str, ...]
     return int(value)
 
 
-def _check_time(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> float:
+def _to_seconds(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> float:
     label = _stage_label(field_name, index, names)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidProfile(f"{label} must be a number of seconds, got {value!r}")
@@ -319,8 +335,15 @@ def _check_time(field_name: str, index: int, value: Any, names: tuple[str, ...])
     return number
 
 
-def _check_flag(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> bool:
+def _to_flag(field_name: str, index: int, value: Any, names: tuple[str, ...]) -> bool:
     if not isinstance(value, (bool, numpy.bool_, numbers.Integral)) or value not in (0, 1):
         label = _stage_label(field_name, index, names)
         raise InvalidProfile(f"{label} must be a bool, got {value!r}")
     return bool(value)
+
+
+_FIELD_CHECKS: dict[str, Callable[[str, tuple[Any, ...], tuple[str, ...]], tuple[Any, ...]]] = {
+    **dict.fromkeys(_BYTE_FIELDS, _check_bytes),
+    **dict.fromkeys(_TIME_FIELDS, _check_times),
+    **dict.fromkeys(_FLAG_FIELDS, _check_flags),
+}

@@ -1,0 +1,340 @@
+"""From the figures of the measured steps to the grouped chain profile the planner uses.
+
+The assembly runs in named steps:
+
+1. :func:`_take_backward_windows_and_times`: each stage's backward is the window from the
+   moment its output's gradient is complete to the moment its input's gradient is;
+2. :func:`group_stages`: stages that cannot start a recompute region, or that keep
+   nothing to recompute, ride with the stage before;
+3. :func:`_bytes_held_outside_chain`: the prefix's activations, outputs that escape to
+   the model's code, side effects, and what backwards leave behind;
+4. :func:`_suffix`: what runs after the chain (a head, the loss), charged to the chain
+   output's gradient, and what it keeps through the chain's backward;
+5. :func:`_group_cost`: each group's times and bytes;
+6. the :class:`~remat.plan.profile.ChainProfile`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from remat.discover.chain import Chain
+from remat.manual._state import snapshot_bytes
+from remat.measure.instrument import StageMeasurement, StageWatch
+from remat.memory import AllocationRecord, MemoryTracker
+from remat.plan.profile import ChainProfile
+from remat.units import format_bytes
+
+__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "group_stages"]
+
+
+@dataclass
+class ChainMeasurement:
+    """Everything measured on a chain, and the grouped profile the planner uses.
+
+    Attributes:
+        stages: per stage call figures.
+        groups: (first, stop) stage indices of each planned stage.
+        profile: the grouped :class:`~remat.plan.profile.ChainProfile`.
+        fixed_bytes: bytes held through the whole step outside the chain (the prefix's
+            activations and the chain input when the model computes it).
+        measured_peak_bytes: peak of the measured step (every activation stored).
+        end_peak_bytes: peak after the chain's backward (the prefix's backward). remat's
+            planning does not use it; it is kept, with a default, for callers that read
+            it or build a measurement by hand.
+        output_bytes: bytes of the model's output (what a training loop that keeps the
+            output through the backward holds on top).
+    """
+
+    stages: list[StageMeasurement]
+    groups: list[tuple[int, int]]
+    profile: ChainProfile
+    fixed_bytes: int
+    measured_peak_bytes: int
+    end_peak_bytes: int = 0
+    output_bytes: int = 0
+
+
+@dataclass
+class TrackedStep:
+    """What the tracked step saw, as the assembly needs it.
+
+    Attributes:
+        watch: the stage watch of the tracked step (bytes and event windows).
+        tracker: the tracker of the tracked step.
+        alive_after_forward: the tracked allocations alive when the forward returned.
+        output_bytes: bytes of the model's output.
+        output_allocations: the allocations of the model's output.
+        device: the device the step ran on.
+    """
+
+    watch: StageWatch
+    tracker: MemoryTracker
+    alive_after_forward: dict[int, AllocationRecord]
+    output_bytes: int
+    output_allocations: set[int]
+    device: str
+
+
+class _GroupCost(NamedTuple):
+    name: str
+    forward_time_s: float
+    backward_time_s: float
+    output_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    saves_output: bool
+    forward_temp_bytes: int
+    backward_temp_bytes: int
+
+
+def assemble(chain: Chain, step: TrackedStep, timing: StageWatch, end_time: float) -> ChainMeasurement:
+    """Groups the measured stages and builds the profile (see the module's steps).
+
+    Args:
+        chain: the stages.
+        step: what the tracked step saw.
+        timing: the stage watch of the untracked step (times).
+        end_time: when the untracked step's backward ended (``time.perf_counter()``).
+    """
+    stages = step.watch.stages
+    _take_backward_windows_and_times(step, timing, end_time)
+    groups = group_stages(stages)
+    fixed_bytes = _bytes_held_outside_chain(chain, step)
+    suffix_kept_bytes, output_gradient_bytes = _suffix(step)
+    fixed_bytes += suffix_kept_bytes
+    costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
+    tracker = step.tracker
+    measured_peak_bytes = tracker.window().peak_bytes
+    first_backward = stages[0].backward_window
+    end_peak_bytes = tracker.window(first_backward[1]).peak_bytes if first_backward is not None else 0
+    # gradient of each group's output = gradient of the next group's input
+    gradient_bytes = [stages[first].gradient_bytes_in for first, _ in groups] + [output_gradient_bytes]
+    input_bytes = 0 if chain.whole_model else sum(stages[0].input_storages.values())
+    # the groups' costs, one tuple per field
+    names, forward_s, backward_s, output_bytes, saved_bytes, saves_input, saves_output, forward_temp, backward_temp = (
+        zip(*costs, strict=True)
+    )
+    profile = ChainProfile(
+        names=names,
+        forward_time_s=forward_s,
+        backward_time_s=backward_s,
+        activation_bytes=(input_bytes, *output_bytes),
+        gradient_bytes=tuple(gradient_bytes),
+        saved_bytes=saved_bytes,
+        saves_input=saves_input,
+        saves_output=saves_output,
+        forward_temp_bytes=forward_temp,
+        backward_temp_bytes=backward_temp,
+        metadata={
+            "fixed_bytes": int(fixed_bytes),
+            "measured_peak_bytes": int(measured_peak_bytes),
+            "device": step.device,
+        },
+    )
+    return ChainMeasurement(
+        stages,
+        groups,
+        profile,
+        int(fixed_bytes),
+        int(measured_peak_bytes),
+        end_peak_bytes=int(end_peak_bytes),
+        output_bytes=int(step.output_bytes),
+    )
+
+
+def _take_backward_windows_and_times(step: TrackedStep, timing: StageWatch, end_time: float) -> None:
+    """Sets each stage's backward window and time, and its better forward time."""
+    watch = step.watch
+    span_of_last = watch.span_start_of_last_stage
+    end_event = step.tracker.n_events
+    for index, stage in enumerate(watch.stages):
+        # stage i's backward runs from the moment its output's gradient is complete to the
+        # moment its input's gradient is (index i - 1; -1 stands for the chain input)
+        start_event = watch.grad_ready_event.get(index)
+        if start_event is not None:
+            stage.backward_window = (start_event, watch.grad_ready_event.get(index - 1, end_event))
+        start_time_s = timing.grad_ready_time.get(index)
+        if start_time_s is not None:
+            stop_time_s = timing.grad_ready_time.get(index - 1, end_time)
+            # in the frugal mode, the span's recompute ran inside its last stage's backward
+            recompute_time_s = timing.recompute_time_s.get(span_of_last.get(index, -1), 0.0)
+            stage.backward_time_s = max(0.0, stop_time_s - start_time_s - recompute_time_s)
+        # Two samples of each forward (the tracked one is slowed by the tracker, never
+        # sped up): the smaller is the better estimate, and a spike in one is ignored.
+        stage.forward_time_s = min(timing.stages[index].forward_time_s, stage.forward_time_s)
+
+
+def group_stages(stages: list[StageMeasurement]) -> list[tuple[int, int]]:
+    """(first, stop) stage indices of each planned stage."""
+    groups: list[tuple[int, int]] = []
+    for index, stage in enumerate(stages):
+        # A stage that modifies its input in place cannot start a region (the region would
+        # keep an input that changes); nor can one that takes no activation from the stage
+        # before it. A stage that keeps nothing for its backward (a view, a pooling to one
+        # value) has nothing to recompute: it rides with the stage before. A stage that
+        # only does not keep its input is a stage of its own: the planner's model knows
+        # what holds each activation (saves_input / saves_output).
+        fuse = index > 0 and (stage.modifies_input or not stage.input_storages or not stage.saved_storages)
+        if fuse and groups:
+            groups[-1] = (groups[-1][0], index + 1)
+        else:
+            groups.append((index, index + 1))
+    return groups
+
+
+def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
+    """Frugal mode: which of `allocations` a span's recompute made.
+
+    A span's recompute brings back the saved tensors of all its stages at once; they
+    outlive the first stage's backward, but are not left over.
+    """
+    windows = step.watch.recompute_windows
+    if not windows:
+        return set()
+    records = step.tracker.allocation_records(allocations)
+    return {
+        key for key, record in records.items() if any(start <= record.allocated_event < stop for start, stop in windows)
+    }
+
+
+def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
+    """The prefix's live bytes, escaped outputs and side effects, and backward leftovers."""
+    stages, tracker = step.watch.stages, step.tracker
+    fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
+    fixed_bytes += _escaped_bytes(chain, step)
+    # What a stage's backward leaves behind besides its input's gradient (the partial
+    # gradient of a weight used twice, waiting for the other use) lives on after it.
+    for stage in stages:
+        if stage.backward_window is not None:
+            leftover = tracker.surviving_allocations(*stage.backward_window)
+            fixed_bytes += _sum_except(leftover, step.watch.gradient_allocations | _recomputed(step, leftover))
+    return fixed_bytes
+
+
+def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
+    """Bytes allocated by the stages that the model holds through the backward on its own."""
+    stages, alive = step.watch.stages, step.alive_after_forward
+    # Outputs that escape to the model's code (a key/value cache, attention weights) and
+    # are still alive when the forward returns are held through the backward too.
+    escaped = {k: v for stage in stages for k, v in stage.escaped_storages.items() if k in alive}
+    # Likewise for what a stage allocates and something else than autograd keeps (a
+    # cache object filled in place): alive after the forward, neither saved for
+    # backward nor passed on to the next stage.
+    accounted = set(escaped)
+    for stage in stages:
+        accounted.update(stage.saved_storages)
+        accounted.update(stage.output_storages)
+    side_effects: dict[str, int] = {}
+    for key, record in alive.items():
+        if key in accounted:
+            continue
+        for stage in stages:
+            start, stop = stage.forward_window
+            if start <= record.allocated_event < stop:
+                escaped[key] = record.nbytes
+                side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
+                break
+    if side_effects:
+        _warn_side_effects(side_effects)
+    return sum(escaped.values())
+
+
+def _suffix(step: TrackedStep) -> tuple[int, int]:
+    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain output).
+
+    The chain output's gradient appears with the loss; whatever runs after the chain (a
+    head, the loss) is charged at that moment, as extra bytes of that gradient.
+    """
+    watch, tracker = step.watch, step.tracker
+    last_forward_end = watch.stages[-1].forward_window[1]
+    last_backward = watch.stages[-1].backward_window
+    suffix_stop = last_backward[0] if last_backward is not None else tracker.n_events
+    suffix = tracker.window(last_forward_end, suffix_stop)
+    # What the suffix allocates and still holds when the last stage's backward ends, other
+    # than the model's output, is held through the chain's backward: e.g. the partial
+    # gradient of an LM head's weight tied to the prefix's embedding, which waits for the
+    # embedding's backward. It is fixed memory, not part of the transient.
+    kept_bytes = 0
+    if last_backward is not None:
+        in_last_backward = tracker.surviving_allocations(*last_backward)
+        held = tracker.surviving_allocations(last_forward_end, last_backward[1])
+        excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
+        kept_bytes = _sum_except(held, excluded | _recomputed(step, held))
+    gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - suffix.before_bytes - kept_bytes)
+    return kept_bytes, gradient_bytes
+
+
+def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _GroupCost:
+    """Times and bytes of the planned stage made of the stage calls ``[first, stop)``."""
+    members = step.watch.stages[first:stop]
+    frugal = step.watch.spans is not None
+    input_storages = members[0].input_storages
+    output_storages = members[-1].output_storages
+    saved_all: dict[int, tuple[int, int]] = {}
+    for member in members:
+        saved_all.update(member.saved_storages)
+    forward_start, forward_stop = members[0].forward_window[0], members[-1].forward_window[1]
+    # Saved storages allocated before the group (side inputs such as a mask) are held by
+    # the model anyway: only what the group allocates counts as its own.
+    saved_bytes = 0
+    for key, (nbytes, allocated_event) in saved_all.items():
+        own = forward_start <= allocated_event < forward_stop
+        if own and key not in input_storages and key not in output_storages:
+            saved_bytes += nbytes
+    output_bytes = sum(output_storages.values())
+    forward = step.tracker.window(forward_start, forward_stop)
+    # frugal: the forward ran without its saved tensors kept, so its peak above the live
+    # memory already bounds what the model adds on top of them.
+    # A recomputed stage also holds the guard's copy of one normalisation layer's running
+    # statistics (NOTE [running statistics during recompute]).
+    guard_bytes = max(map(snapshot_bytes, chain.modules[first:stop]))
+    forward_temp_bytes = forward.peak_bytes - forward.before_bytes - output_bytes - (0 if frugal else saved_bytes)
+    return _GroupCost(
+        name=chain.names[first] if stop - first == 1 else f"{chain.names[first]}..{chain.names[stop - 1]}",
+        forward_time_s=sum([m.forward_time_s for m in members]),
+        backward_time_s=sum([m.backward_time_s for m in members]),
+        output_bytes=output_bytes,
+        saved_bytes=saved_bytes,
+        saves_input=not input_storages.keys().isdisjoint(saved_all),
+        saves_output=not output_storages.keys().isdisjoint(saved_all),
+        forward_temp_bytes=max(0, forward_temp_bytes) + guard_bytes,
+        backward_temp_bytes=_backward_temp_bytes(step, members, stop),
+    )
+
+
+def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], stop: int) -> int:
+    """Transient bytes of a group's backward, on top of what is live and its input's gradient."""
+    windows = [m.backward_window for m in members]
+    last_window, first_window = windows[-1], windows[0]
+    if last_window is None or first_window is None or None in windows:
+        return 0
+    start_event, stop_event = last_window[0], first_window[1]
+    # Frugal mode: from the end of the recompute that precedes it, when the group ends a
+    # span: the saved tensors are back then, as they are kept in a plain step.
+    span_start = step.watch.span_start_of_last_stage.get(stop - 1)
+    if span_start is not None and span_start in step.watch.recompute_end_event:
+        start_event = max(start_event, step.watch.recompute_end_event[span_start])
+    backward = step.tracker.window(start_event, stop_event)
+    return max(0, backward.peak_bytes - backward.before_bytes - members[0].gradient_bytes_in)
+
+
+def _sum_except(allocations: dict[int, int], excluded: AbstractSet[int]) -> int:
+    """The bytes of `allocations` other than the `excluded` ones."""
+    return sum(nbytes for key, nbytes in allocations.items() if key not in excluded)
+
+
+def _warn_side_effects(side_effects: dict[str, int]) -> None:
+    stages = ", ".join(f"{name!r} ({format_bytes(nbytes)})" for name, nbytes in side_effects.items())
+    warnings.warn(
+        f"stages {stages} allocate memory that outlives the forward without being their output "
+        "or saved for backward: state filled in place, such as a key/value cache. remat counts "
+        "it as fixed memory, but recomputing these stages repeats the side effect (a cache grows, "
+        "or the recompute computes something else). For Hugging Face models, build them with "
+        "use_cache=False (or pass use_cache=False) for training",
+        RuntimeWarning,
+        stacklevel=7,
+    )

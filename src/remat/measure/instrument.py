@@ -1,0 +1,281 @@
+"""What is installed on a chain while it is measured: per-stage watches and gradient hooks.
+
+* :class:`StageWatch` is called instead of each stage module (see
+  :func:`remat.discover.intercept.intercept_stages`): it notes the stage's input and output
+  storages, its forward's event window and time, and whether it modifies its input;
+* the tracker's saved-tensor hooks record which allocations each stage keeps for its
+  backward (in the frugal mode, the recompute regions tell what they discard);
+* a gradient hook on each stage's outputs marks where the stage's backward starts
+  (the moment the whole gradient of its output is there);
+* in the frugal mode, a :class:`_SpanObserver` per recompute region says what the region
+  discards (what its stages save) and when it is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from remat.discover.chain import Chain
+from remat.discover.intercept import call_original
+from remat.errors import UnsupportedModel
+from remat.memory import MemoryTracker
+
+__all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "tensors_in"]
+
+
+@dataclass
+class StageMeasurement:
+    """Raw figures of one stage call (before grouping).
+
+    Attributes:
+        name: the stage's name in the chain.
+        forward_time_s: seconds of its forward.
+        backward_time_s: seconds of its backward.
+        forward_window: the tracker events of its forward, ``(start, stop)``.
+        backward_window: the tracker events of its backward, ``(start, stop)`` (None when
+            its output got no gradient).
+        input_storages: allocation id -> bytes of what it takes from the stage before.
+        output_storages: allocation id -> bytes of what the stage after takes from it.
+        saved_storages: allocation id -> (bytes, allocation event) of what it keeps for
+            its backward.
+        escaped_storages: allocation id -> bytes of its outputs that the next stage does
+            not take (they go to the model's own code).
+        gradient_bytes_in: bytes of the gradient of its input.
+        modifies_input: whether it modifies its input in place.
+    """
+
+    name: str
+    forward_time_s: float = 0.0
+    backward_time_s: float = 0.0
+    forward_window: tuple[int, int] = (0, 0)
+    backward_window: tuple[int, int] | None = None
+    input_storages: dict[int, int] = field(default_factory=dict)
+    output_storages: dict[int, int] = field(default_factory=dict)
+    saved_storages: dict[int, tuple[int, int]] = field(default_factory=dict)
+    escaped_storages: dict[int, int] = field(default_factory=dict)
+    gradient_bytes_in: int = 0
+    modifies_input: bool = False
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of a nest of tuples, lists and dicts."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+_version_of = operator.attrgetter("_version")
+
+
+class StageWatch:
+    """Installed on the stage modules while measuring (one per measured step).
+
+    Args:
+        chain: the stages.
+        tracker: the tracker of the tracked step; None for the timing step (no bytes).
+        synchronize: waits for the device (None on the CPU).
+        spans: the recompute regions of the frugal mode (None for a plain step).
+    """
+
+    def __init__(
+        self,
+        chain: Chain,
+        tracker: MemoryTracker | None,
+        synchronize: Callable[[], None] | None,
+        spans: list[tuple[int, int]] | None = None,
+    ) -> None:
+        self.chain = chain
+        self.tracker = tracker
+        self.synchronize = synchronize
+        # Frugal measurement (see NOTE [frugal measurement]): each span of stages runs as
+        # a recompute region, so the step keeps only the spans' inputs.
+        self.spans = spans
+        self.recompute_end_event: dict[int, int] = {}  # span start -> event after its recompute
+        self.recompute_time_s: dict[int, float] = {}  # span start -> seconds of its recompute
+        self.recompute_windows: list[tuple[int, int]] = []  # events of every recompute
+        self.span_start_of_last_stage = {stop - 1: start for start, stop in spans or []}
+        self._run: Any = None
+        if spans is not None:
+            from remat.execute import ChainExecutor, _Run
+            from remat.plan.operations import Region, Store
+
+            items = tuple(Region(a, b, tuple(Store(k) for k in range(a, b))) for a, b in spans)
+            self._run = _Run(ChainExecutor(chain, items, observer=lambda region: _SpanObserver(self, region.start)))
+        self.stages = [StageMeasurement(name) for name in chain.names]
+        self.current: int | None = None
+        self.next_stage = 0
+        self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
+        self.grad_ready_time: dict[int, float] = {}  # stage -> when its output's gradient was complete
+        self.grad_ready_event: dict[int, int] = {}
+        self.output_grad_bytes = 0
+        self.gradient_allocations: set[int] = set()
+
+    def event(self) -> int:
+        """The tracker's event count now (0 when untracked)."""
+        return self.tracker.n_events if self.tracker is not None else 0
+
+    def record_saved(self, tensor: torch.Tensor) -> None:
+        """Notes that the running stage keeps `tensor` for its backward (frugal mode).
+
+        In a plain tracked step the tracker's saved-tensor hooks note what each stage
+        saves (NOTE [saved-tensor records] in remat.memory); a recompute region saves
+        through hooks of its own, and tells its observer what it discards.
+        """
+        if self.current is not None and self.tracker is not None:
+            allocation_id = self.tracker.allocation_id(tensor)
+            if allocation_id is not None:
+                self.saved_ids[self.current].append(allocation_id)
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs stage `index` in place of the module's call, and takes its figures."""
+        if index != self.next_stage:
+            raise UnsupportedModel(
+                f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} "
+                "was expected; remat needs the chain's stages to run once each, in order, in every "
+                "forward. Use remat.mark for models whose forward varies"
+            )
+        self.next_stage += 1
+        stage = self.stages[index]
+        inputs = tensors_in((args, kwargs))
+        tracker = self.tracker
+        if tracker is not None:
+            self._link(index, tracker.allocations_of(inputs))
+        versions = list(map(_version_of, inputs))
+        self.current = index
+        if self.synchronize is not None:
+            self.synchronize()
+        start_time = time.perf_counter()
+        start_event = tracker.n_events if tracker is not None else 0
+        start_saved = tracker.n_saved if tracker is not None else 0
+        try:
+            if self._run is not None and torch.is_grad_enabled():
+                out = self._run.call(index, module, args, kwargs)
+            else:
+                out = call_original(module, args, kwargs)
+        finally:
+            self.current = None
+        if self.synchronize is not None:
+            self.synchronize()
+        stage.forward_time_s = time.perf_counter() - start_time
+        stage.forward_window = (start_event, tracker.n_events if tracker is not None else 0)
+        stage.modifies_input = list(map(_version_of, inputs)) != versions
+        outputs = tensors_in(out)
+        if tracker is not None:
+            stage.output_storages = tracker.allocations_of(outputs)
+            saved_ids = tracker.saved_allocations(start_saved) + self.saved_ids[index]
+            records = tracker.allocation_records(saved_ids)
+            stage.saved_storages = {k: (r.nbytes, r.allocated_event) for k, r in records.items()}
+        if torch.is_grad_enabled():
+            self._hook_gradients(index, outputs)
+            if index == 0:
+                self._hook_gradients(-1, inputs)
+        return out
+
+    def _link(self, index: int, input_storages: dict[int, int]) -> None:
+        # The boundary is what this stage takes from the previous one; any other output
+        # of the previous stage escapes to the model's own code.
+        stage = self.stages[index]
+        if index == 0:
+            stage.input_storages = input_storages
+            return
+        previous = self.stages[index - 1]
+        linked: dict[int, int] = {}
+        escaped: dict[int, int] = {}
+        for key, nbytes in previous.output_storages.items():
+            (linked if key in input_storages else escaped)[key] = nbytes
+        previous.escaped_storages = escaped
+        previous.output_storages = linked
+        stage.input_storages = linked
+
+    def _hook_gradients(self, index: int, tensors: list[torch.Tensor]) -> None:
+        # Plain tensor hooks (they also fire for the tensor backward starts from). The
+        # last one to fire marks the moment the whole gradient is there.
+        received: dict[int, int] = {}  # position -> bytes, shared by the outputs of one stage
+        position = 0
+        for tensor in tensors:
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._on_gradient, index, position, received))
+                position += 1
+
+    def _on_gradient(self, index: int, position: int, received: dict[int, int], grad: torch.Tensor | None) -> None:
+        # The gradient of one output of stage `index` (-1: of the chain input) is there.
+        # Once all have come, stage `index`'s backward starts, and the backward of stage
+        # index + 1 has just ended.
+        if self.synchronize is not None:
+            self.synchronize()
+        tracker = self.tracker
+        self.grad_ready_time[index] = time.perf_counter()
+        self.grad_ready_event[index] = tracker.n_events if tracker is not None else 0
+        if grad is None:
+            received[position] = 0
+        else:
+            received[position] = int(grad.numel() * grad.element_size())
+            if tracker is not None:
+                allocation_id = tracker.allocation_id(grad)
+                if allocation_id is not None:
+                    self.gradient_allocations.add(allocation_id)
+        nbytes = sum(received.values())
+        if index == -1:
+            self.stages[0].gradient_bytes_in = nbytes
+        elif index + 1 < len(self.stages):
+            self.stages[index + 1].gradient_bytes_in = nbytes
+        else:
+            self.output_grad_bytes = nbytes
+
+
+# NOTE [frugal measurement]
+# A plain measuring step stores every activation: it needs as much memory as training
+# without recompute, which a model that only fits with recompute does not have. The
+# frugal mode runs the measured steps with every stage in a recompute region of its own
+# (a stage that modifies its input in place shares its predecessor's region), so a step
+# keeps little more than the stages' inputs. What each stage saves is seen as the region
+# discards it; its forward's extra memory is bounded by the peak seen without the saved
+# tensors kept (keeping them adds at most their size, which the model counts apart); its
+# backward is measured from the end of its recompute, when its saved tensors are back.
+# Times: the recompute's time is taken off the backward it precedes.
+class _SpanObserver:
+    """Told by a span's recompute region what it discards and when it is recomputed."""
+
+    def __init__(self, watch: StageWatch, start: int) -> None:
+        self.watch = watch
+        self.start = start
+        self.started = 0.0
+        self.started_event = 0
+
+    def on_discarded(self, tensor: torch.Tensor) -> None:
+        self.watch.record_saved(tensor)
+
+    def on_recompute(self, started: bool) -> None:
+        watch = self.watch
+        if watch.synchronize is not None:
+            watch.synchronize()
+        if started:
+            self.started = time.perf_counter()
+            self.started_event = watch.event()
+            return
+        watch.recompute_end_event[self.start] = watch.event()
+        watch.recompute_windows.append((self.started_event, watch.event()))
+        watch.recompute_time_s[self.start] = watch.recompute_time_s.get(self.start, 0.0) + (
+            time.perf_counter() - self.started
+        )
+
+
+class InPlaceProbe:
+    """Finds the stages that modify their input in place, in a forward without grad."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.modifies_input = [False] * len(chain)
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inputs = tensors_in((args, kwargs))
+        versions = list(map(_version_of, inputs))
+        out = call_original(module, args, kwargs)
+        self.modifies_input[index] = list(map(_version_of, inputs)) != versions
+        return out

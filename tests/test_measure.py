@@ -1,0 +1,110 @@
+"""remat.measure: the measured profile, its device, and the tracker API measurement reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from remat.discover.chain import discover_chain
+from remat.measure import ChainMeasurement, measure_chain
+from remat.measure.assemble import group_stages
+from remat.measure.instrument import StageMeasurement
+from remat.memory import MemoryTracker, Window
+from remat.models import mlp_chain
+
+pytestmark = pytest.mark.usefixtures("clean_remat_state")
+
+FLOAT = 4  # bytes of a float32
+
+
+def _measure(model: nn.Module, sample: torch.Tensor, *, frugal: bool = False) -> ChainMeasurement:
+    chain = discover_chain(model, (sample,), {})
+    return measure_chain(model, chain, (sample,), {}, frugal=frugal)
+
+
+@pytest.mark.parametrize("frugal", [False, True])
+def test_the_profile_names_the_device_the_step_ran_on(frugal: bool) -> None:
+    measurement = _measure(mlp_chain(4, 16), torch.randn(8, 16), frugal=frugal)
+    assert measurement.profile.metadata["device"] == "cpu"
+    assert measurement.profile.metadata["fixed_bytes"] == measurement.fixed_bytes
+    assert measurement.profile.metadata["measured_peak_bytes"] == measurement.measured_peak_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_profile_names_the_cuda_device() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    measurement = _measure(mlp_chain(4, 16).to(device), torch.randn(8, 16, device=device))
+    assert measurement.profile.metadata["device"] == str(device)
+
+
+def test_the_device_survives_a_json_round_trip() -> None:
+    profile = _measure(mlp_chain(3, 16), torch.randn(8, 16)).profile
+    assert type(profile).from_json(profile.to_json()).metadata["device"] == "cpu"
+
+
+def test_frugal_and_plain_measurements_agree_on_what_is_kept() -> None:
+    torch.manual_seed(0)
+    model = mlp_chain(6, 32)
+    sample = torch.randn(8, 32)
+    plain = _measure(model, sample)
+    frugal = _measure(model, sample, frugal=True)
+    assert plain.groups == frugal.groups
+    assert plain.profile.activation_bytes == frugal.profile.activation_bytes
+    assert plain.profile.saved_bytes == frugal.profile.saved_bytes
+    assert plain.profile.saves_input == frugal.profile.saves_input
+    assert plain.profile.saves_output == frugal.profile.saves_output
+
+
+def test_a_measurement_built_by_hand_needs_no_end_peak() -> None:
+    profile = _measure(mlp_chain(2, 8), torch.randn(4, 8)).profile
+    measurement = ChainMeasurement(stages=[], groups=[(0, 1)], profile=profile, fixed_bytes=0, measured_peak_bytes=0)
+    assert measurement.end_peak_bytes == 0
+    assert measurement.output_bytes == 0
+
+
+def test_stages_that_keep_nothing_or_work_in_place_ride_with_the_stage_before() -> None:
+    def stage(*, saved: bool = True, in_place: bool = False, linked: bool = True) -> StageMeasurement:
+        return StageMeasurement(
+            "s",
+            input_storages={1: 4} if linked else {},
+            saved_storages={2: (4, 0)} if saved else {},
+            modifies_input=in_place,
+        )
+
+    stages = [stage(), stage(saved=False), stage(), stage(in_place=True), stage(linked=False), stage()]
+    assert group_stages(stages) == [(0, 2), (2, 5), (5, 6)]
+
+
+# ----------------------------------------------------------------------------- tracker API
+def test_a_window_of_the_event_stream() -> None:
+    with MemoryTracker() as tracker:
+        a = torch.empty(10)
+        start = tracker.n_events
+        b = torch.empty(20)
+        del b
+        c = torch.empty(5)
+        stop = tracker.n_events
+        del a
+    assert tracker.window(start, stop) == Window(10 * FLOAT, 30 * FLOAT, 15 * FLOAT)
+    assert tracker.window(start, start) == Window(10 * FLOAT, 10 * FLOAT, 10 * FLOAT)
+    assert tracker.window().peak_bytes == tracker.peak_bytes == 30 * FLOAT
+    assert tracker.window(stop).after_bytes == tracker.live_bytes == 5 * FLOAT
+    del c
+
+
+def test_the_tracker_notes_what_autograd_saves() -> None:
+    weight = torch.randn(8, 8, requires_grad=True)
+    with MemoryTracker() as tracker, tracker.saved_tensors_hooks():
+        x = torch.randn(4, 8)
+        hidden = x @ weight  # saves x (and the weight, which is not tracked)
+        mark = tracker.n_saved
+        out = hidden.sin()  # saves hidden
+        saved = tracker.saved_allocations(mark)
+        assert saved == [tracker.allocation_id(hidden)]
+        assert tracker.allocation_id(x) in tracker.saved_allocations()
+        records = tracker.allocation_records(saved)
+        assert records[saved[0]].nbytes == 4 * 8 * FLOAT
+        assert tracker.allocations_of([hidden, weight]) == {saved[0]: 4 * 8 * FLOAT}
+        out.sum().backward()
+    assert weight.grad is not None
