@@ -197,3 +197,12 @@ def test_mem_limit_none_budgets_from_the_measured_device(monkeypatch: pytest.Mon
 def test_budget_split_of_unlimited() -> None:
     split = BudgetSplit.unlimited(held_outside_bytes=5)
     assert split.total_bytes is None and split.chain_bytes is None and split.held_outside_bytes == 5
+
+
+def test_budgets_of_equal_value_and_different_form_are_different_plans() -> None:
+    """1 is one byte and 1.0 is all of the memory: the plan cache must not mix them up."""
+    wrapped, _ = measured(1.0)
+    everything = wrapped.plan_for(1.0)
+    assert everything.budget_bytes is not None and everything.budget_bytes > 1
+    with pytest.raises(remat.BudgetTooSmall):
+        wrapped.plan_for(1)

@@ -46,6 +46,7 @@ class _PlanOptions(NamedTuple):
     """Everything a plan depends on besides the measurement (the key of the plan cache)."""
 
     mem_limit: Budget
+    mem_limit_form: str  # 1 (one byte) and 1.0 (all of it) are equal values, but not equal budgets
     solver_name: str
     slots: int | None
     margin: float | None
@@ -251,7 +252,9 @@ class Checkpointable(nn.Module):
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
     def _options(self, mem_limit: Budget) -> _PlanOptions:
-        return _PlanOptions(mem_limit, self.solver_name, self.slots, self._margin_option, self.output_kept)
+        return _PlanOptions(
+            mem_limit, type(mem_limit).__name__, self.solver_name, self.slots, self._margin_option, self.output_kept
+        )
 
     def _measured_key(self) -> Hashable:
         if self._last_key is None:
