@@ -18,7 +18,8 @@ from torch import nn
 import remat
 from remat.discover.chain import sequential_chain
 from remat.measure import ChainMeasurement
-from remat.memory import BUDGET_FORMS, SAFETY_MARGIN, available_memory_bytes
+from remat.budget import BUDGET_FORMS, available_memory_bytes
+from remat.budget import FREE_MEMORY_MARGIN as SAFETY_MARGIN
 from remat.models import gpt2
 from remat.plan import available_solvers
 from remat.testing import random_chain

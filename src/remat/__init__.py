@@ -3,6 +3,7 @@
 from remat import models as models
 from remat import plan as plan
 from remat.automatic import Checkpointable
+from remat.budget import parse_budget
 from remat.errors import (
     BudgetTooSmall,
     InvalidBudget,
@@ -16,8 +17,9 @@ from remat.manual._state import is_recomputing
 from remat.manual.marking import apply, is_marked, mark, unmark
 from remat.manual.recompute import recompute
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
-from remat.memory import MemoryTracker, format_bytes, parse_budget, track_memory
+from remat.memory import MemoryTracker, track_memory
 from remat.plan.step import Plan
+from remat.units import format_bytes
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.memory import format_bytes
+from remat.units import format_bytes
 
 __all__ = ["SavedTensor", "format_saved_residuals", "saved_residuals"]
 
