@@ -223,6 +223,33 @@ def test_exit_codes_are_distinct() -> None:
             assert f"{value}  " in cli.__doc__ or f"{value} " in cli.__doc__
 
 
+def documented_exit_codes(doc: str) -> dict[int, str]:
+    """The rows of the exit-code table in a docstring: code -> meaning."""
+    lines = doc[doc.index("Exit codes:") :].splitlines()
+    rules = [index for index, line in enumerate(lines) if line.startswith("===")]
+    assert len(rules) >= 2, "the exit-code table has no top and bottom rule"
+    rows: dict[int, str] = {}
+    for line in lines[rules[0] + 1 : rules[1]]:
+        code, _, meaning = line.partition(" ")
+        assert code.isdigit() and meaning.strip(), f"not a table row: {line!r}"
+        assert int(code) not in rows, f"exit code {code} documented twice"
+        rows[int(code)] = meaning.strip()
+    return rows
+
+
+def test_the_documented_exit_codes_are_exactly_the_constants() -> None:
+    constants = {value: name for name, value in vars(cli).items() if name.startswith("EXIT_")}
+    documented = documented_exit_codes(cli.__doc__ or "")
+    assert set(documented) == set(constants)
+    from remat.cli.codes import EXIT_CODES
+
+    assert documented == {entry.code: entry.meaning for entry in EXIT_CODES}
+    assert {entry.name for entry in EXIT_CODES} == set(constants.values())
+    epilog = cli.main.__globals__["_EPILOG"]
+    for code, meaning in documented.items():
+        assert f"  {code} " in epilog and meaning.replace("``", "") in " ".join(epilog.split())
+
+
 # ---------------------------------------------------------------------- optional dependencies
 def test_missing_rich_prints_the_install_hint(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "rich", None)

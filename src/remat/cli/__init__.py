@@ -1,4 +1,23 @@
-"""The ``remat`` command: see a model's recompute plan, and benchmark it, from the shell.
+"""The ``remat`` command (documented below, in ``__doc__``, built with its exit-code table)."""
+
+from remat.cli.codes import (
+    EXIT_BAD_BUDGET,
+    EXIT_BAD_MODEL,
+    EXIT_BUDGET_TOO_SMALL,
+    EXIT_CANNOT_WRITE,
+    EXIT_INTERRUPTED,
+    EXIT_MISSING_DEPENDENCY,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_UNKNOWN_MODEL,
+    EXIT_UNSUPPORTED_MODEL,
+    EXIT_USAGE,
+    exit_code_table,
+)
+from remat.cli.main import main
+
+__doc__ = (  # the exit codes come from the one table in remat.cli.codes
+    """The ``remat`` command: see a model's recompute plan, and benchmark it, from the shell.
 
 Subcommands::
 
@@ -16,38 +35,13 @@ their own loss; a user's model trains on its input with the sum of its output as
 
 Exit codes:
 
-===  =====================================================================
-0    success
-1    an optional dependency is missing: ``pip install 'remat[cli]'``
-2    the budget is below the smallest feasible budget (the message gives it)
-3    unknown model name (the message lists the catalogue)
-4    the budget cannot be read (the message lists the accepted forms)
-5    the model factory cannot be imported or called, does not return an
-     ``nn.Sequential``, or the model fails on its input
-6    out of memory on the device while building or running the model
-7    invalid command-line arguments
-8    remat cannot plan this model (e.g. its stages are not a chain)
-9    an output file cannot be written
-130  interrupted
-===  =====================================================================
+"""
+    + exit_code_table(markup=True)
+    + """
 
 Every error is one line on stderr, ``remat: error: ...``; ``--debug`` shows the traceback.
-This module is the output layer of remat: the only place that prints.
+The command is the output layer of remat: the only place that prints.
 """
-
-from remat.cli.main import (
-    EXIT_BAD_BUDGET,
-    EXIT_BAD_MODEL,
-    EXIT_BUDGET_TOO_SMALL,
-    EXIT_CANNOT_WRITE,
-    EXIT_INTERRUPTED,
-    EXIT_MISSING_DEPENDENCY,
-    EXIT_OK,
-    EXIT_OUT_OF_MEMORY,
-    EXIT_UNKNOWN_MODEL,
-    EXIT_UNSUPPORTED_MODEL,
-    EXIT_USAGE,
-    main,
 )
 
 __all__ = [

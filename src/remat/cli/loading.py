@@ -1,0 +1,253 @@
+"""Loading the model named on the command line: a catalogue name or ``package.module:function``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from remat.cli.codes import (
+    EXIT_BAD_MODEL,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_UNKNOWN_MODEL,
+    EXIT_USAGE,
+    CliError,
+    fail,
+)
+from remat.errors import RematError
+
+if TYPE_CHECKING:
+    from remat.models import ModelSpec
+
+__all__ = ["DEFAULT_BATCH", "Workload", "first_line", "is_out_of_memory", "load_workload", "model_failures"]
+
+DEFAULT_BATCH = 16
+
+
+@dataclass
+class Workload:
+    """A model ready to measure, with its batch and loss.
+
+    Attributes:
+        name: the model's name (a catalogue name or the factory's ``module:function``).
+        model: the chain, on its device, in training mode.
+        make_batch: ``() -> (inputs, target)``; the same batch at every call.
+        loss_fn: ``(output, target) -> loss``.
+        loss_description: the loss in words, for reports.
+        device: where the model and the batch live.
+    """
+
+    name: str
+    model: nn.Sequential
+    make_batch: Callable[[], tuple[tuple[Any, ...], Any]]
+    loss_fn: Callable[[Any, Any], Tensor]
+    loss_description: str
+    device: torch.device
+
+    def measurement_loss(self, target: Any) -> Callable[[Any], Tensor]:
+        """The ``loss_fn(output) -> loss`` that :class:`~remat.Checkpointable` measures with."""
+        return lambda output: self.loss_fn(output, target)
+
+
+def _sum_loss(output: Any, target: Any) -> Tensor:
+    """The default loss of a user's model: the sum of every floating-point output."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    if not tensors:
+        fail(EXIT_BAD_MODEL, "the model's output has no floating-point tensor to train on")
+    return sum((t.sum() for t in tensors[1:]), tensors[0].sum())
+
+
+@contextlib.contextmanager
+def model_failures(what: str) -> Iterator[None]:
+    """Reports an error of the user's model as one line (exit 5); remat's own errors and
+    running out of memory pass through to their own exit codes."""
+    try:
+        yield
+    except (RematError, CliError):
+        raise
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise
+        fail(EXIT_BAD_MODEL, f"{what}: {type(error).__name__}: {first_line(error)}")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, MemoryError):
+        return True
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if out_of_memory is not None and isinstance(error, out_of_memory):
+        return True
+    if isinstance(error, RuntimeError) and not isinstance(error, RematError):
+        text = str(error).lower()
+        return any(phrase in text for phrase in ("out of memory", "can't allocate memory", "not enough memory"))
+    return False
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def resolve_device(text: str) -> torch.device:
+    device = torch.device(text)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(EXIT_USAGE, f"--device {text}: CUDA is not available on this machine")
+    return device
+
+
+def load_workload(
+    model: str,
+    *,
+    batch: int | None,
+    input_shape: tuple[int, ...] | None,
+    device: torch.device,
+) -> Workload:
+    """Builds the model named on the command line, with its synthetic batch and loss.
+
+    Args:
+        model: a catalogue name or ``package.module:function``.
+        batch: the batch size (None: the default, or the factory's sample input).
+        input_shape: the shape of one sample for a factory's model.
+        device: where to build the model and the batch.
+
+    Raises:
+        CliError: unknown name (3), a bad factory (5), out of memory (6), bad arguments (7).
+    """
+    if ":" in model:
+        return _load_factory(model, batch=batch, input_shape=input_shape, device=device)
+    from remat.models import CATALOGUE
+
+    spec = CATALOGUE.get(model)
+    if spec is None:
+        known = ", ".join(sorted(CATALOGUE))
+        fail(
+            EXIT_UNKNOWN_MODEL,
+            f"unknown model {model!r}; choose one of: {known} (or give package.module:function)",
+        )
+    if input_shape is not None:
+        fail(EXIT_USAGE, f"--input-shape is for a factory's model; {model} has its own input")
+    return _catalogue_workload(spec, batch or DEFAULT_BATCH, device)
+
+
+def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload:
+    torch.manual_seed(0)
+    built = _build(spec.factory, spec.name, device)
+    batch_size = batch
+
+    def make_batch() -> tuple[tuple[Any, ...], Any]:
+        torch.manual_seed(1)
+        return spec.make_batch(batch_size, device)
+
+    return Workload(spec.name, built, make_batch, spec.loss_fn, f"{spec.name}'s own loss on synthetic data", device)
+
+
+def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Sequential:
+    try:
+        built = factory()
+        if isinstance(built, nn.Module):
+            built = built.to(device).train()
+    except Exception as error:
+        if is_out_of_memory(error):
+            fail(EXIT_OUT_OF_MEMORY, f"out of memory building {name} on {device}: {first_line(error)}")
+        raise
+    return built
+
+
+def _load_factory(
+    text: str, *, batch: int | None, input_shape: tuple[int, ...] | None, device: torch.device
+) -> Workload:
+    module_name, _, attribute = text.partition(":")
+    if not module_name or not attribute:
+        fail(EXIT_BAD_MODEL, f"{text!r} is not package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        fail(EXIT_BAD_MODEL, f"cannot import {module_name!r}: {type(error).__name__}: {first_line(error)}")
+    factory: Any = module
+    try:
+        for part in attribute.split("."):
+            factory = getattr(factory, part)
+    except AttributeError:
+        fail(EXIT_BAD_MODEL, f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        fail(EXIT_BAD_MODEL, f"{text} is a {type(factory).__name__}, not a function returning an nn.Sequential")
+    try:
+        torch.manual_seed(0)
+        result = factory()
+    except CliError:
+        raise
+    except Exception as error:
+        if is_out_of_memory(error):
+            fail(EXIT_OUT_OF_MEMORY, f"out of memory building {text}: {first_line(error)}")
+        fail(EXIT_BAD_MODEL, f"{text}() raised {type(error).__name__}: {first_line(error)}")
+    sample: Any = None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        result, sample = result
+    if not isinstance(result, nn.Sequential):
+        fail(
+            EXIT_BAD_MODEL,
+            f"{text}() returned {type(result).__name__}; it must return an nn.Sequential or a "
+            "tuple (nn.Sequential, sample_input)",
+        )
+    model = _build(lambda: result, text, device)
+    inputs = _factory_inputs(text, sample, batch=batch, input_shape=input_shape, device=device)
+    fixed_inputs = inputs
+    return Workload(text, model, lambda: (fixed_inputs, None), _sum_loss, "sum of the output", device)
+
+
+def _factory_inputs(
+    text: str, sample: Any, *, batch: int | None, input_shape: tuple[int, ...] | None, device: torch.device
+) -> tuple[Any, ...]:
+    """The inputs of a factory's model: random of ``input_shape``, or its own sample input."""
+    if input_shape is not None:
+        shape = (batch or DEFAULT_BATCH, *input_shape)
+        torch.manual_seed(1)
+        return (torch.randn(shape, device=device),)
+    elif sample is not None:
+        if batch is not None:
+            fail(
+                EXIT_USAGE, f"{text}() gives a sample input, which fixes the batch; drop --batch or give --input-shape"
+            )
+        leaves = sample if isinstance(sample, tuple) else (sample,)
+        if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+            fail(EXIT_BAD_MODEL, f"{text}() returned a sample input that is not a tensor or a tuple of tensors")
+        return tuple(t.to(device) for t in leaves)
+    else:
+        fail(
+            EXIT_USAGE,
+            f"{text}() returns no sample input: give --input-shape, e.g. --input-shape 3,32,32 "
+            "for inputs of shape (batch, 3, 32, 32)",
+        )
+
+
+def parameter_count(spec: ModelSpec) -> int | None:
+    from remat.models import count_parameters
+
+    try:
+        with torch.device("meta"):
+            return count_parameters(spec.factory())
+    except Exception:
+        try:
+            return count_parameters(spec.factory())
+        except Exception:
+            return None
+
+
+def human_count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

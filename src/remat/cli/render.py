@@ -1,0 +1,167 @@
+"""Rendering for the ``remat`` command: rich tables of plans and benchmarks, on stdout."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from remat.cli.codes import EXIT_MISSING_DEPENDENCY, INSTALL_HINT, fail
+from remat.units import MIB, format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from remat.bench import BenchmarkResult
+    from remat.plan import Plan
+
+__all__ = ["Output", "bytes_and_mib", "print_bench", "print_plan", "require_matplotlib"]
+
+
+class Output:
+    """Where everything the command shows goes: rich consoles on stdout and stderr."""
+
+    def __init__(self) -> None:
+        try:
+            from rich.console import Console
+        except ImportError:
+            fail(EXIT_MISSING_DEPENDENCY, f"the remat command needs rich: {INSTALL_HINT}")
+        self.out: Console = Console(file=sys.stdout, width=_width(sys.stdout), highlight=False)
+        self.err: Console = Console(file=sys.stderr, width=_width(sys.stderr), highlight=False)
+
+    def text(self, value: str = "") -> None:
+        self.out.print(value)
+
+    def raw(self, value: str) -> None:
+        """Writes text as it is (JSON), without rich's wrapping or markup."""
+        sys.stdout.write(value if value.endswith("\n") else value + "\n")
+        sys.stdout.flush()
+
+
+def _width(stream: Any) -> int | None:
+    """Rich's own width on a terminal or when COLUMNS says; wide enough for the tables otherwise."""
+    if os.environ.get("COLUMNS", "").strip().isdigit():
+        return None
+    try:
+        return None if stream.isatty() else 160
+    except (AttributeError, ValueError):
+        return 160
+
+
+def require_matplotlib() -> None:
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        fail(EXIT_MISSING_DEPENDENCY, f"drawing the figure needs matplotlib: {INSTALL_HINT}")
+
+
+def bytes_and_mib(n_bytes: int) -> str:
+    return f"{n_bytes} bytes ({n_bytes / MIB:.2f} MiB)"
+
+
+def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
+    """Prints the plan's report as a rich table, then its whole-step figures and budget split."""
+    from rich.table import Table
+
+    report = plan.report()
+    table = Table(
+        title=f"recompute plan of {workload['model']} ({len(report.rows)} planned stages)",
+        title_justify="left",
+    )
+    for header, justify in (
+        ("#", "right"),
+        ("stage", "left"),
+        ("forward", "right"),
+        ("backward", "right"),
+        ("output", "right"),
+        ("saved", "right"),
+        ("plan", "left"),
+        ("forward runs", "right"),
+    ):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in report.rows:
+        table.add_row(
+            str(row.index),
+            row.name,
+            format_seconds(row.forward_time_s),
+            format_seconds(row.backward_time_s),
+            format_bytes(row.output_bytes),
+            format_bytes(row.saved_bytes),
+            "kept" if row.kept else "[yellow]recomputed[/yellow]",
+            str(row.forward_runs),
+        )
+    output.out.print(table)
+    split = plan.budget
+    shapes = ", ".join(str(tuple(shape)) for shape in workload["input_shapes"])
+    requested = workload["requested_budget"] or "the free device memory"
+    loss_room = (
+        f" ({format_bytes(split.loss_allowance_bytes)} of it for the loss)" if split.loss_allowance_bytes else ""
+    )
+    chain = "unlimited" if split.chain_bytes is None else format_bytes(split.chain_bytes)
+    recomputed = sum(1 for row in report.rows if not row.kept)
+    extra_forwards = sum(row.forward_runs - 1 for row in report.rows)
+    lines = [
+        f"input {shapes} on {workload['device']}; loss: {workload['loss']}; solver {plan.schedule.solver_name}",
+        f"budget:              {bytes_and_mib(plan.budget_bytes)}, from {requested}: the chain {chain}{loss_room}, "
+        f"held outside the chain {format_bytes(split.held_outside_bytes)}, margin {format_bytes(split.margin_bytes)}"
+        if plan.budget_bytes is not None
+        else "budget: none",
+        f"predicted peak:      {bytes_and_mib(plan.predicted_peak_bytes)}",
+        f"without recompute:   {bytes_and_mib(report.baseline.peak_bytes + split.held_outside_bytes)}",
+        f"predicted overhead:  {plan.overhead_fraction * 100:.1f}% "
+        f"(predicted step {format_seconds(plan.predicted_time_s)})",
+        f"recomputed stages:   {recomputed} of {len(report.rows)}, {extra_forwards} extra stage forwards per step",
+    ]
+    for line in lines:
+        output.text(line)
+
+
+def print_bench(result: BenchmarkResult, output: Output) -> None:
+    from rich.table import Table
+
+    from remat.bench import format_row
+
+    meta = result.metadata
+    table = Table(
+        title=(
+            f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
+            f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
+            f"median of {meta['steps']} steps"
+        ),
+        title_justify="left",
+    )
+    for header, justify in (
+        ("strategy", "left"),
+        ("budget", "right"),
+        ("measured peak", "right"),
+        ("predicted peak", "right"),
+        ("fits", "center"),
+        ("median step", "right"),
+        ("overhead", "right"),
+        ("predicted overhead", "right"),
+    ):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in result.rows:
+        cells = format_row(row)
+        fits = cells["fits"]
+        if row.fits_budget is False or row.error is not None:
+            fits = f"[red]{fits}[/red]"
+        table.add_row(
+            cells["strategy"],
+            cells["budget"],
+            cells["measured_peak"],
+            cells["predicted_peak"],
+            fits,
+            cells["median_step"],
+            cells["overhead"],
+            cells["predicted_overhead"],
+        )
+    output.out.print(table)
+    for row in result.rows:
+        if row.error is not None:
+            output.text(f"{row.strategy}: {row.error}")
+    output.text(
+        "peaks: exact live activation bytes of one step (parameter gradients excluded); "
+        "overhead: median step time / no recompute's; steps timed in interleaved rounds"
+    )
