@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench.runner import run_benchmark
+from remat.bench import run_benchmark
 from remat.automatic import Checkpointable
-from remat.memory import format_bytes
+from remat.units import format_bytes
 from remat.models import gpt2, mlp_chain
 from remat.plan.solvers import get_solver
 from remat.testing import random_chain

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench.runner import BASELINE, run_benchmark
-from remat.memory import format_bytes
+from remat.bench import BASELINE, run_benchmark
+from remat.units import format_bytes
 from remat.models import resnet50, vit
 
 RESULTS = Path(__file__).parent / "results"
@@ -65,7 +65,14 @@ def hf_gpt2() -> Case:
     import transformers
 
     config = transformers.GPT2Config(
-        n_layer=6, n_embd=128, n_head=4, vocab_size=1024, n_positions=128, use_cache=False, bos_token_id=0, eos_token_id=0
+        n_layer=6,
+        n_embd=128,
+        n_head=4,
+        vocab_size=1024,
+        n_positions=128,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
 
     def make() -> Any:
@@ -84,7 +91,11 @@ def hf_bert() -> Case:
     import transformers
 
     config = transformers.BertConfig(
-        num_hidden_layers=6, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=1024,
+        num_hidden_layers=6,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1024,
         max_position_embeddings=128,
     )
 
@@ -131,15 +142,26 @@ def main() -> None:
             continue
         model.train()
         result = run_benchmark(
-            model, make_batch, loss_fn, budgets=(0.5, 0.25, "min"), steps=args.steps, threads=args.threads,
-            include_checkpoint_sequential=False, model_name=title,
+            model,
+            make_batch,
+            loss_fn,
+            budgets=(0.5, 0.25, "min"),
+            steps=args.steps,
+            threads=args.threads,
+            include_checkpoint_sequential=False,
+            model_name=title,
         )
         report[title] = result.to_dict()
         base = result.row(BASELINE)
         minimum = result.row("remat @ min").budget_bytes or 0
         no_recompute = base.measured_peak_bytes or 0
-        cells = [title, str(result.metadata["n_stages"]), str(result.metadata["n_planned_stages"]),
-                 format_bytes(no_recompute), f"{format_bytes(minimum)} ({100 * minimum / no_recompute:.0f}%)"]
+        cells = [
+            title,
+            str(result.metadata["n_stages"]),
+            str(result.metadata["n_planned_stages"]),
+            format_bytes(no_recompute),
+            f"{format_bytes(minimum)} ({100 * minimum / no_recompute:.0f}%)",
+        ]
         for label in ("remat @ 0.5", "remat @ 0.25"):
             row = result.row(label)
             if row.error is not None or row.measured_peak_bytes is None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench.runner import (
+from remat.bench import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
     BenchmarkResult,
@@ -141,6 +141,42 @@ def test_save_plot_writes_a_png(result: BenchmarkResult, tmp_path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_figure_shows_every_strategy_and_both_step_timelines(result: BenchmarkResult, tmp_path) -> None:
+    """What the image shows: points and labels for the strategies that ran, two memory curves
+    and the budget line, and pixels that are not blank in either panel."""
+    from matplotlib import image
+    from matplotlib import pyplot as plt
+
+    from remat.bench import plot_figure
+
+    ran = [row for row in result.rows if row.ran and row.median_step_s is not None]
+    figure = plot_figure(result)
+    try:
+        trade_off, timelines = figure.axes
+        points = sum(len(collection.get_offsets()) for collection in trade_off.collections)
+        assert points == len(ran)
+        labels = sorted(text.get_text() for text in trade_off.texts)
+        assert labels == sorted(row.strategy.replace("remat @ ", "@ ") for row in ran)
+        curves = [line.get_label() for line in timelines.get_lines()]
+        chosen = result.timeline
+        assert chosen is not None and chosen.budget_bytes is not None
+        assert len(curves) == 3  # no recompute, the chosen remat strategy, its budget line
+        assert curves[0].startswith(BASELINE) and curves[1].startswith(chosen.strategy)
+        assert curves[2].startswith("budget")
+        assert list(timelines.get_lines()[1].get_ydata()) == [value / 2**20 for value in chosen.live_bytes]
+    finally:
+        plt.close(figure)
+    pixels = image.imread(save_plot(result, tmp_path / "figure.png"))
+    height, width = pixels.shape[:2]
+    assert (height, width) == (616, 1540)  # 14 x 5.6 inches at 110 dpi
+    for panel in (pixels[:, : width // 2], pixels[:, width // 2 :]):
+        rgb = panel[..., :3]
+        not_white = (rgb < 0.95).any(axis=-1).mean()
+        colours = len({tuple(pixel) for pixel in (rgb[::4, ::4] * 255).astype(int).reshape(-1, 3)})
+        assert not_white > 0.03, not_white
+        assert colours > 20, colours
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [({"steps": 0}, ValueError), ({"warmup": -1}, ValueError)],
@@ -185,14 +221,14 @@ def test_any_model_runs_without_the_sequential_baseline() -> None:
 
 
 def test_a_budget_that_cannot_be_planned_is_a_row_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Checkpointable.compute_sequence
+    original = Checkpointable.plan_for
 
     def failing(self: Checkpointable, mem_limit: object = ...) -> object:
         if mem_limit == 0.5:
             raise RematError("the solver failed")
         return original(self, mem_limit)
 
-    monkeypatch.setattr(Checkpointable, "compute_sequence", failing)
+    monkeypatch.setattr(Checkpointable, "plan_for", failing)
     result = run_benchmark(
         tiny_model, make_batch, F.mse_loss, budgets=(0.5, "min"), steps=1, warmup=0, include_checkpoint_sequential=False
     )

@@ -1,6 +1,7 @@
 """Side-by-side benchmarks: remat against no recompute and torch's checkpoint_sequential."""
 
-from remat.bench.runner import (
+from remat.bench.plot import plot_figure, save_plot
+from remat.bench.result import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
     CKPT_SEQ_BUDGET,
@@ -9,9 +10,8 @@ from remat.bench.runner import (
     BenchmarkRow,
     StepTimeline,
     format_row,
-    run_benchmark,
-    save_plot,
 )
+from remat.bench.runner import run_benchmark
 
 __all__ = [
     "BASELINE",
@@ -22,6 +22,7 @@ __all__ = [
     "BenchmarkRow",
     "StepTimeline",
     "format_row",
+    "plot_figure",
     "run_benchmark",
     "save_plot",
 ]
