@@ -11,7 +11,8 @@ from torch import nn
 import remat
 import remat.budget
 from remat import InvalidBudget, MemoryTracker, RematError, format_bytes, parse_budget
-from remat.budget import SAFETY_MARGIN, available_memory_bytes
+from remat.budget import FREE_MEMORY_MARGIN as SAFETY_MARGIN
+from remat.budget import available_memory_bytes
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 

@@ -58,7 +58,6 @@ BUDGET_FORMS = (
 
 #: Fraction of the free device memory remat leaves untouched when the budget is None.
 FREE_MEMORY_MARGIN = 0.1
-SAFETY_MARGIN = FREE_MEMORY_MARGIN
 
 
 def available_memory_bytes(device: str | torch.device = "cpu") -> int:

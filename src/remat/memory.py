@@ -32,21 +32,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# Budget parsing and byte formatting live in remat.budget and remat.units; these names are
-# also importable from here because the CLI and remat's public surface import them so.
-from remat.budget import BUDGET_FORMS, SAFETY_MARGIN, available_memory_bytes, parse_budget
-from remat.units import format_bytes
-
 __all__ = [
-    "BUDGET_FORMS",
-    "SAFETY_MARGIN",
     "AllocationRecord",
     "MemoryTracker",
     "Section",
     "Window",
-    "available_memory_bytes",
-    "format_bytes",
-    "parse_budget",
     "track_memory",
 ]
 
