@@ -18,20 +18,21 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.bench import run_benchmark
 from remat.automatic import Checkpointable
-from remat.units import format_bytes
+from remat.bench import run_benchmark
 from remat.models import gpt2, mlp_chain
 from remat.plan.solvers import get_solver
 from remat.testing import random_chain
+from remat.units import format_bytes
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from remat.bench import BASELINE, run_benchmark
-from remat.units import format_bytes
 from remat.models import resnet50, vit
+from remat.units import format_bytes
 
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
@@ -57,7 +58,9 @@ def sequential_resnet50() -> Case:
 
 
 def sequential_vit() -> Case:
-    factory = lambda: vit(image_size=32, patch_size=4, num_classes=10, d_model=128, n_heads=4, n_layers=6, mlp_dim=512)
+    def factory() -> nn.Module:
+        return vit(image_size=32, patch_size=4, num_classes=10, d_model=128, n_heads=4, n_layers=6, mlp_dim=512)
+
     return factory, _images(16, 32, 10), F.cross_entropy
 
 

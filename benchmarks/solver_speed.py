@@ -45,9 +45,7 @@ def uniform_chain(n_stages: int) -> ChainProfile:
     )
 
 
-def measure(
-    profile: ChainProfile, implementation: str, slots: int, repeat: int
-) -> list[dict[str, Any]]:
+def measure(profile: ChainProfile, implementation: str, slots: int, repeat: int) -> list[dict[str, Any]]:
     solver = OptimalSolver(slots=slots, implementation=implementation)
     everything = simulate(profile, tuple(Store(i) for i in range(profile.n_stages))).peak_bytes
     minimum = solver.minimum_bytes(profile)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,9 +128,7 @@ def run_scenario(rank: int, factory: Callable[[], nn.Module], options: dict[str,
         for _ in range(2):  # DDP reports some misuse only at the next iteration
             model.zero_grad(set_to_none=True)
             loss_of(model, x[shard], y[shard]).backward()
-        grads = {
-            name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None
-        }
+        grads = {name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None}
         return {"grads": grads, "error": None}
     except Exception as error:  # noqa: BLE001 - reported to the test, which decides
         return {"grads": None, "error": f"{type(error).__name__}: {error}"}

@@ -192,9 +192,7 @@ class GroupCounter:
             handle.remove()
 
 
-def assert_peak_matches_prediction(
-    peak: int, planned: remat.PlannedChain, *, tolerance: float = 0.10
-) -> None:
+def assert_peak_matches_prediction(peak: int, planned: remat.PlannedChain, *, tolerance: float = 0.10) -> None:
     """Asserts a measured peak fits the plan's budget and agrees with its prediction.
 
     The measured peak may exceed the prediction by 1% at most (what per-stage measurement
@@ -210,6 +208,4 @@ def assert_peak_matches_prediction(
     )
     assert peak <= predicted * 1.01, f"measured {peak} B, predicted only {predicted} B"
     slack = tolerance * predicted + max(planned.measurement.profile.activation_bytes)
-    assert predicted - peak <= slack, (
-        f"measured {peak} B, predicted {predicted} B: more than {slack:.0f} B apart"
-    )
+    assert predicted - peak <= slack, f"measured {peak} B, predicted {predicted} B: more than {slack:.0f} B apart"

@@ -45,9 +45,7 @@ class BasicBlock(nn.Module):
 
     expansion = 1
 
-    def __init__(
-        self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
-    ) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -75,9 +73,7 @@ class Bottleneck(nn.Module):
 
     expansion = 4
 
-    def __init__(
-        self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
-    ) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -333,9 +329,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, d_model)
         self.wpe = nn.Embedding(n_positions, d_model)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(
-            GPTBlock(d_model, n_heads, dropout, layer_norm_eps) for _ in range(n_layers)
-        )
+        self.h = nn.ModuleList(GPTBlock(d_model, n_heads, dropout, layer_norm_eps) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_weights:
@@ -418,8 +412,7 @@ class ViT(nn.Module):
         self.conv_proj = nn.Conv2d(in_channels, d_model, patch_size, stride=patch_size)
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
-            ViTBlock(d_model, n_heads, mlp_dim, dropout, attention_dropout, layer_norm_eps)
-            for _ in range(n_layers)
+            ViTBlock(d_model, n_heads, mlp_dim, dropout, attention_dropout, layer_norm_eps) for _ in range(n_layers)
         )
         self.ln = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.head = nn.Linear(d_model, num_classes)

@@ -15,8 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import reference_models as reference
 import torch
+from torch import nn
+from torch.nn import functional as F
+
+import reference_models as reference
+import remat
 from chain_helpers import (
     assert_peak_matches_prediction,
     assert_same_tensors,
@@ -25,10 +29,6 @@ from chain_helpers import (
     minimum_budget,
     state_of,
 )
-from torch import nn
-from torch.nn import functional as F
-
-import remat
 from remat.discover.chain import discover_chain
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
@@ -305,7 +305,10 @@ def test_hugging_face_gpt2_with_a_key_value_cache_is_refused() -> None:
     # The advice works: with config.use_cache = False the same wrapper trains exactly.
     model.config.use_cache = False
     plain = copy.deepcopy(model)
-    logits_sum: Callable[[Any], torch.Tensor] = lambda output: output.logits.sum()
+
+    def logits_sum(output: Any) -> torch.Tensor:
+        return output.logits.sum()
+
     compare_training(plain, wrapped, (tokens,), logits_sum, output_of=lambda output: output.logits)
 
 

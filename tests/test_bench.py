@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from remat.automatic import Checkpointable
 from remat.bench import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
@@ -16,7 +17,6 @@ from remat.bench import (
     run_benchmark,
     save_plot,
 )
-from remat.automatic import Checkpointable
 from remat.errors import RematError, UnsupportedModel
 from remat.models import mlp_chain
 

@@ -16,13 +16,6 @@ import torch
 from torch import nn
 
 import remat
-from remat.discover.chain import sequential_chain
-from remat.measure import ChainMeasurement
-from remat.budget import BUDGET_FORMS, available_memory_bytes
-from remat.budget import FREE_MEMORY_MARGIN as SAFETY_MARGIN
-from remat.models import gpt2
-from remat.plan import available_solvers
-from remat.testing import random_chain
 from chain_helpers import (
     GroupCounter,
     assert_peak_matches_prediction,
@@ -33,6 +26,13 @@ from chain_helpers import (
     minimum_budget,
     state_of,
 )
+from remat.budget import BUDGET_FORMS, available_memory_bytes
+from remat.budget import FREE_MEMORY_MARGIN as SAFETY_MARGIN
+from remat.discover.chain import sequential_chain
+from remat.measure import ChainMeasurement
+from remat.models import gpt2
+from remat.plan import available_solvers
+from remat.testing import random_chain
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -48,9 +48,7 @@ def mlp_with_dropout(depth: int = 8, width: int = 16) -> Case:
     """Linear, GELU, Dropout, Linear blocks (nested Sequentials, flattened into 32 stages)."""
     model = nn.Sequential(
         *(
-            nn.Sequential(
-                nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.2), nn.Linear(2 * width, width)
-            )
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.2), nn.Linear(2 * width, width))
             for _ in range(depth)
         )
     )
@@ -586,9 +584,7 @@ def test_stages_that_do_not_keep_their_input_are_still_planned_separately() -> N
     # nn.TransformerEncoderLayer (batch_first) keeps a transposed copy of its input, not the
     # input itself: each layer must stay a stage of its own, so recompute can help.
     torch.manual_seed(0)
-    model = nn.Sequential(
-        *(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(4))
-    )
+    model = nn.Sequential(*(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(4)))
     x = torch.randn(8, 32, 32)
     wrapped = remat.Checkpointable(copy.deepcopy(model), 0.6, loss_fn=lambda out: out.sum())
     measurement = wrapped.measure(x)

@@ -116,8 +116,9 @@ def test_plan_json_agrees_with_the_library(
     assert [stage["name"] for stage in stages] == list(profile.names)
     assert [stage["forward_runs"] for stage in stages] == document["forward_counts"]
     assert [stage["index"] for stage in stages if stage["kept"]] == document["kept_stages"]
-    assert document["schedule"]["predicted_peak_bytes"] + document["measured"]["fixed_bytes"] == (
-        document["predicted_peak_bytes"]
+    assert (
+        document["schedule"]["predicted_peak_bytes"] + document["measured"]["fixed_bytes"]
+        == (document["predicted_peak_bytes"])
     )
     assert document["predicted_peak_bytes"] <= document["budget_bytes"] < document["no_recompute_peak_bytes"]
 
@@ -138,7 +139,9 @@ def test_plan_of_a_factory_with_a_sample_input(capsys: pytest.CaptureFixture[str
 
 
 def test_plan_of_a_factory_with_an_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["plan", "cli_factories:tiny_mlp", "--input-shape", str(WIDTH), "--batch", "4", "--json"], capsys)
+    code, out, _ = run(
+        ["plan", "cli_factories:tiny_mlp", "--input-shape", str(WIDTH), "--batch", "4", "--json"], capsys
+    )
     assert code == cli.EXIT_OK
     assert json.loads(out)["input_shapes"] == [[4, WIDTH]]
 
@@ -158,7 +161,9 @@ def test_unknown_model_lists_the_catalogue(capsys: pytest.CaptureFixture[str]) -
     assert "resnet9000" in line and "resnet_small" in line and "gpt2" in line
 
 
-@pytest.mark.parametrize("command", [["plan", TINY, "--budget", "12 parsecs"], ["bench", TINY, "--budgets", "0.5,lots"]])
+@pytest.mark.parametrize(
+    "command", [["plan", TINY, "--budget", "12 parsecs"], ["bench", TINY, "--budgets", "0.5,lots"]]
+)
 def test_unreadable_budget_lists_the_accepted_forms(
     command: list[str], tiny_catalogue: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -251,7 +256,9 @@ def test_the_documented_exit_codes_are_exactly_the_constants() -> None:
 
 
 # ---------------------------------------------------------------------- optional dependencies
-def test_missing_rich_prints_the_install_hint(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_rich_prints_the_install_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "rich", None)
     monkeypatch.setitem(sys.modules, "rich.console", None)
     code, _, err = run(["models"], capsys)
@@ -270,27 +277,50 @@ def test_missing_matplotlib_prints_the_install_hint(
 
 
 # ---------------------------------------------------------------------- bench
-def test_bench_writes_json_markdown_and_png(
-    tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_writes_json_markdown_and_png(tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path, markdown_path, plot_path = tmp_path / "bench.json", tmp_path / "out" / "bench.md", tmp_path / "bench.png"
     code, out, _ = run(
         [
-            "bench", tiny_catalogue, "--batch", str(BATCH), "--budgets", "1.0,0.5,min,1B", "--steps", "2",
-            "--threads", "1", "--json", str(json_path), "--markdown", str(markdown_path), "--plot", str(plot_path),
+            "bench",
+            tiny_catalogue,
+            "--batch",
+            str(BATCH),
+            "--budgets",
+            "1.0,0.5,min,1B",
+            "--steps",
+            "2",
+            "--threads",
+            "1",
+            "--json",
+            str(json_path),
+            "--markdown",
+            str(markdown_path),
+            "--plot",
+            str(plot_path),
         ],
         capsys,
     )
     assert code == cli.EXIT_OK
-    for strategy in ("no recompute", "checkpoint_sequential sqrt(n)", "remat @ 0.5", "remat @ min", "remat @ ckpt-seq memory"):
+    for strategy in (
+        "no recompute",
+        "checkpoint_sequential sqrt(n)",
+        "remat @ 0.5",
+        "remat @ min",
+        "remat @ ckpt-seq memory",
+    ):
         assert strategy in out
     assert "remat @ 1B: infeasible" in out
 
     document = json.loads(json_path.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
     assert list(rows) == [
-        "no recompute", "checkpoint_sequential sqrt(n)", "remat @ 1.0", "remat @ 0.5", "remat @ min",
-        "remat @ 1B", "remat @ ckpt-seq memory",
+        "no recompute",
+        "checkpoint_sequential sqrt(n)",
+        "remat @ 1.0",
+        "remat @ 0.5",
+        "remat @ min",
+        "remat @ 1B",
+        "remat @ ckpt-seq memory",
     ]
     assert rows["remat @ 1B"]["error"] and rows["remat @ 1B"]["measured_peak_bytes"] is None
     for row in rows.values():
@@ -310,7 +340,9 @@ def test_bench_writes_json_markdown_and_png(
 def test_bench_cannot_write_output(tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    code, _, err = run(["bench", tiny_catalogue, "--budgets", "min", "--steps", "1", "--json", str(blocker / "x.json")], capsys)
+    code, _, err = run(
+        ["bench", tiny_catalogue, "--budgets", "min", "--steps", "1", "--json", str(blocker / "x.json")], capsys
+    )
     assert code == cli.EXIT_CANNOT_WRITE
     assert "cannot write" in assert_one_error_line(err)
 

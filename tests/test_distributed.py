@@ -122,9 +122,7 @@ def test_hook_mode_under_ddp_with_a_block_used_twice(results: list[dict[str, Any
     assert_matches(results, "hooks-marked-shared", plain="plain-shared")
 
 
-@pytest.mark.parametrize(
-    "scenario", ["reentrant-marked", "reentrant-function", "reentrant-marked-static-graph"]
-)
+@pytest.mark.parametrize("scenario", ["reentrant-marked", "reentrant-function", "reentrant-marked-static-graph"])
 def test_reentrant_mode_under_ddp_where_torch_allows_it(results: list[dict[str, Any]], scenario: str) -> None:
     assert_matches(results, scenario, plain="plain-function" if "function" in scenario else "plain")
 

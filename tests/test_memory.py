@@ -151,10 +151,7 @@ HIDDEN = 4 * ACTIVATION  # the output of Linear(d, 4d) or of GELU: 8192 bytes
 
 def sixteen_block_mlp() -> nn.Sequential:
     return nn.Sequential(
-        *[
-            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-            for _ in range(N_BLOCKS)
-        ]
+        *[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)) for _ in range(N_BLOCKS)]
     )
 
 

@@ -7,10 +7,10 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
-import reference_models as reference
 import torch
 from torch import Tensor, nn
 
+import reference_models as reference
 from remat import models
 
 
@@ -157,9 +157,7 @@ def test_vgg_rejects_an_unknown_depth() -> None:
 
 # ----------------------------------------------------------------------------- GPT-2
 
-_GPT = models.GPTConfig(
-    vocab_size=50, n_positions=16, d_model=32, n_heads=4, n_layers=2, dropout=0.1
-)
+_GPT = models.GPTConfig(vocab_size=50, n_positions=16, d_model=32, n_heads=4, n_layers=2, dropout=0.1)
 
 
 def _token_ids() -> Tensor:

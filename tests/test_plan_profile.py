@@ -81,9 +81,7 @@ def test_invalid_profiles_say_what_is_wrong(overrides: dict[str, object], fragme
 
 
 def test_json_round_trip() -> None:
-    profile = two_stage_profile(
-        metadata={"device": "cuda:0", "dtype": "float16", "shapes": [[2, 3]]}
-    )
+    profile = two_stage_profile(metadata={"device": "cuda:0", "dtype": "float16", "shapes": [[2, 3]]})
     text = profile.to_json()
     data = json.loads(text)
     assert data["format"] == "remat.chain_profile" and data["version"] == 1

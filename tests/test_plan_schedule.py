@@ -112,9 +112,7 @@ def test_simulate_store_everything_by_hand() -> None:
     # b(1) : peak 24 + G1 1 = 25; frees G2, S1, x1: live S0 5 + G1 1 = 6
     # b(0) : peak 6 + G0 0 = 6; frees G1, S0: live 0
     result = simulate(chain_a(), (Store(0), Store(1)))
-    assert [
-        (str(e.operation), e.live_after_bytes, e.peak_during_bytes) for e in result.timeline
-    ] == [
+    assert [(str(e.operation), e.live_after_bytes, e.peak_during_bytes) for e in result.timeline] == [
         ("forward_store(0)", 15, 15),
         ("forward_store(1)", 42, 42),
         ("loss", 24, 44),

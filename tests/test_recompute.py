@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -158,9 +159,7 @@ def conv_net_with_batchnorm() -> nn.Sequential:
 
 
 def transformer_block() -> nn.Module:
-    return nn.TransformerEncoderLayer(
-        d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True
-    )
+    return nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)
 
 
 class HandWrittenBlock(nn.Module):
@@ -239,7 +238,11 @@ class Structured(nn.Module):
 def test_nested_structures_kwargs_and_constants(use_reentrant: bool) -> None:
     inputs = {
         "pair": (torch.randn(3, 4, requires_grad=True), [torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)]),
-        "extra": {"weight": torch.randn(4, requires_grad=True), "bias": torch.randn(2, requires_grad=True), "note": "x"},
+        "extra": {
+            "weight": torch.randn(4, requires_grad=True),
+            "bias": torch.randn(2, requires_grad=True),
+            "note": "x",
+        },
     }
 
     def plain(model: nn.Module, i: dict[str, Any]) -> Any:
