@@ -60,37 +60,34 @@ def bytes_and_mib(n_bytes: int) -> str:
     return f"{n_bytes} bytes ({n_bytes / MIB:.2f} MiB)"
 
 
-def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
-    """Prints the plan's report as a rich table, then its whole-step figures and budget split."""
+def _table(
+    title: str,
+    headers: tuple[str, ...],
+    *,
+    left_aligned: set[str],
+    centred: tuple[str, ...] = (),
+) -> Any:
+    """A rich table with a left-justified title; columns right-aligned unless named."""
     from rich.table import Table
 
-    report = plan.report()
-    table = Table(
-        title=f"recompute plan of {workload['model']} ({len(report.rows)} planned stages)",
-        title_justify="left",
-    )
-    for header, justify in (
-        ("#", "right"),
-        ("stage", "left"),
-        ("forward", "right"),
-        ("backward", "right"),
-        ("output", "right"),
-        ("saved", "right"),
-        ("plan", "left"),
-        ("forward runs", "right"),
-    ):
+    table = Table(title=title, title_justify="left")
+    for header in headers:
+        justify = "left" if header in left_aligned else "center" if header in centred else "right"
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    return table
+
+
+def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
+    """Prints the plan's report as a rich table, then its whole-step figures and budget split."""
+    report = plan.report()
+    table = _table(
+        f"recompute plan of {workload['model']} ({len(report.rows)} planned stages)",
+        ("#", "stage", "forward", "backward", "output", "saved", "plan", "forward runs"),
+        left_aligned={"stage", "plan"},
+    )
     for row in report.rows:
-        table.add_row(
-            str(row.index),
-            row.name,
-            format_seconds(row.forward_time_s),
-            format_seconds(row.backward_time_s),
-            format_bytes(row.output_bytes),
-            format_bytes(row.saved_bytes),
-            "kept" if row.kept else "[yellow]recomputed[/yellow]",
-            str(row.forward_runs),
-        )
+        decision = "kept" if row.kept else "[yellow]recomputed[/yellow]"
+        table.add_row(*row.formatted_figures(), decision, str(row.forward_runs))
     output.out.print(table)
     split = plan.budget
     shapes = ", ".join(str(tuple(shape)) for shape in workload["input_shapes"])
@@ -118,30 +115,27 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
 
 
 def print_bench(result: BenchmarkResult, output: Output) -> None:
-    from rich.table import Table
-
+    """Prints the benchmark's rows as a rich table, with each row's error below it."""
     from remat.bench import format_row
 
     meta = result.metadata
-    table = Table(
-        title=(
-            f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
-            f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
-            f"median of {meta['steps']} steps"
+    table = _table(
+        f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
+        f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
+        f"median of {meta['steps']} steps",
+        (
+            "strategy",
+            "budget",
+            "measured peak",
+            "predicted peak",
+            "fits",
+            "median step",
+            "overhead",
+            "predicted overhead",
         ),
-        title_justify="left",
+        left_aligned={"strategy"},
+        centred=("fits",),
     )
-    for header, justify in (
-        ("strategy", "left"),
-        ("budget", "right"),
-        ("measured peak", "right"),
-        ("predicted peak", "right"),
-        ("fits", "center"),
-        ("median step", "right"),
-        ("overhead", "right"),
-        ("predicted overhead", "right"),
-    ):
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for row in result.rows:
         cells = format_row(row)
         fits = cells["fits"]

@@ -46,6 +46,17 @@ class StageRow:
     kept: bool
     forward_runs: int
 
+    def formatted_figures(self) -> tuple[str, ...]:
+        """Index, name, forward and backward times, output and saved bytes, formatted for people."""
+        return (
+            str(self.index),
+            self.name,
+            format_seconds(self.forward_time_s),
+            format_seconds(self.backward_time_s),
+            format_bytes(self.output_bytes),
+            format_bytes(self.saved_bytes),
+        )
+
 
 class PlanReport:
     """The facts of a schedule side by side with storing everything.
@@ -137,17 +148,7 @@ class PlanReport:
         ]
         header = ("stage", "name", "forward", "backward", "output", "saved", "decision", "runs")
         table = [header] + [
-            (
-                str(row.index),
-                row.name,
-                format_seconds(row.forward_time_s),
-                format_seconds(row.backward_time_s),
-                format_bytes(row.output_bytes),
-                format_bytes(row.saved_bytes),
-                "keep" if row.kept else "recompute",
-                str(row.forward_runs),
-            )
-            for row in self.rows
+            (*row.formatted_figures(), "keep" if row.kept else "recompute", str(row.forward_runs)) for row in self.rows
         ]
         widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
         left_aligned = {1, 6}
