@@ -280,3 +280,11 @@ def test_minimum_bytes_is_the_smallest_budget_each_solver_fits(name: str, seed: 
     assert solver(profile, minimum).predicted_peak_bytes <= minimum
     with pytest.raises(BudgetTooSmall):
         solver(profile, minimum - 1)
+
+
+@pytest.mark.parametrize("chain", EDGE_CHAINS, ids=list(EDGE_CHAINS))
+@pytest.mark.parametrize("name", SOLVERS)
+def test_minimum_bytes_of_the_edge_chains(name: str, chain: str) -> None:
+    """On every edge chain, the method gives the minimum that a budget of 0 bytes reports (0 if it fits)."""
+    profile = EDGE_CHAINS[chain]
+    assert get_solver(name).minimum_bytes(profile) == minimum_of(name, profile)

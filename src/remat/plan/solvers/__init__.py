@@ -12,8 +12,17 @@ Every solver follows one contract (:class:`Solver`): its configuration goes to
 ``"periodic"`` ``torch.utils.checkpoint.checkpoint_sequential``'s segments
 =============  ===============================================================
 
+Every solver also tells the smallest budget it can fit, ``solver.minimum_bytes(profile)``;
+below it, calling the solver raises :class:`~remat.errors.BudgetTooSmall` with that minimum.
+
 >>> schedule = get_solver("optimal", slots=500)(profile, 2 * 2**30)  # doctest: +SKIP
 >>> print(schedule)  # doctest: +SKIP
+
+The modules, by job: ``contract`` (the protocol, the registry, budget checks), ``baselines``
+(fixed plans), and the dynamic program's ``arrays`` (a chain in memory units and the
+program's accounting), ``kernels`` (the peak formulas and the loops numba compiles),
+``programs`` (the least-peak and time programs in numpy, or compiled), ``reconstruct``
+(plans from the programs' tables) and ``optimal`` (the solvers that run it).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ __all__ = [
     "store_everything_plan",
 ]
 
+# The built-in solvers, registered when the package is imported.
 register_solver("optimal", OptimalSolver)
 register_solver("auto", AutoSolver)
 register_solver("none", StoreEverythingSolver)

@@ -1,4 +1,8 @@
-"""The dynamic program's view of a chain: its sizes in whole memory units, and peak terms."""
+"""The dynamic program's view of a chain: its sizes in whole memory units, and its peak terms.
+
+The NOTE below is the program's accounting; the peak formulas that every form of the program
+shares (numpy, numba, plan reconstruction, :func:`_plan_peak_units`) are in ``kernels.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,13 @@ import numpy as np
 
 from remat.plan.operations import PlanItem, PlanTree, Store
 from remat.plan.profile import ChainProfile
+from remat.plan.solvers import kernels
 
-__all__ = ["INT_INFINITY"]
-
-INT_INFINITY = np.int64(2**62)
-"""Stands for an infeasible peak in the integer tables."""
+__all__: list[str] = []
 
 
 # NOTE [memory accounting of the dynamic program]
-# The program is exact with respect to simulate() (schedule.py) for every plan tree in which
+# The program is exact with respect to simulate() (simulate.py) for every plan tree in which
 # no level ends with a region; plans that do are never better (see "trailing regions").
 #
 # Subproblem (a, b, h), 0 <= a <= b <= n-1: run the items of one level covering stages
@@ -59,6 +61,8 @@ INT_INFINITY = np.int64(2**62)
 #               X + G + max_{a<k<j} (x_k + x_{k+1} + S_k + ft_k),     forward_discard(k)
 #               X + peak(j, b, 0),                                    the rest; x_a checkpointed
 #               peak(a, j-1, 1))                                      the body, with G_j
+#   The first two lines are X + G + inner(a, j), with inner(a, j) = max(x_{a+1} + S_a + ft_a,
+#   max_{a<k<j} (x_k + x_{k+1} + S_k + ft_k)): the region's forward peak, tabulated once.
 #   x_j is held only by its frontier (hence h = 0); when the body starts, the rest has
 #   released everything but G_j, which is the body's G. Stages inside the region never hold
 #   S_k after their discarding forward, but it was materialised, as simulate() counts it.
@@ -83,26 +87,30 @@ INT_INFINITY = np.int64(2**62)
 #   cost(region [a,j)) = (f_a + .. + f_{j-1}) + cost(j, b, 0, m - X) + cost(a, j-1, 1, m)
 # A region's cost at m is at least its cost at the largest m of the row, so the m where the
 # best cost so far is already below that are skipped (best is non-increasing in m).
-# The least peak of the whole chain, computed in exact bytes, is BudgetTooSmall.minimum_bytes;
+# The least peak of the whole chain, computed in exact bytes, is OptimalSolver.minimum_bytes();
 # at any budget from it on a plan is returned: the least-peak plan when rounding to slots
 # leaves the time program nothing, or when that plan happens to be faster.
 
 
 @dataclass(frozen=True)
 class _ChainArrays:
-    """The sizes of a chain in whole units (slots or bytes) and the derived peak terms."""
+    """The sizes of a chain in whole units (slots or bytes) and the derived peak terms.
+
+    The comments give each array's shape and, in the notation of the NOTE above, its value.
+    """
 
     n_stages: int
     unit_bytes: int
-    activation: np.ndarray  # (n+1,) int64, activation[0] = 0
-    gradient: np.ndarray  # (n+1,) int64
-    saved: np.ndarray  # (n,) int64
-    forward_temp: np.ndarray  # (n,) int64
-    backward_temp: np.ndarray  # (n,) int64
-    saves_input: np.ndarray  # (n,) int64 0/1
-    saves_output: np.ndarray  # (n,) int64 0/1
+    activation: np.ndarray  # (n+1,) int64: x_a, with x_0 = 0
+    gradient: np.ndarray  # (n+1,) int64: G_a
+    saved: np.ndarray  # (n,) int64: S_a
+    forward_temp: np.ndarray  # (n,) int64: ft_a
+    backward_temp: np.ndarray  # (n,) int64: bt_a
+    saves_input: np.ndarray  # (n,) int64 0/1: si_a
+    saves_output: np.ndarray  # (n,) int64 0/1: so_a
     first_forward: np.ndarray  # (n,) int64: x_{a+1} + S_a + ft_a
     discard_forward: np.ndarray  # (n,) int64: x_k + x_{k+1} + S_k + ft_k
+    region_inner_forward: np.ndarray  # (n, n+1) int64: inner(a, j) for a < j (0 elsewhere)
     outer_gradient: np.ndarray  # (n,) int64: G of a subproblem ending at b (0 for b = n-1)
     store_background: np.ndarray  # (n, 2) int64: bg of "store a" for h = 0, 1
     store_backward: np.ndarray  # (n, 2) int64: peak of backward(a) of "store a", a < b
@@ -113,6 +121,7 @@ class _ChainArrays:
 
     @classmethod
     def from_profile(cls, profile: ChainProfile, unit_bytes: int) -> _ChainArrays:
+        """The arrays of ``profile`` with every size rounded up to whole units of ``unit_bytes``."""
         n = profile.n_stages
 
         def units(values: tuple[int, ...]) -> np.ndarray:
@@ -169,6 +178,7 @@ class _ChainArrays:
             saves_output=saves_output,
             first_forward=first_forward,
             discard_forward=discard_forward,
+            region_inner_forward=_region_inner_forward(first_forward, discard_forward),
             outer_gradient=outer_gradient,
             store_background=store_background,
             store_backward=store_backward,
@@ -178,35 +188,64 @@ class _ChainArrays:
             base_s=base_s,
         )
 
-    def store_own_peak(self, start: int, stop: int, held: int) -> int:
-        """The peak of "store start" without the rest of the subproblem (start..stop)."""
-        if start == stop:
+    def store_own_peak(self, start: int, end: int, held: int) -> int:
+        """The peak of "store start" without the rest of the subproblem (start, end, held)."""
+        if start == end:
             return int(self.single_peak[start, held])
-        forward = self.activation[start] + self.outer_gradient[stop] + self.first_forward[start]
-        return int(max(forward, self.store_backward[start, held]))
-
-    def region_forward_peaks(self, start: int, end: int) -> np.ndarray:
-        """The peaks of the forwards of regions ``[start, stop)`` for every stop in ``start+1 .. end``.
-
-        In a subproblem ending at ``end``: ``x_start`` and the outer gradient, plus the largest
-        of the checkpointing forward of ``start`` and the discarding forwards after it. This
-        is the one definition of a region's forward peak; the numba kernels compute the same
-        running maximum in their loops.
-        """
-        inner = np.maximum.accumulate(
-            np.concatenate(([self.first_forward[start]], self.discard_forward[start + 1 : end]))
+        return int(
+            kernels.store_own_peak(
+                self.activation, self.outer_gradient, self.first_forward, self.store_backward, start, end, held
+            )
         )
-        return self.activation[start] + self.outer_gradient[end] + inner
 
     def region_forward_peak(self, start: int, stop: int, end: int) -> int:
-        """The peak of the forwards of region [start, stop) in a subproblem ending at ``end``."""
-        return int(self.region_forward_peaks(start, end)[stop - start - 1])
+        """The forward peak of the region ``[start, stop)`` in a subproblem ending at ``end``."""
+        return int(
+            kernels.region_forward_peak(
+                self.activation, self.outer_gradient, self.region_inner_forward, start, stop, end
+            )
+        )
+
+    def region_forward_peaks(self, start: int, end: int) -> np.ndarray:
+        """The forward peaks of the regions ``[start, stop)``, stop in ``start+1 .. end``, ending at ``end``."""
+        stops = slice(start + 1, end + 1)
+        return kernels.region_forward_peak(
+            self.activation, self.outer_gradient, self.region_inner_forward, start, stops, end
+        )
+
+    def region_peaks(self, least: np.ndarray, start: int, end: int) -> np.ndarray:
+        """The least peaks of the regions ``[start, stop)``, stop in ``start+1 .. end``, ending at ``end``.
+
+        Args:
+            least: the least peaks of the shorter subproblems.
+            start: the first stage of the regions.
+            end: the last stage of the subproblem.
+        """
+        rests = least[start + 1 : end + 1, end, 0]
+        bodies = least[start, start:end, 1]
+        return kernels.region_peak(self.region_forward_peaks(start, end), self.activation[start], rests, bodies)
+
+
+def _region_inner_forward(first_forward: np.ndarray, discard_forward: np.ndarray) -> np.ndarray:
+    """inner(a, j) of the NOTE above, at ``[a, j]`` for a < j <= n; 0 for j <= a.
+
+    The largest of the checkpointing forward of ``a`` and the discarding forwards of
+    ``a+1 .. j-1``: a running maximum along each row.
+    """
+    n = first_forward.shape[0]
+    stage = np.arange(n)
+    # [a, k] = discard_forward[k] for k > a, else first_forward[a] (neutral for the maximum).
+    forwards = np.where(stage[None, :] > stage[:, None], discard_forward[None, :], first_forward[:, None])
+    inner = np.zeros((n, n + 1), dtype=np.int64)
+    inner[:, 1:] = np.maximum.accumulate(forwards, axis=1)
+    inner[np.tril_indices(n, 0, n + 1)] = 0
+    return inner
 
 
 def _plan_peak_units(arrays: _ChainArrays, plan: PlanTree) -> int:
     """The peak of a plan by the dynamic program's accounting (in the units of ``arrays``).
 
-    Used to check that the accounting agrees with :func:`simulate`.
+    Used to check that the accounting agrees with :func:`~remat.plan.simulate.simulate`.
 
     Raises:
         ValueError: a level of the plan ends with a region (outside the program's family).

@@ -1,56 +1,131 @@
-"""The two programs of the optimal solver, in numpy and, compiled, in numba.
+"""The recurrences of the optimal solver's two programs, once: peak formulas and compiled loops.
 
-The least-peak program (a min-max recurrence) gives the smallest peak of every
-subproblem; the time program gives the least time of every subproblem under every
-memory. Each has a numpy implementation and a numba one that computes the same
-recurrence (see NOTE [memory accounting of the dynamic program] in ``arrays.py``).
+The peak formulas below are the one definition of the peaks of the program's options (see
+NOTE [memory accounting of the dynamic program] in ``arrays.py``). They are plain functions:
+the numpy forms of the programs (``programs.py``), plan reconstruction and
+:func:`~.arrays._plan_peak_units` call them (through :class:`~.arrays._ChainArrays`) for
+all the stops of a subproblem at once, and the loop forms here, which numba compiles, for
+one stop at a time. The two forms of the least-peak program also share the step that
+closes a subproblem.
+
+The loops take the chain's arrays one by one, not as a :class:`_ChainArrays`: numba
+compiles loops over arrays held in a tuple into slower code.
+
+NOTE [numba's cache and this file]: numba compiles the loops on first use and caches them on
+disk; a cached function is compiled again when its own file changes, not when a function it
+calls does. Every function the compiled loops call is therefore in this file.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from remat.plan.solvers.arrays import INT_INFINITY, _ChainArrays
+__all__ = [
+    "INT_INFINITY",
+    "close_subproblem",
+    "compiled_programs",
+    "one_stage_peaks",
+    "region_forward_peak",
+    "region_peak",
+    "store_own_peak",
+]
 
-__all__: list[str] = []
+INT_INFINITY = np.int64(2**62)
+"""Stands for an infeasible peak in the integer tables."""
+
+Stops = int | slice
+"""One stop of a region, or a slice of consecutive stops (then the formula gives an array)."""
 
 
-def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (least peak, store-everything peak) of every subproblem, shape (n, n, 2)."""
-    n = arrays.n_stages
-    least = np.full((n, n, 2), INT_INFINITY, dtype=np.int64)
-    saturation = np.full((n, n, 2), INT_INFINITY, dtype=np.int64)
+# ------------------------------------------------------------ the peak formulas
+
+
+def region_forward_peak(
+    activation: np.ndarray,
+    outer_gradient: np.ndarray,
+    region_inner_forward: np.ndarray,
+    start: int,
+    stop: Stops,
+    end: int,
+) -> Any:
+    """The peak of the forwards of the region ``[start, stop)`` in the subproblem ``(start, end, .)``.
+
+    ``x_start`` and the subproblem's outer gradient, plus the largest of the checkpointing
+    forward of ``start`` and the discarding forwards after it (``inner`` in the NOTE).
+    """
+    return activation[start] + outer_gradient[end] + region_inner_forward[start, stop]
+
+
+def region_peak(forward_peak: Any, start_activation: Any, rest_least_peak: Any, body_least_peak: Any) -> Any:
+    """The least peak of the option "region ``[a, j)``" of a subproblem ``(a, b, .)``.
+
+    The largest of the region's forwards (``forward_peak``, from :func:`region_forward_peak`),
+    the rest ``(j, b, 0)`` on top of the checkpointed ``x_a`` (``start_activation``), and the
+    body ``(a, j - 1, 1)``. Scalars, or arrays over consecutive stops ``j``.
+    """
+    return np.maximum(np.maximum(forward_peak, start_activation + rest_least_peak), body_least_peak)
+
+
+def store_own_peak(
+    activation: np.ndarray,
+    outer_gradient: np.ndarray,
+    first_forward: np.ndarray,
+    store_backward: np.ndarray,
+    start: int,
+    end: int,
+    held: int,
+) -> Any:
+    """The peak of the forward and the backward of "store ``start``" in ``(start, end, held)``, start < end."""
+    forward = activation[start] + outer_gradient[end] + first_forward[start]
+    return max(forward, store_backward[start, held])
+
+
+# ------------------------------------------------------------ the least-peak program
+
+
+def one_stage_peaks(single_peak: np.ndarray, infinity: np.int64) -> tuple[np.ndarray, np.ndarray]:
+    """The (least, store-everything) peak tables, (n, n, 2), with the one-stage subproblems filled."""
+    n = single_peak.shape[0]
+    least = np.full((n, n, 2), infinity, dtype=np.int64)
+    saturation = np.full((n, n, 2), infinity, dtype=np.int64)
     for start in range(n):
-        least[start, start] = arrays.single_peak[start]
-        saturation[start, start] = arrays.single_peak[start]
-    for length in range(2, n + 1):
-        for start in range(0, n - length + 1):
-            end = start + length - 1
-            activation = arrays.activation[start]
-            outer = activation + arrays.outer_gradient[end]
-            region = np.maximum(
-                np.maximum(arrays.region_forward_peaks(start, end), activation + least[start + 1 : end + 1, end, 0]),
-                least[start, start:end, 1],
-            ).min()
-            held_next = arrays.saves_output[start]
-            for held in (0, 1):
-                own = max(outer + arrays.first_forward[start], arrays.store_backward[start, held])
-                background = arrays.store_background[start, held]
-                store = max(own, background + least[start + 1, end, held_next])
-                least[start, end, held] = min(store, region)
-                saturation[start, end, held] = max(own, background + saturation[start + 1, end, held_next])
+        for held in range(2):
+            least[start, start, held] = single_peak[start, held]
+            saturation[start, start, held] = single_peak[start, held]
     return least, saturation
 
 
-def _least_peaks_kernel(  # pragma: no cover - compiled by numba
-    n: int,
+def close_subproblem(
+    least: np.ndarray,
+    saturation: np.ndarray,
+    region: Any,
+    start: int,
+    end: int,
+    activation: np.ndarray,
+    outer_gradient: np.ndarray,
+    first_forward: np.ndarray,
+    store_background: np.ndarray,
+    store_backward: np.ndarray,
+    saves_output: np.ndarray,
+) -> None:
+    """Fills the peaks of ``(start, end, h)`` from ``region`` (the least of its regions') and "store start"."""
+    held_next = saves_output[start]
+    for held in range(2):
+        own = store_own_peak(activation, outer_gradient, first_forward, store_backward, start, end, held)
+        background = store_background[start, held]
+        store = max(own, background + least[start + 1, end, held_next])
+        least[start, end, held] = min(store, region)
+        saturation[start, end, held] = max(own, background + saturation[start + 1, end, held_next])
+
+
+def _least_peaks_loops(  # pragma: no cover - compiled by numba
     activation: np.ndarray,
     first_forward: np.ndarray,
-    discard_forward: np.ndarray,
+    region_inner_forward: np.ndarray,
     outer_gradient: np.ndarray,
     store_background: np.ndarray,
     store_backward: np.ndarray,
@@ -58,46 +133,126 @@ def _least_peaks_kernel(  # pragma: no cover - compiled by numba
     saves_output: np.ndarray,
     infinity: np.int64,
 ) -> tuple[np.ndarray, np.ndarray]:
-    least = np.full((n, n, 2), infinity, dtype=np.int64)
-    saturation = np.full((n, n, 2), infinity, dtype=np.int64)
-    for start in range(n):
-        for held in range(2):
-            least[start, start, held] = single_peak[start, held]
-            saturation[start, start, held] = single_peak[start, held]
+    """The loop form of the least-peak program: the regions of a subproblem one stop at a time."""
+    least, saturation = one_stage_peaks(single_peak, infinity)
+    n = single_peak.shape[0]
     for length in range(2, n + 1):
         for start in range(0, n - length + 1):
             end = start + length - 1
-            outer = activation[start] + outer_gradient[end]
-            inner = first_forward[start]
             region = infinity
             for stop in range(start + 1, end + 1):
-                if stop > start + 1 and discard_forward[stop - 1] > inner:
-                    inner = discard_forward[stop - 1]
-                value = max(
-                    outer + inner,
-                    activation[start] + least[stop, end, 0],
-                    least[start, stop - 1, 1],
+                forward = region_forward_peak(activation, outer_gradient, region_inner_forward, start, stop, end)
+                region = min(
+                    region, region_peak(forward, activation[start], least[stop, end, 0], least[start, stop - 1, 1])
                 )
-                if value < region:
-                    region = value
-            held_next = saves_output[start]
-            for held in range(2):
-                own = max(outer + first_forward[start], store_backward[start, held])
-                background = store_background[start, held]
-                store = max(own, background + least[start + 1, end, held_next])
-                least[start, end, held] = min(store, region)
-                saturation[start, end, held] = max(own, background + saturation[start + 1, end, held_next])
+            close_subproblem(
+                least,
+                saturation,
+                region,
+                start,
+                end,
+                activation,
+                outer_gradient,
+                first_forward,
+                store_background,
+                store_backward,
+                saves_output,
+            )
     return least, saturation
 
 
-# The time program is one compiled loop nest: splitting it into calls would cost the
-# compiled kernel its speed, hence its complexity.
-def _costs_kernel(  # noqa: C901  # pragma: no cover - compiled by numba
-    n: int,
+# ------------------------------------------------------------ the time program
+
+# The loop form keeps, for each subproblem (a, b, h), only the memories m in
+# [least, min(saturation, budget + 1)): its row, at values[offsets[a, b, h] + m - least].
+# Below the row the cost is infinite, above it the store-everything time base_s[a, b]. A
+# caller reads a row through an offset that already subtracts its least peak (and, for
+# the rest of a region, x_a) and through its saturation in the caller's memory.
+
+
+def _row_cost_s(  # pragma: no cover - compiled by numba
+    values: np.ndarray, offset: int, saturation: int, base_s: float, memory: int
+) -> float:
+    """A subproblem's cost at ``memory`` (not below its least peak): from its row, or ``base_s`` past it."""
+    if memory >= saturation:
+        return base_s
+    return values[offset + memory]
+
+
+def _first_at_most(  # pragma: no cover - compiled by numba
+    best: np.ndarray, low: int, begin: int, end: int, floor: float
+) -> int:
+    """The first m in ``[begin, end)`` with ``best[m - low] <= floor``, or ``end``; best is non-increasing."""
+    while begin < end:
+        middle = (begin + end) // 2
+        if best[middle - low] <= floor:
+            end = middle
+        else:
+            begin = middle + 1
+    return begin
+
+
+def _lower_by_region(  # pragma: no cover - compiled by numba
+    best: np.ndarray,
+    low: int,
+    first: int,
+    high: int,
+    values: np.ndarray,
+    recompute_s: float,
+    rest_offset: int,
+    rest_saturation: int,
+    rest_base_s: float,
+    body_offset: int,
+    body_saturation: int,
+    body_base_s: float,
+) -> None:
+    """Lowers ``best`` (memories from ``low``) to a region's cost on ``[first, high)``.
+
+    The cost is ``recompute_s`` plus the rest's and the body's, read from their rows (at
+    ``offset``, constant from ``saturation`` on, as :func:`_row_cost_s`).
+    """
+    # The region costs at least what it costs at high - 1: skip the m where best is already
+    # there (a suffix of [first, high), found by bisection).
+    floor = recompute_s + _row_cost_s(values, rest_offset, rest_saturation, rest_base_s, high - 1)
+    floor = floor + _row_cost_s(values, body_offset, body_saturation, body_base_s, high - 1)
+    if best[first - low] <= floor:
+        return
+    cut = _first_at_most(best, low, first + 1, high, floor)
+    # Up to three segments: both rows read, one row read and the other constant, both
+    # constant. The loops run over slices, indexed from 0, so that they vectorise.
+    both_rows = min(cut, rest_saturation, body_saturation)
+    one_row = min(cut, max(rest_saturation, body_saturation))
+    if both_rows > first:
+        target = best[first - low : both_rows - low]
+        rest_row = values[rest_offset + first : rest_offset + both_rows]
+        body_row = values[body_offset + first : body_offset + both_rows]
+        for index in range(target.shape[0]):
+            target[index] = min(target[index], recompute_s + rest_row[index] + body_row[index])
+    segment = max(first, both_rows)
+    if one_row > segment:
+        target = best[segment - low : one_row - low]
+        if rest_saturation <= body_saturation:
+            with_rest = recompute_s + rest_base_s
+            body_row = values[body_offset + segment : body_offset + one_row]
+            for index in range(target.shape[0]):
+                target[index] = min(target[index], with_rest + body_row[index])
+        else:
+            rest_row = values[rest_offset + segment : rest_offset + one_row]
+            for index in range(target.shape[0]):
+                target[index] = min(target[index], recompute_s + rest_row[index] + body_base_s)
+    segment = max(first, one_row)
+    if cut > segment:
+        constant = recompute_s + rest_base_s + body_base_s
+        target = best[segment - low : cut - low]
+        for index in range(target.shape[0]):
+            target[index] = min(target[index], constant)
+
+
+def _costs_loops(  # pragma: no cover - compiled by numba
     budget_units: int,
     activation: np.ndarray,
     first_forward: np.ndarray,
-    discard_forward: np.ndarray,
+    region_inner_forward: np.ndarray,
     outer_gradient: np.ndarray,
     store_background: np.ndarray,
     store_backward: np.ndarray,
@@ -110,283 +265,103 @@ def _costs_kernel(  # noqa: C901  # pragma: no cover - compiled by numba
     offsets: np.ndarray,
     total: int,
 ) -> np.ndarray:
-    # Row (a, b, h) holds cost(a, b, h, m) for m in [least, min(saturation, budget + 1))
-    # at values[offsets[a, b, h] + m - least]; below it is infinite, above base_s[a, b].
-    # Order: b increasing, a decreasing, so that the rows (j, b, 0) of the rests, used
-    # by every a, stay in cache; the layout keeps them, and the rows (a, c, 1) of the
-    # bodies, next to each other.
+    """The loop form of the time program: the rows of every subproblem, in one flat array."""
+    # Order: b increasing, a decreasing, so that the rows (j, b, 0) of the rests, used by
+    # every a, stay in cache; the layout keeps them, and the rows (a, c, 1) of the bodies,
+    # next to each other.
     values = np.empty(total, dtype=np.float64)
-    for end in range(1, n):
+    for end in range(1, least.shape[0]):
         for start in range(end - 1, -1, -1):
             low = min(least[start, end, 0], least[start, end, 1])
             high = min(budget_units + 1, max(saturation[start, end, 0], saturation[start, end, 1]))
             if low >= high:
                 continue
-            activation_start = activation[start]
-            outer = activation_start + outer_gradient[end]
             own_s = forward_backward_s[start]
             held_next = saves_output[start]
             next_least = least[start + 1, end, held_next]
-            next_full = saturation[start + 1, end, held_next]
-            next_offset = offsets[start + 1, end, held_next] - next_least
-            next_base = base_s[start + 1, end]
-            # best[m - low] starts as the larger of the two "store start" costs (that of
-            # the larger background) and takes the minimum with every region. Both are
-            # non-increasing in m, which the pruning below relies on.
-            best = np.empty(high - low, dtype=np.float64)
+            next_saturation = saturation[start + 1, end, held_next]
+            next_base_s = base_s[start + 1, end]
+            # best[m - low] starts as the larger of the two "store start" costs (that of the
+            # larger background) and takes the minimum with every region. Both are
+            # non-increasing in m, which the pruning in _lower_by_region relies on.
             background = max(store_background[start, 0], store_background[start, 1])
             store_first = max(
-                outer + first_forward[start],
-                store_backward[start, 0],
-                store_backward[start, 1],
+                store_own_peak(activation, outer_gradient, first_forward, store_backward, start, end, 0),
+                store_own_peak(activation, outer_gradient, first_forward, store_backward, start, end, 1),
                 background + next_least,
             )
-            for m in range(low, high):
-                if m < store_first:
-                    best[m - low] = np.inf
-                elif m - background >= next_full:
-                    best[m - low] = own_s + next_base
-                else:
-                    best[m - low] = own_s + values[next_offset + m - background]
-            inner = first_forward[start]
+            next_offset = offsets[start + 1, end, held_next] - next_least - background
+            best = np.full(high - low, np.inf)
+            for m in range(max(low, store_first), high):
+                best[m - low] = own_s + _row_cost_s(values, next_offset, next_saturation + background, next_base_s, m)
             for stop in range(start + 1, end + 1):
-                if stop > start + 1 and discard_forward[stop - 1] > inner:
-                    inner = discard_forward[stop - 1]
+                forward = region_forward_peak(activation, outer_gradient, region_inner_forward, start, stop, end)
                 first = max(
-                    low,
-                    outer + inner,
-                    activation_start + least[stop, end, 0],
-                    least[start, stop - 1, 1],
+                    low, region_peak(forward, activation[start], least[stop, end, 0], least[start, stop - 1, 1])
                 )
                 if first >= high:
                     continue
-                recompute_s = forward_prefix_s[stop] - forward_prefix_s[start]
-                rest_base = base_s[stop, end]
-                body_base = base_s[start, stop - 1]
-                # The rest (stop, end, 0) at m - x_a and the body (start, stop - 1, 1)
-                # at m, each read from its row or, past its saturation, constant.
-                rest_offset = offsets[stop, end, 0] - least[stop, end, 0] - activation_start
-                rest_full = activation_start + saturation[stop, end, 0]
-                body_offset = offsets[start, stop - 1, 1] - least[start, stop - 1, 1]
-                body_full = saturation[start, stop - 1, 1]
-                # This region costs at least what it costs at high - 1: skip the m where
-                # best is already there (a suffix of [first, high), found by bisection).
-                last = high - 1
-                if last >= rest_full:
-                    floor = recompute_s + rest_base
-                else:
-                    floor = recompute_s + values[rest_offset + last]
-                if last >= body_full:
-                    floor = floor + body_base
-                else:
-                    floor = floor + values[body_offset + last]
-                if best[first - low] <= floor:
-                    continue
-                cut_low, cut_high = first + 1, high
-                while cut_low < cut_high:
-                    middle = (cut_low + cut_high) // 2
-                    if best[middle - low] <= floor:
-                        cut_high = middle
-                    else:
-                        cut_low = middle + 1
-                cut = cut_low
-                both_rows = min(cut, rest_full, body_full)
-                one_row = min(cut, max(rest_full, body_full))
-                # The loops run over slices, indexed from 0, so that they vectorise.
-                if both_rows > first:
-                    target = best[first - low : both_rows - low]
-                    rest_row = values[rest_offset + first : rest_offset + both_rows]
-                    body_row = values[body_offset + first : body_offset + both_rows]
-                    for index in range(target.shape[0]):
-                        target[index] = min(target[index], recompute_s + rest_row[index] + body_row[index])
-                segment = max(first, both_rows)
-                if one_row > segment:
-                    target = best[segment - low : one_row - low]
-                    if rest_full <= body_full:
-                        with_rest = recompute_s + rest_base
-                        body_row = values[body_offset + segment : body_offset + one_row]
-                        for index in range(target.shape[0]):
-                            target[index] = min(target[index], with_rest + body_row[index])
-                    else:
-                        rest_row = values[rest_offset + segment : rest_offset + one_row]
-                        for index in range(target.shape[0]):
-                            target[index] = min(target[index], recompute_s + rest_row[index] + body_base)
-                segment = max(first, one_row)
-                if cut > segment:
-                    constant = recompute_s + rest_base + body_base
-                    target = best[segment - low : cut - low]
-                    for index in range(target.shape[0]):
-                        target[index] = min(target[index], constant)
+                _lower_by_region(
+                    best,
+                    low,
+                    first,
+                    high,
+                    values,
+                    forward_prefix_s[stop] - forward_prefix_s[start],
+                    offsets[stop, end, 0] - least[stop, end, 0] - activation[start],
+                    activation[start] + saturation[stop, end, 0],
+                    base_s[stop, end],
+                    offsets[start, stop - 1, 1] - least[start, stop - 1, 1],
+                    saturation[start, stop - 1, 1],
+                    base_s[start, stop - 1],
+                )
+            # Each row (start, end, h): best, lowered by "store start" with h's own background.
             for held in range(2):
                 row_start = least[start, end, held]
-                row_stop = min(budget_units + 1, saturation[start, end, held])
-                if row_start >= row_stop:
-                    continue
                 row_offset = offsets[start, end, held] - row_start
                 background = store_background[start, held]
                 store_first = max(
-                    outer + first_forward[start],
-                    store_backward[start, held],
+                    store_own_peak(activation, outer_gradient, first_forward, store_backward, start, end, held),
                     background + next_least,
                 )
-                for m in range(row_start, row_stop):
+                next_offset = offsets[start + 1, end, held_next] - next_least - background
+                for m in range(row_start, min(budget_units + 1, saturation[start, end, held])):
                     value = best[m - low]
                     if m >= store_first:
-                        if m - background >= next_full:
-                            stored = own_s + next_base
-                        else:
-                            stored = own_s + values[next_offset + m - background]
-                        if stored < value:
-                            value = stored
+                        stored = own_s + _row_cost_s(values, next_offset, next_saturation + background, next_base_s, m)
+                        value = min(value, stored)
                     values[row_offset + m] = value
     return values
 
 
+# ------------------------------------------------------------ compilation
+
+_COMPILED_HELPERS = (
+    region_forward_peak,
+    region_peak,
+    store_own_peak,
+    one_stage_peaks,
+    close_subproblem,
+    _row_cost_s,
+    _first_at_most,
+    _lower_by_region,
+)
+
+
 @functools.lru_cache(maxsize=1)
-def _numba_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Compiles (once; cached on disk) the numba kernels of the two programs."""
+def compiled_programs() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Compiles (once; cached on disk) the loop forms of the two programs with numba.
+
+    Returns:
+        The least-peak loops and the time-program loops, with the signatures of
+        ``_least_peaks_loops`` and ``_costs_loops``.
+    """
     import numba
+    from numba.extending import register_jitable
 
-    return numba.njit(cache=True)(_least_peaks_kernel), numba.njit(cache=True)(_costs_kernel)
-
-
-def _least_peaks(arrays: _ChainArrays, implementation: str) -> tuple[np.ndarray, np.ndarray]:
-    if implementation == "numba":
-        least_peaks, _ = _numba_kernels()
-        return least_peaks(  # type: ignore[no-any-return]
-            arrays.n_stages,
-            arrays.activation,
-            arrays.first_forward,
-            arrays.discard_forward,
-            arrays.outer_gradient,
-            arrays.store_background,
-            arrays.store_backward,
-            arrays.single_peak,
-            arrays.saves_output,
-            INT_INFINITY,
-        )
-    return _least_peaks_numpy(arrays)
-
-
-# ------------------------------------------------------------ the time program
-
-
-class _CostTable(Protocol):
-    def lookup(self, starts: np.ndarray, ends: np.ndarray, helds: np.ndarray, memories: np.ndarray) -> np.ndarray:
-        """cost(a, b, h, m) for arrays of subproblems and memories (inf when infeasible)."""
-        ...
-
-
-class _JaggedCosts:
-    """cost(a, b, h, m) read from the numba kernel's rows."""
-
-    def __init__(
-        self,
-        arrays: _ChainArrays,
-        least: np.ndarray,
-        saturation: np.ndarray,
-        offsets: np.ndarray,
-        values: np.ndarray,
-    ) -> None:
-        self.arrays = arrays
-        self.least = least
-        self.saturation = saturation
-        self.offsets = offsets
-        self.values = values
-
-    def lookup(self, starts: np.ndarray, ends: np.ndarray, helds: np.ndarray, memories: np.ndarray) -> np.ndarray:
-        least = self.least[starts, ends, helds]
-        saturated = memories >= self.saturation[starts, ends, helds]
-        stored = (memories >= least) & ~saturated
-        result = np.where(saturated, self.arrays.base_s[starts, ends], np.inf)
-        indices = self.offsets[starts, ends, helds] + memories - least
-        result[stored] = self.values[indices[stored]]
-        return result
-
-
-class _DenseCosts:
-    """cost(a, b, h, m) read from the numpy implementation's table (h, a, b, m)."""
-
-    def __init__(self, table: np.ndarray) -> None:
-        self.table = table
-
-    def lookup(self, starts: np.ndarray, ends: np.ndarray, helds: np.ndarray, memories: np.ndarray) -> np.ndarray:
-        inside = memories >= 0
-        result = np.full(np.broadcast(starts, memories).shape, np.inf)
-        values = self.table[helds, starts, ends, np.maximum(memories, 0)]
-        result[inside] = np.broadcast_to(values, result.shape)[inside]
-        return result
-
-
-def _row_offsets(lengths: np.ndarray) -> tuple[np.ndarray, int]:
-    """Where each row of the jagged table starts: rows (j, b, 0) by (b, j), then (a, c, 1)."""
-    lengths_rest = np.ascontiguousarray(lengths[:, :, 0].T).reshape(-1)
-    lengths_body = lengths[:, :, 1].reshape(-1)
-    offsets = np.empty(lengths.shape, dtype=np.int64)
-    offsets[:, :, 0] = (np.cumsum(lengths_rest) - lengths_rest).reshape(lengths.shape[:2]).T
-    offsets[:, :, 1] = (np.cumsum(lengths_body) - lengths_body).reshape(lengths.shape[:2]) + lengths_rest.sum()
-    return offsets, int(lengths_rest.sum() + lengths_body.sum())
-
-
-def _costs_numba(arrays: _ChainArrays, budget_units: int, least: np.ndarray, saturation: np.ndarray) -> _JaggedCosts:
-    _, kernel = _numba_kernels()
-    lengths = np.clip(np.minimum(saturation, budget_units + 1) - least, 0, None)
-    lengths[np.tril_indices(arrays.n_stages, -1)] = 0
-    offsets, total = _row_offsets(lengths)
-    values = kernel(
-        arrays.n_stages,
-        budget_units,
-        arrays.activation,
-        arrays.first_forward,
-        arrays.discard_forward,
-        arrays.outer_gradient,
-        arrays.store_background,
-        arrays.store_backward,
-        arrays.saves_output,
-        arrays.forward_backward_s,
-        arrays.forward_prefix_s,
-        arrays.base_s,
-        least,
-        saturation,
-        offsets,
-        total,
-    )
-    return _JaggedCosts(arrays, least, saturation, offsets, values)
-
-
-def _costs_numpy(arrays: _ChainArrays, budget_units: int) -> _DenseCosts:
-    n = arrays.n_stages
-    width = budget_units + 1
-    memory = np.arange(width, dtype=np.int64)
-    table = np.full((2, n, n, width), np.inf, dtype=np.float64)
-    for start in range(n):
-        for held in (0, 1):
-            fits = memory >= arrays.single_peak[start, held]
-            table[held, start, start, fits] = arrays.forward_backward_s[start]
-    for length in range(2, n + 1):
-        for start in range(0, n - length + 1):
-            end = start + length - 1
-            activation = int(arrays.activation[start])
-            outer = activation + int(arrays.outer_gradient[end])
-            region = np.full(width, np.inf)
-            if activation < width:
-                recompute_s = arrays.forward_prefix_s[start + 1 : end + 1] - arrays.forward_prefix_s[start]
-                rest = table[0, start + 1 : end + 1, end, : width - activation]
-                body = table[1, start, start:end, activation:]
-                options = recompute_s[:, None] + rest + body
-                options[memory[None, activation:] < arrays.region_forward_peaks(start, end)[:, None]] = np.inf
-                region[activation:] = options.min(axis=0)
-            held_next = int(arrays.saves_output[start])
-            following = table[held_next, start + 1, end]
-            for held in (0, 1):
-                background = int(arrays.store_background[start, held])
-                own = max(
-                    outer + int(arrays.first_forward[start]),
-                    int(arrays.store_backward[start, held]),
-                )
-                store = np.full(width, np.inf)
-                if background < width:
-                    store[background:] = arrays.forward_backward_s[start] + following[: width - background]
-                store[: min(own, width)] = np.inf
-                table[held, start, end] = np.minimum(store, region)
-    return _DenseCosts(table)
+    # The helpers stay plain Python functions, for the numpy forms; registered, the
+    # compiled loops can call them, and numba inlines them there.
+    for helper in _COMPILED_HELPERS:
+        register_jitable(inline="always")(helper)
+    compile_with_cache = numba.njit(cache=True)
+    return compile_with_cache(_least_peaks_loops), compile_with_cache(_costs_loops)

@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import ClassVar
 
+import numpy as np
+
 from remat.errors import RematError
 from remat.plan.operations import PlanItem, PlanTree, Store
 from remat.plan.profile import ChainProfile
@@ -14,11 +16,12 @@ from remat.plan.schedule import Schedule
 from remat.plan.solvers.arrays import _ChainArrays
 from remat.plan.solvers.baselines import PeriodicSolver, StoreInputsSolver, store_everything_plan
 from remat.plan.solvers.contract import _ADVICE_OPTIMAL, _budget_too_small, _validated_budget_bytes, numba_available
-from remat.plan.solvers.kernels import _costs_numba, _costs_numpy, _CostTable, _least_peaks
+from remat.plan.solvers.programs import cost_table, least_peaks
 from remat.plan.solvers.reconstruct import _build_plan, _fastest_choice, _least_peak_choice
 
 __all__ = ["AutoSolver", "OptimalSolver"]
 
+# The solvers log under the name of their package.
 logger = logging.getLogger("remat.plan.solvers")
 
 
@@ -56,6 +59,7 @@ def _plan_time_s(profile: ChainProfile, plan: PlanTree) -> float:
 
 
 def _resolve_implementation(implementation: str | None) -> str:
+    """The implementation an :class:`OptimalSolver` runs: "numba" or "numpy" (None: numba if installed)."""
     if implementation is None:
         return "numba" if numba_available() else "numpy"
     if implementation not in ("numba", "numpy"):
@@ -70,9 +74,9 @@ def _resolve_implementation(implementation: str | None) -> str:
 class OptimalSolver:
     """``"optimal"``: the fastest schedule that fits the budget, by dynamic programming.
 
-    The program (see ``NOTE [memory accounting of the dynamic program]`` in this module)
-    considers every plan tree of :mod:`remat.plan.schedule` and agrees exactly with
-    :func:`~remat.plan.schedule.simulate` when the sizes are whole slots. Sizes are rounded
+    The program (see ``NOTE [memory accounting of the dynamic program]`` in ``arrays.py``)
+    considers every plan tree of :mod:`remat.plan.operations` and agrees exactly with
+    :func:`~remat.plan.simulate.simulate` when the sizes are whole slots. Sizes are rounded
     up to slots of ``ceil(budget / slots)`` bytes, so the plan's real peak never exceeds the
     budget; more slots waste less of the budget and take longer.
 
@@ -101,96 +105,109 @@ class OptimalSolver:
 
         It is the least peak of any plan tree (computed exactly, in bytes).
         """
-        arrays = _ChainArrays.from_profile(profile, unit_bytes=1)
-        least, _ = _least_peaks(arrays, self._implementation_for(profile))
-        return int(least[0, profile.n_stages - 1, 0])
+        _, _, minimum_bytes = self._exact_least_peaks(profile)
+        return minimum_bytes
 
     def _implementation_for(self, profile: ChainProfile) -> str:
+        """The implementation of the programs for this chain."""
         return self.implementation
+
+    def _exact_least_peaks(self, profile: ChainProfile) -> tuple[_ChainArrays, np.ndarray, int]:
+        """The chain in bytes, the least peaks of its subproblems, and the least peak of the whole chain."""
+        exact = _ChainArrays.from_profile(profile, unit_bytes=1)
+        least, _ = least_peaks(exact, self._implementation_for(profile))
+        return exact, least, int(least[0, profile.n_stages - 1, 0])
 
     def __call__(self, profile: ChainProfile, budget_bytes: int | None) -> Schedule:
         """Returns the fastest schedule whose simulated peak fits the budget.
 
         Raises:
-            BudgetTooSmall: the budget is below the least peak of any schedule.
+            BudgetTooSmall: the budget is below the least peak of any schedule
+                (``.minimum_bytes`` is :meth:`minimum_bytes`).
             InvalidBudget: the budget is not a whole number of bytes >= 0, nor None.
         """
-        budget = _validated_budget_bytes(budget_bytes)
+        budget_bytes = _validated_budget_bytes(budget_bytes)
         n = profile.n_stages
-        everything = Schedule.from_plan(profile, store_everything_plan(n), budget_bytes=budget, solver_name=self.name)
-        if budget is None or everything.predicted_peak_bytes <= budget:
+        everything = Schedule.from_plan(
+            profile, store_everything_plan(n), budget_bytes=budget_bytes, solver_name=self.name
+        )
+        if budget_bytes is None or everything.predicted_peak_bytes <= budget_bytes:
             return everything
-        implementation = self._implementation_for(profile)
-        exact = _ChainArrays.from_profile(profile, unit_bytes=1)
-        least_exact, _ = _least_peaks(exact, implementation)
-        minimum = int(least_exact[0, n - 1, 0])
-        if budget < minimum:
-            raise _budget_too_small(self.name, profile, budget, minimum, _ADVICE_OPTIMAL)
+        # The minimum of minimum_bytes(), from the tables the least-peak plans are built from.
+        exact, least_exact, minimum_bytes = self._exact_least_peaks(profile)
+        if budget_bytes < minimum_bytes:
+            raise _budget_too_small(self.name, profile, budget_bytes, minimum_bytes, _ADVICE_OPTIMAL)
         least_choice = _least_peak_choice(exact, least_exact)
-        fastest = self._fastest_plan(profile, budget, implementation)
+        implementation = self._implementation_for(profile)
+        fastest = self._fastest_plan(profile, budget_bytes, implementation)
         best: Schedule | None = None
         if fastest is not None:
-            best = self._checked_schedule(profile, fastest, budget)
+            best = self._checked_schedule(profile, fastest, budget_bytes)
         # A least-peak plan always fits; it is only faster when rounding to slots hid it.
         # (The one built for the minimum itself too: whatever fits the minimum fits here.)
-        for least_plan in {_build_plan(exact, budget, least_choice), _build_plan(exact, minimum, least_choice)}:
+        least_plans = {_build_plan(exact, budget_bytes, least_choice), _build_plan(exact, minimum_bytes, least_choice)}
+        for least_plan in least_plans:
             if best is None or _plan_time_s(profile, least_plan) < best.predicted_time_s * (1.0 - 1e-12):
-                best = self._checked_schedule(profile, least_plan, budget)
+                best = self._checked_schedule(profile, least_plan, budget_bytes)
         assert best is not None
-        return self._faster_candidate(profile, budget, implementation, best)
+        return self._faster_candidate(profile, budget_bytes, implementation, best)
 
-    def _faster_candidate(self, profile: ChainProfile, budget: int, implementation: str, best: Schedule) -> Schedule:
+    def _faster_candidate(
+        self, profile: ChainProfile, budget_bytes: int, implementation: str, best: Schedule
+    ) -> Schedule:
         """``best``, or a plan that rounding to slots hid and that is faster and fits to the byte."""
         n = profile.n_stages
         candidates: list[PlanTree] = []
         # Rounding up to slots rejects plans whose exact peak is within a few slots of the
         # budget. Where it is cheap, solve once more with the budget raised by that much.
         if n <= _RELAXED_PASS_MAX_STAGES:
-            unit = max(1, -(-budget // self.slots))
-            relaxed = self._fastest_plan(profile, budget + (2 * n + 2) * unit, implementation)
+            slot_bytes = max(1, -(-budget_bytes // self.slots))
+            relaxed = self._fastest_plan(profile, budget_bytes + (2 * n + 2) * slot_bytes, implementation)
             if relaxed is not None:
                 candidates.append(relaxed)
         # The baselines are checked exactly too, so the result is never slower than one that fits.
         candidates.extend(_baseline_plans(n))
         for plan in candidates:
             if _plan_time_s(profile, plan) < best.predicted_time_s * (1.0 - 1e-12):
-                candidate = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
-                if candidate.predicted_peak_bytes <= budget:
+                candidate = Schedule.from_plan(profile, plan, budget_bytes=budget_bytes, solver_name=self.name)
+                if candidate.predicted_peak_bytes <= budget_bytes:
                     best = candidate
         return best
 
-    def _checked_schedule(self, profile: ChainProfile, plan: PlanTree, budget: int) -> Schedule:
-        schedule = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
-        if schedule.predicted_peak_bytes > budget:
+    def _checked_schedule(self, profile: ChainProfile, plan: PlanTree, budget_bytes: int) -> Schedule:
+        """The schedule of ``plan``, which the program found within the budget.
+
+        Raises:
+            RematError: its simulated peak is above the budget (an internal error).
+        """
+        schedule = Schedule.from_plan(profile, plan, budget_bytes=budget_bytes, solver_name=self.name)
+        if schedule.predicted_peak_bytes > budget_bytes:
             raise RematError(
                 f"internal error in solver {self.name!r}: the plan's simulated peak "
-                f"{schedule.predicted_peak_bytes} bytes exceeds the budget {budget} bytes; "
+                f"{schedule.predicted_peak_bytes} bytes exceeds the budget {budget_bytes} bytes; "
                 "please report this with the saved profile"
             )
         return schedule
 
-    def _fastest_plan(self, profile: ChainProfile, budget: int, implementation: str) -> PlanTree | None:
-        unit = max(1, -(-budget // self.slots))
-        arrays = _ChainArrays.from_profile(profile, unit_bytes=unit)
-        budget_units = budget // unit
-        least, saturation = _least_peaks(arrays, implementation)
+    def _fastest_plan(self, profile: ChainProfile, budget_bytes: int, implementation: str) -> PlanTree | None:
+        """The fastest plan with sizes in slots, or None when rounding to slots leaves none."""
+        slot_bytes = max(1, -(-budget_bytes // self.slots))
+        arrays = _ChainArrays.from_profile(profile, unit_bytes=slot_bytes)
+        budget_slots = budget_bytes // slot_bytes
+        least, saturation = least_peaks(arrays, implementation)
         n = profile.n_stages
-        if least[0, n - 1, 0] > budget_units:
+        if least[0, n - 1, 0] > budget_slots:
             logger.info(
                 "solver %r: with %d slots of %d bytes the rounding leaves no plan within %d "
                 "bytes; using the least-peak plan",
                 self.name,
                 self.slots,
-                unit,
-                budget,
+                slot_bytes,
+                budget_bytes,
             )
             return None
-        costs: _CostTable
-        if implementation == "numba":
-            costs = _costs_numba(arrays, budget_units, least, saturation)
-        else:
-            costs = _costs_numpy(arrays, budget_units)
-        return _build_plan(arrays, budget_units, _fastest_choice(arrays, costs))
+        costs = cost_table(arrays, budget_slots, least, saturation, implementation)
+        return _build_plan(arrays, budget_slots, _fastest_choice(arrays, costs))
 
 
 class AutoSolver(OptimalSolver):
@@ -212,5 +229,6 @@ class AutoSolver(OptimalSolver):
         self._numba = numba_available()
 
     def _implementation_for(self, profile: ChainProfile) -> str:
+        """numpy for a problem of at most ``numpy_work_limit``, or without numba; numba otherwise."""
         small = profile.n_stages**3 * self.slots <= self.numpy_work_limit
         return "numpy" if small or not self._numba else "numba"

@@ -1,4 +1,4 @@
-"""PlanTree reconstruction: a plan tree from the programs' tables, one choice per subproblem."""
+"""Plan reconstruction: a plan tree from the programs' tables, one choice per subproblem."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from remat.errors import RematError
 from remat.plan.operations import PlanItem, PlanTree, Region, Store
 from remat.plan.solvers.arrays import _ChainArrays
-from remat.plan.solvers.kernels import _CostTable
+from remat.plan.solvers.programs import CostTable
 
 __all__: list[str] = []
 
@@ -38,29 +38,29 @@ def _build_plan(arrays: _ChainArrays, memory: int, choose: Callable[[int, int, i
     root = _OpenLevel([], 0, 0, arrays.n_stages - 1, 0, memory, None)
     stack = [root]
     while stack:
-        frame = stack[-1]
-        if frame.start > frame.end:
+        level = stack[-1]
+        if level.start > level.end:
             stack.pop()
-            if frame.parent is not None:
-                region = Region(frame.origin, frame.end + 1, tuple(frame.items))
-                frame.parent.items.append(region)
+            if level.parent is not None:
+                region = Region(level.origin, level.end + 1, tuple(level.items))
+                level.parent.items.append(region)
             continue
-        start = frame.start
-        stop = choose(start, frame.end, frame.held, frame.memory)
+        start = level.start
+        stop = choose(start, level.end, level.held, level.memory)
         if stop == 0:
-            frame.items.append(Store(start))
-            frame.memory -= int(arrays.store_background[start, frame.held])
-            frame.held = int(arrays.saves_output[start])
-            frame.start = start + 1
+            level.items.append(Store(start))
+            level.memory -= int(arrays.store_background[start, level.held])
+            level.held = int(arrays.saves_output[start])
+            level.start = start + 1
         else:
-            stack.append(_OpenLevel([], start, start, stop - 1, 1, frame.memory, frame))
-            frame.memory -= int(arrays.activation[start])
-            frame.held = 0
-            frame.start = stop
+            stack.append(_OpenLevel([], start, start, stop - 1, 1, level.memory, level))
+            level.memory -= int(arrays.activation[start])
+            level.held = 0
+            level.start = stop
     return tuple(root.items)
 
 
-def _fastest_choice(arrays: _ChainArrays, costs: _CostTable) -> Callable[[int, int, int, int], int]:
+def _fastest_choice(arrays: _ChainArrays, costs: CostTable) -> Callable[[int, int, int, int], int]:
     """Picks, at each subproblem, the option of least cost (storing on near-ties)."""
     relative_tolerance = 1e-12
 
@@ -108,14 +108,7 @@ def _least_peak_choice(arrays: _ChainArrays, least: np.ndarray) -> Callable[[int
         )
         if store <= memory:
             return 0
-        activation = int(arrays.activation[start])
-        peaks = np.maximum(
-            np.maximum(
-                arrays.region_forward_peaks(start, end),
-                activation + least[start + 1 : end + 1, end, 0],
-            ),
-            least[start, start:end, 1],
-        )
+        peaks = arrays.region_peaks(least, start, end)
         fitting = np.flatnonzero(peaks <= memory)
         if fitting.size == 0:
             raise RematError(f"internal error: no plan of ({start}, {end}, {held}) within {memory} bytes")
