@@ -76,6 +76,9 @@ def test_register_a_custom_solver() -> None:
             plan = tuple(Store(stage) for stage in range(profile.n_stages))
             return Schedule.from_plan(profile, plan, budget_bytes=budget_bytes, solver_name="mine")
 
+        def minimum_bytes(self, profile: ChainProfile) -> int:
+            return simulate(profile, tuple(Store(stage) for stage in range(profile.n_stages))).peak_bytes
+
     register_solver("mine", Everything)
     try:
         assert "mine" in available_solvers()
@@ -235,7 +238,7 @@ def test_auto_picks_numpy_for_small_problems_and_gives_optimal_plans() -> None:
     big = random_chain(3, 80)
     expected = "numba" if numba_available() else "numpy"
     assert auto._implementation_for(big) == expected  # type: ignore[attr-defined]
-    minimum = get_solver("optimal").minimum_bytes(profile)  # type: ignore[attr-defined]
+    minimum = get_solver("optimal").minimum_bytes(profile)
     assert auto(profile, minimum + 5).predicted_time_s == get_solver("optimal")(profile, minimum + 5).predicted_time_s
 
 
@@ -259,7 +262,7 @@ def test_planning_from_a_saved_profile(tmp_path: Path) -> None:
     path = tmp_path / "chain.json"
     profile.save(path)
     loaded = ChainProfile.load(path)
-    minimum = get_solver("optimal").minimum_bytes(loaded)  # type: ignore[attr-defined]
+    minimum = get_solver("optimal").minimum_bytes(loaded)
     budget = minimum + 4096 * 10
     original = solve(profile, budget, solver="optimal")
     again = solve(loaded, budget, solver="optimal")
