@@ -89,7 +89,7 @@ class SimulationResult:
 #   loss marker:         peak = live + G_n;
 #   backward(i):         peak = live + G_i + backward_temp_i.
 # The live bytes after an operation never exceed its peak, so the peak of a schedule is the
-# largest of these. The planner's dynamic program (solvers.py) reproduces exactly this model.
+# largest of these. The planner's dynamic program (plan/solvers/arrays.py) reproduces exactly this model.
 
 
 def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[Operation]) -> SimulationResult:
