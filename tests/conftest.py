@@ -24,8 +24,8 @@ def remat_leftovers() -> list[str]:
         leftovers.append("saved-tensor hooks still installed")
     if _state_module.is_recomputing():
         leftovers.append("is_recomputing() is True")
-    if _state_module._GUARD_HANDLES or getattr(_state_module._LOCAL, "stat_snapshots", None):
-        leftovers.append("running-statistics guard still installed")
+    if _state_module._HOOK_HANDLES or _state_module._LOCAL.scopes:
+        leftovers.append("module-state guard still installed")
     return leftovers
 
 

@@ -60,6 +60,8 @@ def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     Recomputes run on such aliases: the same operations save the same tensors as in the
     original forward, and the recompute's own graph stays apart from the original one.
     """
+    if not requires_grad and not tensor.requires_grad:
+        return tensor  # nothing to cut: the recompute sees the very tensor, attributes and all
     alias = tensor.detach()
     if requires_grad and (alias.is_floating_point() or alias.is_complex()):
         alias.requires_grad_(True)
@@ -111,8 +113,9 @@ class _OutputOf:
         self.leaf = leaf
 
 
-# id(tensor) -> (weakref to tensor, frame, flat output index) for output_recompute blocks
-_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], _Frame, int]] = {}
+# id(tensor) -> (weakref to tensor, frame, flat output index, version when returned) for
+# the outputs of output_recompute blocks
+_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], _Frame, int, int]] = {}
 
 
 class _Frame:
@@ -139,7 +142,7 @@ class _Frame:
                 self.inputs.append(lazy)
                 self.versions.append(None)
             elif isinstance(value, torch.Tensor):
-                self.inputs.append((value.detach(), value.requires_grad))
+                self.inputs.append((value.detach() if value.requires_grad else value, value.requires_grad))
                 self.versions.append(value._version)
             else:
                 self.inputs.append(value)
@@ -148,6 +151,9 @@ class _Frame:
         self.start = start
         self.stop: int | None = None
         self.cursor = start
+        # the number of the block's first module call in its root's sequence (see
+        # NOTE [module state during recompute])
+        self.first_call = 0
         self.output_recompute = False
         self.cached_outputs: list[Any] | None = None
         self.observer: Any = None  # see RegionRecording
@@ -208,9 +214,14 @@ class _Frame:
             observer.on_recompute(True)
         _STACK.push(_Context("fill", self, last_needed))
         try:
-            with torch.enable_grad(), replay_forward_state(self.state), _state.recomputing():
+            with (
+                torch.enable_grad(),
+                replay_forward_state(self.state),
+                _state.recomputing(root.recorder.log, self.first_call),
+            ):
                 try:
-                    out = self.function(*args, **kwargs)
+                    with _state.module_call(self.function):
+                        out = self.function(*args, **kwargs)
                 except _StopRecompute:
                     out = None
         finally:
@@ -255,6 +266,7 @@ class _Root(_Frame):
         self.metas: list[TensorMeta] = []
         self.owners: list[_Frame | None] = []
         self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
+        self.recorder = _state.Recorder()
 
     def last_needed(self, frame: _Frame) -> int | None:
         """Index of the last live, empty handle `frame` is responsible for."""
@@ -355,7 +367,9 @@ def _pack(tensor: torch.Tensor) -> Any:
                 f"{tuple(expected.shape)}, {expected.dtype} on {expected.device} (saved tensor "
                 f"#{index - frame.start}); the block must compute the same thing when recomputed"
             )
-        filled.value = tensor.detach()
+        # A tensor that does not require grad is kept as itself (often the very object the
+        # original forward saved: a constant, a buffer, an input without grad).
+        filled.value = tensor.detach() if tensor.requires_grad else tensor
         root.owners[index] = None
     if context.last_needed is not None and index >= context.last_needed:
         # Everything this frame must provide is there (children met on the way own the
@@ -395,6 +409,10 @@ def _lazy_output(value: Any) -> _OutputOf | None:
     entry = _RECOMPUTABLE_OUTPUTS.get(id(value))
     if entry is None or entry[0]() is not value:
         return None
+    if value._version != entry[3]:
+        # Changed in place since its block returned it: a recompute of that block would
+        # give the old values, so the block taking it keeps it as an ordinary input.
+        return None
     return _OutputOf(entry[1], entry[2])
 
 
@@ -413,6 +431,7 @@ def _register_outputs(frame: _Frame, out: Any) -> None:
                 weakref.ref(leaf, _forget_output(key)),
                 frame,
                 leaf_index,
+                leaf._version,
             )
 
 
@@ -433,7 +452,7 @@ def recompute_with_hooks(
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
         try:
-            with autocast_cache_off():
+            with autocast_cache_off(), root.recorder.piece(), _state.module_call(function):
                 out = function(*args, **kwargs)
         finally:
             _STACK.pop()
@@ -448,22 +467,26 @@ def recompute_with_hooks(
         # is recorded.
         root = context.frame.root
         if not root.open_spans:
-            return function(*args, **kwargs)
+            with _state.module_call(function):
+                return function(*args, **kwargs)
         span = _Span(len(root.handles))
         root.open_spans[-1].children.append(span)
         root.open_spans.append(span)
         try:
-            return function(*args, **kwargs)
+            with _state.module_call(function):
+                return function(*args, **kwargs)
         finally:
             root.open_spans.pop()
             span.stop = len(root.handles)
     if context.mode == "skip":
         # Inside a child being skipped over: the child owns all of it.
-        return function(*args, **kwargs)
+        with _state.module_call(function):
+            return function(*args, **kwargs)
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
     root = parent.root
     child = _Frame(root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    child.first_call = _state.current_replay_call() or 0
     recorded = _recorded_span(parent, context)
     if recorded is not None:
         child.span = recorded
@@ -480,7 +503,8 @@ def recompute_with_hooks(
             context.last_needed = last_needed
     _STACK.push(_Context("skip", child))
     try:
-        out = function(*args, **kwargs)
+        with _state.module_call(function):
+            out = function(*args, **kwargs)
     finally:
         _STACK.pop()
     if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
@@ -546,12 +570,18 @@ class RegionRecording:
 class _DiscardingStage:
     def __init__(self, root: _Root) -> None:
         self._root = root
+        self._recording: Any = None
 
     def __enter__(self) -> None:
         _STACK.push(_Context("discard", self._root))
+        self._recording = self._root.recorder.piece()
+        self._recording.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        _STACK.pop()
+        try:
+            self._recording.__exit__(*exc)
+        finally:
+            _STACK.pop()
 
 
 def active_mode() -> str | None:

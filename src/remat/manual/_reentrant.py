@@ -24,17 +24,21 @@ from remat.manual._rng import ForwardState, capture_forward_state, replay_forwar
 __all__ = ["recompute_reentrant"]
 
 
+# Marks where a tensor goes in a flattened structure (None and other values are constants).
+_TENSOR: Any = object()
+
+
 class _ReentrantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _ReentrantCall, _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
-        with torch.no_grad():
+        with torch.no_grad(), call.recorder.piece():
             out = call.run(list(tensors))
         flat, spec = tree_flatten(out)
         call.out_spec = spec
-        call.out_constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        call.out_constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
         tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
         ctx.out_metas = [TensorMeta.of(t) for t in tensors_out]
         return tensors_out
@@ -59,7 +63,7 @@ class _ReentrantFunction(torch.autograd.Function):
                 "do not recompute this block"
             ) from error
         inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
-        with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing():
+        with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing(call.recorder.log):
             out = call.run(inputs)
         outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
         metas = [TensorMeta.of(t) for t in outs]
@@ -84,10 +88,11 @@ class _ReentrantCall:
         self.name = getattr(function, "__qualname__", None) or type(function).__name__
         flat, self.spec = tree_flatten((args, kwargs))
         self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-        self.constants = [None if isinstance(v, torch.Tensor) else v for v in flat]
+        self.constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
         self.state = state
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
+        self.recorder = _state.Recorder()
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
         flat, _ = tree_flatten((args, kwargs))
@@ -98,7 +103,8 @@ class _ReentrantCall:
         for position, tensor in zip(self.positions, tensors, strict=True):
             flat[position] = tensor
         args, kwargs = tree_unflatten(flat, self.spec)
-        return self.function(*args, **kwargs)
+        with _state.module_call(self.function):
+            return self.function(*args, **kwargs)
 
 
 def recompute_reentrant(
@@ -113,9 +119,9 @@ def recompute_reentrant(
     # The anchor makes the output require grad even when no input does, so that the
     # parameters used inside the block still receive their gradients.
     anchor = torch.empty((), requires_grad=True)
-    outs = _ReentrantFunction.apply(call, anchor, *tensors)
-    outs_iter = iter(outs)
-    flat_out = [next(outs_iter) if c is None else c for c in call.out_constants]
+    outs = list(_ReentrantFunction.apply(call, anchor, *tensors))
+    outs.reverse()
+    flat_out = [outs.pop() if c is _TENSOR else c for c in call.out_constants]
     return tree_unflatten(flat_out, call.out_spec)
 
 

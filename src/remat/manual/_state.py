@@ -1,32 +1,85 @@
-"""Thread-local recompute state, and the guard that keeps normalisation statistics exact."""
+"""Thread-local recompute state, and the guard that keeps module state exact.
+
+NOTE [module state during recompute]
+A module may change its own state in its forward: BatchNorm updates its running
+statistics, ``spectral_norm`` advances its power iteration (its ``u``/``v`` buffers), a
+custom layer counts steps in a buffer or in a plain attribute. A recompute re-runs that
+forward, so without care it would see the state as the original forward *left* it (a
+different power iteration, a counter one step ahead: silently different gradients) and
+change it a second time (torch.utils.checkpoint has both defects).
+
+remat follows every module call while a recomputed block runs for the first time
+(*recording*) and while it is re-run (*replaying*), with two global module hooks that
+exist only while some thread records or replays, and act only in that thread:
+
+* recording: before each call, the module's own buffers are copied and its plain
+  attributes (numbers, strings, tensors held outside the buffers) are noted; after the
+  call, whatever the forward changed is kept in a :class:`StateLog`, under the call's
+  number in the block's sequence of module calls, and the rest is dropped at once. A
+  module that changes nothing costs a copy of its buffers during its own call only.
+* replaying: the recompute makes the same module calls in the same order, so the call
+  numbers match. Before a logged call, the module's current state is set aside and the
+  state its original call saw is put back; after the call, the set-aside state returns,
+  bit for bit. The module therefore computes exactly what it computed the first time
+  and its state is left as one plain forward leaves it.
+
+Details that matter:
+* A recompute of a nested frame starts in the middle of the block: each frame knows the
+  call number it starts at (``StateLog`` numbers are the root block's).
+* A recompute is cut short by a BaseException raised from a saved-tensor hook once it has
+  produced what backward needs, often inside a module (after it changed its state), and
+  nn.Module runs "always call" forward hooks only on Exception: the set-aside states live
+  on a stack that the replay restores, whatever is left on it, when it ends.
+* Ops may have saved a buffer for backward (the reentrant recompute checks its version),
+  so buffers are written without bumping their version counters.
+* A training-mode normalisation layer's output does not read its running statistics, so
+  for those the state before the call is not kept (only restored after the replay):
+  this keeps the log's memory to the few buffers whose values a forward actually reads.
+* A tensor attribute that is not a buffer and is changed in place cannot be put back
+  (remat did not copy it): that is refused with an error asking to register a buffer.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["is_recomputing", "recomputing", "running_stats_guard"]
+from remat.errors import NondeterministicRecompute, RematError
+
+__all__ = [
+    "Recorder",
+    "StateLog",
+    "changes_state",
+    "current_replay_call",
+    "is_recomputing",
+    "module_call",
+    "recomputing",
+    "rehearsing",
+    "snapshot_bytes",
+]
+
+_PLAIN_ATTRIBUTE_TYPES = (bool, int, float, complex, str, type(None), torch.Tensor)
 
 
 class _Local(threading.local):
     def __init__(self) -> None:
         self.recompute_depth = 0
-        self.guard_depth = 0
-        # (module, buffers before its recomputed forward), innermost call last
-        self.stat_snapshots: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
+        self.scopes: list[_Scope] = []
 
 
 _LOCAL = _Local()
 
 
 def is_recomputing() -> bool:
-    """True only while remat is re-running a forward to recompute activations.
+    """True only while remat re-runs a forward: to recompute activations, or to measure.
 
     Use it in a forward to skip side effects that must happen once per step (logging,
     counters, statistics). It is thread-local: a recompute in one thread does not show
@@ -35,119 +88,338 @@ def is_recomputing() -> bool:
     return _LOCAL.recompute_depth > 0
 
 
+# ----------------------------------------------------------------------------- the log
+@dataclass
+class _Change:
+    """What one module call changed: the values before the call (None: not needed)."""
+
+    module: nn.Module
+    buffers_before: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    attributes_before: dict[str, Any] = field(default_factory=dict)
+
+
+class StateLog:
+    """The state changes of a recomputed block's module calls, by call number."""
+
+    __slots__ = ("changes", "calls")
+
+    def __init__(self) -> None:
+        self.changes: dict[int, _Change] = {}
+        self.calls = 0  # module calls recorded so far
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the states kept for the replay."""
+        return sum(
+            t.numel() * t.element_size()
+            for change in self.changes.values()
+            for t in change.buffers_before.values()
+            if t is not None
+        )
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, tuple[Any, int | None]]:
+    return {
+        name: (value, value._version if isinstance(value, torch.Tensor) else None)
+        for name, value in module.__dict__.items()
+        if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN_ATTRIBUTE_TYPES)
+    }
+
+
+def _output_ignores_state(module: nn.Module) -> bool:
+    """A training-mode normalisation layer: its output does not read its running statistics."""
+    return isinstance(module, _NormBase) and module.training and module.track_running_stats
+
+
+def _write(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.autograd._unsafe_preserve_version_counter(buffer), torch.no_grad():
+        buffer.copy_(value)
+
+
+def _module_name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+# Whether each module seen so far changed its buffers in a forward (see NOTE [module
+# state during recompute]): a recording copies the buffers of a module before its call
+# only when it may need them (it changed them before, or it was never seen).
+_CHANGES_STATE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def changes_state(module: nn.Module) -> bool:
+    """Whether `module`'s forward was seen changing its buffers (False if never seen)."""
+    return _CHANGES_STATE.get(module, False)
+
+
+class _Scope:
+    """One recording, watch or replay in this thread; sees every module call while open.
+
+    A watch (``log`` None) only learns which modules change their buffers.
+    """
+
+    def __init__(self, log: StateLog | None, replaying: bool, first_call: int) -> None:
+        self.log = log
+        self.replaying = replaying
+        self.next_call = first_call
+        # (module, call, buffers: name -> (tensor, version, copy or None), attributes)
+        self.open_calls: list[tuple[nn.Module, int, Any, Any]] = []
+
+    # -- recording
+    def _record_enter(self, module: nn.Module, call: int) -> None:
+        # A training-mode normalisation layer changes all its buffers and needs none of
+        # them kept; any other module is copied unless it was seen to change nothing.
+        copy = _CHANGES_STATE.get(module, True) and not _output_ignores_state(module)
+        buffers = {
+            name: (buf, buf._version, buf.detach().clone() if copy else None)
+            for name, buf in module._buffers.items()
+            if buf is not None
+        }
+        attributes = _plain_attributes(module)
+        self.open_calls.append((module, call, buffers, attributes))
+
+    def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Any) -> None:
+        change = _Change(module)
+        unknown: list[str] = []
+        ignores_state = _output_ignores_state(module)
+        for name, (buf, version, before) in buffers.items():
+            # Kernels may write a buffer without bumping its version (the running
+            # statistics of batch_norm): a kept copy is compared by value too.
+            changed = (
+                ignores_state
+                or module._buffers.get(name) is not buf
+                or buf._version != version
+                or (before is not None and not torch.equal(before, buf))
+            )
+            if changed:
+                change.buffers_before[name] = before
+                if before is None and not ignores_state:
+                    unknown.append(name)
+        if buffers:
+            _CHANGES_STATE[module] = bool(change.buffers_before) or _CHANGES_STATE.get(module, False)
+        if self.log is None:
+            return
+        if unknown:
+            raise RematError(
+                f"{_module_name(module)} changed its buffer(s) {unknown} in this forward but not in its "
+                "earlier ones, so remat did not keep the values it started from and a recompute "
+                "could not see them. Run the block once outside remat first, or make the change "
+                "happen in every training forward"
+            )
+        after = module.__dict__
+        for name, (value, version) in attributes.items():
+            if after.get(name, _MISSING) is not value:
+                change.attributes_before[name] = value
+            elif version is not None and value._version != version:
+                raise RematError(
+                    f"{_module_name(module)}.{name} is a tensor attribute (not a buffer) that the "
+                    "module's forward changes in place; a recompute could not see the value the "
+                    f"original forward saw. Register it with module.register_buffer({name!r}, ...)"
+                )
+        if change.buffers_before or change.attributes_before:
+            self.log.changes[call] = change
+
+    # -- replaying
+    def _replay_enter(self, module: nn.Module, call: int) -> None:
+        assert self.log is not None
+        change = self.log.changes.get(call)
+        if change is None:
+            self.open_calls.append((module, call, None, None))
+            return
+        if change.module is not module:
+            raise NondeterministicRecompute(
+                f"module call #{call} of the recompute is {_module_name(module)}, the original forward "
+                f"called {_module_name(change.module)} there; the block must make the same calls when "
+                "it is recomputed"
+            )
+        current_buffers = {
+            name: (module._buffers[name], module._buffers[name].detach().clone())  # type: ignore[union-attr]
+            for name in change.buffers_before
+        }
+        current_attributes = {name: module.__dict__.get(name, _MISSING) for name in change.attributes_before}
+        self.open_calls.append((module, call, current_buffers, current_attributes))
+        for name, before in change.buffers_before.items():
+            if before is not None:
+                _write(module._buffers[name], before)  # type: ignore[arg-type]
+        for name, value in change.attributes_before.items():
+            _set_attribute(module, name, value)
+
+    def _replay_exit(self, buffers: Any, attributes: Any, module: nn.Module) -> None:
+        if buffers is None:
+            return
+        for name, (buf, current) in buffers.items():
+            module._buffers[name] = buf
+            _write(buf, current)
+        for name, value in attributes.items():
+            _set_attribute(module, name, value)
+
+    # -- hooks
+    def enter(self, module: nn.Module) -> None:
+        call = self.next_call
+        self.next_call += 1
+        if self.replaying:
+            self._replay_enter(module, call)
+        else:
+            if self.log is not None:
+                self.log.calls = self.next_call
+            self._record_enter(module, call)
+
+    def exit(self, module: nn.Module) -> None:
+        for position in range(len(self.open_calls) - 1, -1, -1):
+            if self.open_calls[position][0] is module:
+                _, call, buffers, attributes = self.open_calls.pop(position)
+                if self.replaying:
+                    self._replay_exit(buffers, attributes, module)
+                else:
+                    self._record_exit(module, call, buffers, attributes)
+                return
+
+    def close(self) -> None:
+        """Restores whatever a replay cut short left set aside (innermost first)."""
+        while self.open_calls:
+            module, _, buffers, attributes = self.open_calls.pop()
+            if self.replaying:
+                self._replay_exit(buffers, attributes, module)
+
+
+_MISSING: Any = object()
+
+
+def _set_attribute(module: nn.Module, name: str, value: Any) -> None:
+    if value is _MISSING:
+        module.__dict__.pop(name, None)
+    else:
+        module.__dict__[name] = value
+
+
+# ----------------------------------------------------------------------------- hooks
+_HOOK_LOCK = threading.Lock()
+_HOOK_USERS = 0
+_HOOK_HANDLES: list[Any] = []
+
+
+def _pre_hook(module: nn.Module, args: Any) -> None:
+    for scope in _LOCAL.scopes:
+        scope.enter(module)
+
+
+def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    for scope in reversed(_LOCAL.scopes):
+        scope.exit(module)
+
+
 @contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Marks the current thread as recomputing, with the normalisation guard on."""
+def _open(scope: _Scope) -> Iterator[_Scope]:
+    global _HOOK_USERS
+    with _HOOK_LOCK:
+        if _HOOK_USERS == 0:
+            _HOOK_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
+            _HOOK_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
+        _HOOK_USERS += 1
+    _LOCAL.scopes.append(scope)
+    try:
+        yield scope
+    finally:
+        _LOCAL.scopes.remove(scope)
+        scope.close()
+        with _HOOK_LOCK:
+            _HOOK_USERS -= 1
+            if _HOOK_USERS == 0:
+                for handle in _HOOK_HANDLES:
+                    handle.remove()
+                _HOOK_HANDLES.clear()
+
+
+class Recorder:
+    """Records the module state changes of a block's first forward, possibly in pieces.
+
+    The executor of a plan records one region over several stage calls: each piece
+    continues the call numbering of the one before.
+    """
+
+    __slots__ = ("log",)
+
+    def __init__(self) -> None:
+        self.log = StateLog()
+
+    def current_call(self) -> int:
+        """The number the next recorded module call gets."""
+        return self.log.calls
+
+    @contextlib.contextmanager
+    def piece(self) -> Iterator[None]:
+        with _open(_Scope(self.log, replaying=False, first_call=self.log.calls)):
+            yield
+
+
+@contextlib.contextmanager
+def recomputing(log: StateLog | None = None, first_call: int = 0) -> Iterator[_Scope | None]:
+    """Marks the current thread as recomputing and replays `log` from call `first_call`.
+
+    Yields the replay scope (its ``next_call`` tells where a nested frame starts), or
+    None without a log.
+    """
     _LOCAL.recompute_depth += 1
     try:
-        with running_stats_guard():
+        if log is None:
+            yield None
+        else:
+            with _open(_Scope(log, replaying=True, first_call=first_call)) as scope:
+                yield scope
+    finally:
+        _LOCAL.recompute_depth -= 1
+
+
+@contextlib.contextmanager
+def rehearsing() -> Iterator[None]:
+    """For a run remat makes on its own (measuring): recomputing, and learning module state.
+
+    The run reports :func:`is_recomputing` True, and remat learns which modules change
+    their buffers in a forward (see :func:`changes_state`).
+    """
+    _LOCAL.recompute_depth += 1
+    try:
+        with _open(_Scope(None, replaying=False, first_call=0)):
             yield
     finally:
         _LOCAL.recompute_depth -= 1
 
 
-# NOTE [running statistics during recompute]
-# A normalisation layer with running statistics (every BatchNorm, SyncBatchNorm and
-# InstanceNorm with track_running_stats=True) updates running_mean, running_var and
-# num_batches_tracked in its training forward. A recompute re-runs that forward, which
-# would update them a second time (torch.utils.checkpoint has this defect). The output of
-# a training-mode normalisation depends only on the batch, not on the running statistics,
-# so the guard lets the recomputed forward run unchanged and puts the three buffers back,
-# bit for bit, the moment it returns. It works through global module hooks that exist
-# only while some thread recomputes, and act only in that thread.
-#
-# Two details matter:
-# * A recompute is cut short by a BaseException raised from a saved-tensor hook once it
-#   has produced what backward needs, often inside the normalisation op itself (after it
-#   updated the statistics). nn.Module runs "always call" forward hooks only on Exception,
-#   so the snapshots live on a thread-local stack and the guard restores whatever is left
-#   on it when it exits, however it exits.
-# * The op saved the running buffers for backward (the reentrant recompute checks their
-#   version). Training-mode backward does not read their values, so they are restored
-#   without bumping the version counter; a bump would make backward fail.
-
-_GUARD_LOCK = threading.Lock()
-_GUARD_USERS = 0
-_GUARD_HANDLES: list[Any] = []
-
-
-def _has_running_stats(module: nn.Module) -> bool:
-    return (
-        isinstance(module, _NormBase)
-        and module.training
-        and module.track_running_stats
-        and module.running_mean is not None
-    )
-
-
 def snapshot_bytes(module: nn.Module) -> int:
-    """Bytes the guard copies at most at once while `module` is recomputed.
+    """Bytes a replay copies at most at once while `module` is recomputed.
 
-    The guard snapshots one normalisation layer's buffers at a time, around its forward.
+    A replay sets aside the buffers of each module that changes them, one module call at a
+    time (nested calls add up; the largest module is the usual bound).
     """
     sizes = [
         sum(buf.numel() * buf.element_size() for buf in m.buffers(recurse=False))
         for m in module.modules()
-        if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
+        if changes_state(m) or (_output_ignores_state(m) and getattr(m, "running_mean", None) is not None)
     ]
     return max(sizes, default=0)
 
 
-def _pre_hook(module: nn.Module, args: Any) -> None:
-    if _LOCAL.recompute_depth == 0 or not _has_running_stats(module):
-        return
-    snapshot = {name: buf.detach().clone() for name, buf in module.named_buffers(recurse=False) if buf is not None}
-    _LOCAL.stat_snapshots.append((module, snapshot))
-
-
-def _restore(module: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
-    for name, buf in module.named_buffers(recurse=False):
-        if buf is not None and name in snapshot:
-            with torch.autograd._unsafe_preserve_version_counter(buf), torch.no_grad():
-                buf.copy_(snapshot[name])
-
-
-def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if _LOCAL.recompute_depth == 0:
-        return
-    stack = _LOCAL.stat_snapshots
-    for position in range(len(stack) - 1, -1, -1):
-        if stack[position][0] is module:
-            _restore(*stack.pop(position))
-            return
-
-
-def _restore_all() -> None:
-    stack = _LOCAL.stat_snapshots
-    while stack:
-        _restore(*stack.pop())
+def current_replay_call() -> int | None:
+    """The number the next module call gets in this thread's innermost replay, if any."""
+    for scope in reversed(_LOCAL.scopes):
+        if scope.replaying:
+            return scope.next_call
+    return None
 
 
 @contextlib.contextmanager
-def running_stats_guard() -> Iterator[None]:
-    """While active in this thread, normalisation layers do not change their running stats."""
-    global _GUARD_USERS
-    if _LOCAL.guard_depth > 0:
-        _LOCAL.guard_depth += 1
-        try:
-            yield
-        finally:
-            _LOCAL.guard_depth -= 1
+def module_call(function: Any) -> Iterator[None]:
+    """Runs the body as a call of the module `function` is the forward of, if it is one.
+
+    A recomputed block given as a module's bound ``forward`` (what :func:`remat.mark`
+    runs) changes the module's state outside the module's own call; this makes the
+    block's run count as that call, in recording and in replay alike.
+    """
+    module = getattr(function, "__self__", None)
+    if not isinstance(module, nn.Module) or not _LOCAL.scopes:
+        yield
         return
-    with _GUARD_LOCK:
-        if _GUARD_USERS == 0:
-            _GUARD_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
-            _GUARD_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
-        _GUARD_USERS += 1
-    _LOCAL.guard_depth += 1
+    _pre_hook(module, ())
     try:
         yield
     finally:
-        _LOCAL.guard_depth -= 1
-        _restore_all()
-        with _GUARD_LOCK:
-            _GUARD_USERS -= 1
-            if _GUARD_USERS == 0:
-                for handle in _GUARD_HANDLES:
-                    handle.remove()
-                _GUARD_HANDLES.clear()
+        _post_hook(module, (), None)
