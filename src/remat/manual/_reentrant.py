@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import (
     NondeterministicRecompute,
@@ -28,6 +28,23 @@ __all__ = ["recompute_reentrant"]
 _TENSOR: Any = object()
 
 
+# NOTE [outputs of the reentrant Function]
+# The block runs under no_grad, so a tensor it computes has no history; one that has a
+# history of its own, or is a leaf requiring grad, was not computed by the block: an
+# input returned as is, a parameter, a tensor from outside. Those are returned beside
+# the Function, as themselves (their gradients flow as in plain autograd and their
+# identity is kept). A view the block takes of such a tensor requires grad but has no
+# history under no_grad: it goes through the Function like any computed tensor. Every
+# tensor that does leaves the Function as a fresh alias (``detach()``): autograd gives
+# each Function output a history of its own, and returning a tensor that exists outside
+# the block (a constant, a buffer) would otherwise rewrite *that* tensor's history.
+def _through_function(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    has_own_history = value.grad_fn is not None or (value.requires_grad and not value._is_view())
+    return not has_own_history
+
+
 class _ReentrantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _ReentrantCall, _anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
@@ -38,8 +55,9 @@ class _ReentrantFunction(torch.autograd.Function):
             out = call.run(list(tensors))
         flat, spec = tree_flatten(out)
         call.out_spec = spec
-        call.out_constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
-        tensors_out = tuple(v for v in flat if isinstance(v, torch.Tensor))
+        call.through = [_through_function(v) for v in flat]
+        call.out_constants = [_TENSOR if through else v for v, through in zip(flat, call.through, strict=True)]
+        tensors_out = tuple(v.detach() for v, through in zip(flat, call.through, strict=True) if through)
         ctx.out_metas = [TensorMeta.of(t) for t in tensors_out]
         return tensors_out
 
@@ -65,7 +83,14 @@ class _ReentrantFunction(torch.autograd.Function):
         inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing(call.recorder.log):
             out = call.run(inputs)
-        outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        flat, _ = tree_flatten(out)
+        if len(flat) != len(call.through):
+            raise NondeterministicRecompute(
+                f"the recompute of block {call.name!r} returned {len(flat)} values where the original "
+                f"forward returned {len(call.through)}; the block must compute the same thing when it is "
+                "recomputed"
+            )
+        outs = [v for v, through in zip(flat, call.through, strict=True) if through and isinstance(v, torch.Tensor)]
         metas = [TensorMeta.of(t) for t in outs]
         if metas != ctx.out_metas:
             raise NondeterministicRecompute(
@@ -92,6 +117,7 @@ class _ReentrantCall:
         self.state = state
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
+        self.through: list[bool] = []
         self.recorder = _state.Recorder()
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -122,6 +148,7 @@ def recompute_reentrant(
     outs = list(_ReentrantFunction.apply(call, anchor, *tensors))
     outs.reverse()
     flat_out = [outs.pop() if c is _TENSOR else c for c in call.out_constants]
+    call.out_constants = []  # what was returned beside the Function is not kept alive by it
     return tree_unflatten(flat_out, call.out_spec)
 
 

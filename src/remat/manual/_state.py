@@ -60,6 +60,7 @@ __all__ = [
     "changes_state",
     "current_replay_call",
     "is_recomputing",
+    "learning_state",
     "module_call",
     "recomputing",
     "rehearsing",
@@ -371,17 +372,20 @@ def recomputing(log: StateLog | None = None, first_call: int = 0) -> Iterator[_S
 
 @contextlib.contextmanager
 def rehearsing() -> Iterator[None]:
-    """For a run remat makes on its own (measuring): recomputing, and learning module state.
-
-    The run reports :func:`is_recomputing` True, and remat learns which modules change
-    their buffers in a forward (see :func:`changes_state`).
-    """
+    """Marks the current thread as recomputing for a run remat makes on its own (measuring)."""
     _LOCAL.recompute_depth += 1
     try:
-        with _open(_Scope(None, replaying=False, first_call=0)):
-            yield
+        yield
     finally:
         _LOCAL.recompute_depth -= 1
+
+
+def learning_state() -> contextlib.AbstractContextManager[_Scope]:
+    """While active, remat learns which modules change their buffers (:func:`changes_state`).
+
+    It copies the buffers of each module not yet known around its call, to compare them.
+    """
+    return _open(_Scope(None, replaying=False, first_call=0))
 
 
 def snapshot_bytes(module: nn.Module) -> int:

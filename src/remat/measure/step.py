@@ -40,6 +40,7 @@ from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
+from remat.manual._state import learning_state, rehearsing
 from remat.memory import MemoryTracker
 
 __all__ = ["measure_chain", "preserved_model_state"]
@@ -79,7 +80,8 @@ def measure_chain(
         tracked = _tracked_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
         for p in model.parameters():
             p.grad = None
-        timing, end_time = _timing_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
+        with learning_state():  # untracked: the copies it makes do not count
+            timing, end_time = _timing_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
     return assemble(chain, tracked, timing, end_time)
 
 
@@ -206,21 +208,41 @@ def _loss_and_backward(loss_fn: Callable[[Any], Any], output: list[Any]) -> None
 
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
-    """Restores parameter gradients, every buffer and the RNG states on exit."""
+    """Runs the body as remat's own run: the model is left as it was.
+
+    On exit, parameter gradients, every buffer (values and identity), every module's plain
+    attributes (numbers, strings, tensors held outside buffers) and the RNG states are
+    restored; meanwhile :func:`remat.is_recomputing` is True, so user code can tell these
+    runs from training forwards.
+    """
     grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(module, name, b, b.detach().clone()) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
     try:
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), rehearsing():
             for p, _ in grads:
                 p.grad = None
             yield
     finally:
         with torch.no_grad():
-            for b, saved in buffers:
+            for module, name, b, saved in buffers:
+                module._buffers[name] = b
                 b.copy_(saved)
+        for module, before in attributes:
+            for name in [n for n in module.__dict__ if n not in before and _is_plain_attribute(n)]:
+                del module.__dict__[name]
+            for name, value in before.items():
+                if _is_plain_attribute(name):
+                    module.__dict__[name] = value
         for p, g in grads:
             p.grad = g
+
+
+def _is_plain_attribute(name: str) -> bool:
+    # nn.Module's own dictionaries (parameters, buffers, hooks) keep their identity;
+    # everything else in the instance dictionary is the module's own state.
+    return not name.startswith("_") and name != "forward"
 
 
 def _isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -1,0 +1,284 @@
+"""Exactness where models are adversarial: state changed in forward, in-place writes, odd outputs.
+
+Every case is compared with plain autograd bit for bit (``torch.equal``), in the two
+manual implementations and in the automatic mode, or asserts the error remat raises
+instead (by type and message).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from chain_helpers import assert_same_tensors, compare_training, grads_of, state_of
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import remat
+from remat import RematError
+
+pytestmark = pytest.mark.usefixtures("clean_remat_state")
+
+MANUAL = ["hooks", "reentrant"]
+
+
+def run_manual(model: nn.Module, x: torch.Tensor, mode: str, *, nested: bool = False) -> torch.Tensor:
+    """One forward of `model` recomputed whole (and, if `nested`, each child again inside)."""
+    use_reentrant = mode == "reentrant"
+    if nested:
+        children = list(model.children())
+
+        def body(h: torch.Tensor) -> torch.Tensor:
+            for child in children:
+                h = remat.recompute(child, h, use_reentrant=use_reentrant)
+            return h
+
+        return remat.recompute(body, x, use_reentrant=use_reentrant)
+    return remat.recompute(model, x, use_reentrant=use_reentrant)
+
+
+def assert_manual_matches(make: Callable[[], nn.Module], x: torch.Tensor, mode: str, *, nested: bool = False) -> None:
+    """Two seeded training steps, plain against recomputed: outputs, gradients, state."""
+    torch.manual_seed(0)
+    plain = make()
+    recomputed = copy.deepcopy(plain)
+    for step in range(2):
+        for model in (plain, recomputed):
+            model.zero_grad(set_to_none=True)
+        inputs = [x.clone().requires_grad_(True) for _ in range(2)]
+        torch.manual_seed(step)
+        expected = plain(inputs[0])
+        (expected * torch.linspace(-1, 1, expected.shape[-1])).sum().backward()
+        torch.manual_seed(step)
+        actual = run_manual(recomputed, inputs[1], mode, nested=nested)
+        (actual * torch.linspace(-1, 1, actual.shape[-1])).sum().backward()
+        assert torch.equal(expected, actual), f"step {step}: outputs differ"
+        assert_same_tensors(grads_of(plain), grads_of(recomputed), f"step {step}: gradients")
+        assert_same_tensors(
+            {"x": inputs[0].grad}, {"x": inputs[1].grad}, f"step {step}: input gradients"
+        )  # type: ignore[dict-item]
+        assert_same_tensors(state_of(plain), state_of(recomputed), f"step {step}: state")  # type: ignore[arg-type]
+        assert vars_of(plain) == vars_of(recomputed), f"step {step}: plain attributes differ"
+
+
+def vars_of(model: nn.Module) -> dict[str, Any]:
+    """The plain number attributes of every submodule."""
+    return {
+        f"{name}.{key}": value
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+# ------------------------------------------------------------------ stateful modules
+class BufferCounter(nn.Module):
+    """Counts steps in a buffer and scales its output by the count (the forward reads it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return torch.tanh(self.linear(x)) * self.steps.float()
+
+
+class AttributeCounter(nn.Module):
+    """Counts calls in a plain int attribute and uses it in the computation."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.sin(self.linear(x)) / self.calls
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its input in a buffer and subtracts it (reads then writes)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x - self.mean
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return out
+
+
+def stateful_model() -> nn.Module:
+    width = 32
+    return nn.Sequential(
+        nn.utils.spectral_norm(nn.Linear(width, width)),
+        nn.Tanh(),
+        parametrizations.spectral_norm(nn.Linear(width, width)),
+        BufferCounter(width),
+        RunningMean(width),
+        AttributeCounter(width),
+        nn.BatchNorm1d(width),
+        nn.Dropout(0.3),
+        nn.Linear(width, width),
+    )
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["whole", "nested"])
+@pytest.mark.parametrize("mode", MANUAL)
+def test_state_changed_in_forward_is_replayed_exactly(mode: str, nested: bool) -> None:
+    assert_manual_matches(stateful_model, torch.randn(16, 32), mode, nested=nested)
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_marked_stateful_modules_are_exact(mode: str) -> None:
+    def make() -> nn.Module:
+        model = stateful_model()
+        for child in list(model)[::2]:
+            remat.mark(child, use_reentrant=mode == "reentrant")
+        return model
+
+    torch.manual_seed(0)
+    plain = stateful_model()
+    marked = make()
+    marked.load_state_dict(plain.state_dict())
+    x = torch.randn(16, 32)
+    for step in range(2):
+        torch.manual_seed(step)
+        plain(x).square().sum().backward()
+        torch.manual_seed(step)
+        marked(x).square().sum().backward()
+        assert_same_tensors(grads_of(plain), grads_of(marked), f"step {step}: gradients")
+        assert_same_tensors(state_of(plain), state_of(marked), f"step {step}: state")  # type: ignore[arg-type]
+        assert vars_of(plain) == vars_of(marked)
+
+
+@pytest.mark.parametrize("budget", ["min", 0.8])
+def test_automatic_mode_replays_state_exactly(budget: Any) -> None:
+    torch.manual_seed(0)
+    plain = stateful_model()
+    wrapped = remat.Checkpointable(copy.deepcopy(plain), budget)
+    compare_training(plain, wrapped, [torch.randn(16, 32)], lambda out: out.square().sum(), steps=3)
+    assert vars_of(plain) == vars_of(wrapped.model)
+
+
+def test_plain_attribute_tensor_changed_in_place_is_refused() -> None:
+    class Cache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = torch.zeros(3)  # not a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.total.add_(1)
+            return x * 2
+
+    with pytest.raises(RematError, match=r"Cache.total is a tensor attribute.*register_buffer\('total'"):
+        remat.recompute(Cache(), torch.randn(3, requires_grad=True))
+
+
+# ------------------------------------------------------------------ outputs
+@pytest.mark.parametrize("mode", MANUAL)
+def test_outputs_holding_none_and_constants(mode: str) -> None:
+    linear = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def block(a: torch.Tensor) -> Any:
+        return {"y": linear(a), "none": None, "n": 3, "pair": (None, torch.tanh(a))}
+
+    out = remat.recompute(block, x, use_reentrant=mode == "reentrant")
+    assert out["none"] is None and out["n"] == 3 and out["pair"][0] is None
+    (out["y"].sum() + out["pair"][1].sum()).backward()
+    expected_x = x.grad
+    x.grad = None
+    plain = block(x)
+    (plain["y"].sum() + plain["pair"][1].sum()).backward()
+    assert torch.equal(expected_x, x.grad)
+    # a block returning nothing at all, and a block mapped over inputs
+    assert remat.recompute(lambda a: None, x, use_reentrant=mode == "reentrant") is None
+    mapped = list(map(lambda a: remat.recompute(block, a, use_reentrant=mode == "reentrant"), [x, x]))
+    assert len(mapped) == 2 and mapped[1]["none"] is None
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+@pytest.mark.parametrize(
+    "passthrough",
+    ["input", "view", "constant", "parameter", "input_twice", "non_grad_input", "global"],
+)
+def test_outputs_not_computed_inside_the_block(mode: str, passthrough: str) -> None:
+    linear = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    side = torch.randn(2, 3)
+
+    def block(a: torch.Tensor, b: torch.Tensor) -> Any:
+        extra = {
+            "input": a,
+            "view": a[0],
+            "constant": torch.ones(3),
+            "parameter": linear.weight,
+            "input_twice": (a, a),
+            "non_grad_input": b,
+            "global": GLOBAL_CONSTANT,
+        }[passthrough]
+        return torch.tanh(linear(a)), extra
+
+    def loss(out: Any) -> torch.Tensor:
+        return sum(t.sum() * (i + 1) for i, t in enumerate(torch.utils._pytree.tree_leaves(out)))  # type: ignore[return-value]
+
+    def gradients(out: Any) -> list[torch.Tensor]:
+        for t in (x, linear.weight, linear.bias):
+            t.grad = None
+        loss(out).backward()
+        return [t.grad for t in (x, linear.weight, linear.bias)]  # type: ignore[misc]
+
+    expected = gradients(block(x, side))
+    actual = gradients(remat.recompute(block, x, side, use_reentrant=mode == "reentrant"))
+    for e, a in zip(expected, actual):
+        assert torch.equal(e, a)
+    # a tensor from outside the block keeps its own (absent) history
+    assert GLOBAL_CONSTANT.grad_fn is None and not GLOBAL_CONSTANT.requires_grad
+    assert side.grad_fn is None and not side.requires_grad
+
+
+GLOBAL_CONSTANT = torch.ones(3)
+
+
+# ------------------------------------------------------------------ in place after the region
+def test_output_changed_in_place_before_the_next_block_is_not_replayed_stale() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def run(recompute: bool) -> list[torch.Tensor]:
+        def one(a: torch.Tensor) -> torch.Tensor:
+            return first(a) * 2
+
+        def two(a: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(second(a))
+
+        if recompute:
+            h = remat.recompute(one, x, output_recompute=True)
+            h.mul_(1.5)
+            h[:, 0] = 0.0
+            y = remat.recompute(two, h, output_recompute=True)
+        else:
+            h = one(x)
+            h.mul_(1.5)
+            h[:, 0] = 0.0
+            y = two(h)
+        return list(torch.autograd.grad(y.square().sum(), [x, first.weight, second.weight]))
+
+    for e, a in zip(run(False), run(True)):
+        assert torch.equal(e, a)
+
+
+def test_saved_tensor_without_grad_keeps_its_identity() -> None:
+    x = torch.randn(3, requires_grad=True)
+    weight = torch.randn(3)
+    y = remat.recompute(lambda a: a * weight, x)
+    assert y.grad_fn._saved_other is weight  # type: ignore[union-attr]
