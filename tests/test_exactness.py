@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from chain_helpers import assert_same_tensors, compare_training, grads_of, state_of
 from torch import nn
 from torch.nn.utils import parametrizations
 
 import remat
+from chain_helpers import assert_same_tensors, compare_training, grads_of, state_of
 from remat import RematError
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
@@ -57,9 +57,7 @@ def assert_manual_matches(make: Callable[[], nn.Module], x: torch.Tensor, mode: 
         (actual * torch.linspace(-1, 1, actual.shape[-1])).sum().backward()
         assert torch.equal(expected, actual), f"step {step}: outputs differ"
         assert_same_tensors(grads_of(plain), grads_of(recomputed), f"step {step}: gradients")
-        assert_same_tensors(
-            {"x": inputs[0].grad}, {"x": inputs[1].grad}, f"step {step}: input gradients"
-        )  # type: ignore[dict-item]
+        assert_same_tensors({"x": inputs[0].grad}, {"x": inputs[1].grad}, f"step {step}: input gradients")  # type: ignore[dict-item]
         assert_same_tensors(state_of(plain), state_of(recomputed), f"step {step}: state")  # type: ignore[arg-type]
         assert vars_of(plain) == vars_of(recomputed), f"step {step}: plain attributes differ"
 
@@ -282,3 +280,91 @@ def test_saved_tensor_without_grad_keeps_its_identity() -> None:
     weight = torch.randn(3)
     y = remat.recompute(lambda a: a * weight, x)
     assert y.grad_fn._saved_other is weight  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ the first step
+class Logged(nn.Module):
+    """Logs is_recomputing() at each forward in a list, counts calls in an attribute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(0.2)
+        self.log: list[bool] = []
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(remat.is_recomputing())
+        self.calls += 1
+        return self.dropout(torch.tanh(self.linear(x)))
+
+
+class Loop(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Logged(width) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "loop"])
+@pytest.mark.parametrize("budget", ["min", 1.0])
+def test_first_step_is_one_plain_step_to_the_user(kind: str, budget: Any) -> None:
+    """Measurement runs report is_recomputing(); model, RNG and hooks end as after one step."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(Logged(16) for _ in range(5))) if kind == "sequential" else Loop(16, 5)
+    model = copy.deepcopy(plain)
+    hooked: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: hooked.append(type(module).__name__) if not remat.is_recomputing() else None
+    )
+    try:
+        x = torch.randn(8, 16)
+        torch.manual_seed(7)
+        plain(x).sum().backward()
+        plain_rng, plain_hooks = torch.get_rng_state(), list(hooked)
+        hooked.clear()
+        torch.manual_seed(7)
+        remat.Checkpointable(model, budget)(x).sum().backward()
+        remat_rng = torch.get_rng_state()
+    finally:
+        handle.remove()
+    logged = [m for m in model.modules() if isinstance(m, Logged)]
+    assert all(m.log.count(False) == 1 for m in logged)  # one forward the user sees
+    # global hooks: once per call outside remat's own runs (the wrapper is a module too)
+    assert [name for name in hooked if name != "Checkpointable"] == plain_hooks
+    assert torch.equal(plain_rng, remat_rng)
+    assert vars_of(plain) == vars_of(model)
+    assert_same_tensors(grads_of(plain), grads_of(model), "gradients")
+    assert_same_tensors(state_of(plain), state_of(model), "state")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["sequential", "loop"])
+def test_a_refused_model_leaves_the_callers_input_untouched(kind: str) -> None:
+    class InPlaceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.ReLU(inplace=True)
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.act(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model: nn.Module
+    if kind == "sequential":
+        model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    else:
+        model = InPlaceFirst()
+    x = torch.randn(3, 4)
+    before = x.clone()
+    version = x._version
+    with pytest.raises(remat.UnsupportedModel, match="modifies its input in place"):
+        remat.Checkpointable(model, 0.5)(x)
+    assert torch.equal(x, before) and x._version == version

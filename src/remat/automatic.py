@@ -24,7 +24,7 @@ from remat.budget import MINIMUM, Budget, parse_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_operations
-from remat.measure import ChainMeasurement, measure_chain, preserved_model_state
+from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.plan.profile import ChainProfile
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
@@ -283,7 +283,7 @@ class Checkpointable(nn.Module):
             else:
                 devices = [p.device for p in self.model.parameters()]
                 with preserved_model_state(self.model, devices):
-                    chain = discover_chain(self.model, args, kwargs)
+                    chain = discover_chain(self.model, *isolated_inputs(args, kwargs))
             self._chains[key] = chain
         return chain
 

@@ -182,6 +182,7 @@ class _Scope:
         change = _Change(module)
         unknown: list[str] = []
         ignores_state = _output_ignores_state(module)
+        buf: torch.Tensor
         for name, (buf, version, before) in buffers.items():
             # Kernels may write a buffer without bumping its version (the running
             # statistics of batch_norm): a kept copy is compared by value too.

@@ -38,12 +38,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
+from remat.manual._state import learning_state, rehearsing
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
-from remat.manual._state import learning_state, rehearsing
 from remat.memory import MemoryTracker
 
-__all__ = ["measure_chain", "preserved_model_state"]
+__all__ = ["isolated_inputs", "measure_chain", "preserved_model_state"]
 
 
 def measure_chain(
@@ -74,7 +74,7 @@ def measure_chain(
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    args, kwargs = _isolated_inputs(args, kwargs)
+    args, kwargs = isolated_inputs(args, kwargs)
     with preserved_model_state(model, devices):
         spans = _in_place_spans(model, chain, args, kwargs) if frugal else None
         tracked = _tracked_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
@@ -216,7 +216,12 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
     runs from training forwards.
     """
     grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(module, name, b, b.detach().clone()) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    buffers = [
+        (module, name, b, b.detach().clone())
+        for module in model.modules()
+        for name, b in module._buffers.items()
+        if b is not None
+    ]
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
     try:
@@ -245,21 +250,25 @@ def _is_plain_attribute(name: str) -> bool:
     return not name.startswith("_") and name != "forward"
 
 
-def _isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The inputs with every tensor that requires grad cut from the caller's graph.
+def isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Copies of the inputs for remat's own runs: the caller's tensors are never touched.
 
     The measured steps run backward: on the caller's tensors that would accumulate
     gradients into them (and into whatever they were computed from) and free the
-    caller's graph before its own backward. Each such tensor is replaced by a clone of a
-    detached alias: same values and flags, a graph of its own, and an in-place operation
-    of the first stage lands on the clone.
+    caller's graph before its own backward; and a model that works in place on its input
+    would change the caller's tensor before remat could refuse it. Each tensor is
+    replaced by a copy with the same values and flags (one that requires grad gets a
+    graph of its own).
     """
     leaves, spec = tree_flatten((args, kwargs))
-    leaves = [
-        leaf.detach().requires_grad_(True).clone() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
-        for leaf in leaves
-    ]
+    leaves = [_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return tree_unflatten(leaves, spec)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.requires_grad:
+        return tensor.detach().requires_grad_(True).clone()
+    return tensor.detach().clone()
 
 
 def _check_no_cache(output: Any) -> None:
