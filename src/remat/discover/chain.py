@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import UnsupportedModel
-from remat.manual._frames import detached_alias
+from remat.manual._tensors import detached_alias
 
 __all__ = ["Chain", "InputLink", "discover_chain", "sequential_chain"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +23,9 @@ from remat.errors import (
 )
 from remat.manual import _state
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
+from remat.manual._tensors import TensorMeta, detached_alias
 
-__all__ = ["RegionRecording", "TensorMeta", "active_mode", "detached_alias", "recompute_with_hooks"]
+__all__ = ["RegionRecording", "active_mode", "recompute_with_hooks"]
 
 
 # =========================================================================== hooks
@@ -53,19 +53,15 @@ __all__ = ["RegionRecording", "TensorMeta", "active_mode", "detached_alias", "re
 # Each recomputed tensor lives in its handle, and the handle lives exactly as long as the
 # autograd node that saved it: the memory is released as soon as that node has run.
 
-
-def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A new leaf sharing `tensor`'s storage, requiring grad as the original did.
-
-    Recomputes run on such aliases: the same operations save the same tensors as in the
-    original forward, and the recompute's own graph stays apart from the original one.
-    """
-    if not requires_grad and not tensor.requires_grad:
-        return tensor  # nothing to cut: the recompute sees the very tensor, attributes and all
-    alias = tensor.detach()
-    if requires_grad and (alias.is_floating_point() or alias.is_complex()):
-        alias.requires_grad_(True)
-    return alias
+# NOTE [backward inside a block]
+# A block may run a backward inside its own forward (torch.autograd.grad for a gradient
+# penalty, a physics-informed loss, an inner meta-learning step). That backward needs
+# tensors the block saved a moment ago, which are already handles: the root is filled
+# from its kept inputs while its first forward is still running (its inputs are kept
+# until that forward ends), and from then on the root is marked: its recomputes give
+# what they save to their own graph as well, because the replayed block runs that inner
+# backward again on the recompute's own graph (the tensors then live until the
+# recompute ends). Blocks without an inner backward keep nothing in a recompute's graph.
 
 
 class _StopRecompute(BaseException):
@@ -79,17 +75,6 @@ class _Handle:
         self.root = root
         self.index = index
         self.value: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    @staticmethod
-    def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(t.shape, t.dtype, t.device)
 
 
 class _Span:
@@ -155,7 +140,7 @@ class _Frame:
         # NOTE [module state during recompute])
         self.first_call = 0
         self.output_recompute = False
-        self.cached_outputs: list[Any] | None = None
+        self.cached_outputs: list[tuple[Any, bool]] | None = None
         self.observer: Any = None  # see RegionRecording
         # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
         self.span: _Span | None = None
@@ -174,8 +159,7 @@ class _Frame:
         flat: list[Any] = []
         for position, (value, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
             if isinstance(value, _OutputOf):
-                tensor = value.frame.outputs_for_recompute()[value.leaf]
-                flat.append(detached_alias(tensor, tensor.requires_grad))
+                flat.append(detached_alias(*value.frame.outputs_for_recompute()[value.leaf]))
             elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
                 tensor, requires_grad = value
                 if version is not None and tensor._version != version:
@@ -242,14 +226,20 @@ class _Frame:
                 "depends on global state, and use remat.is_recomputing() for side effects)"
             )
         # Every live handle this frame owned is filled or owned by a child: the kept
-        # inputs are no longer needed (the first operations hold them if they saved them).
-        if not self.output_recompute:
+        # inputs are no longer needed (the first operations hold them if they saved them),
+        # unless the first forward is still running (a backward inside the block's own
+        # forward filled it) and more handles will come.
+        if not self.output_recompute and root.stop is not None:
             self.release_inputs()
 
-    def outputs_for_recompute(self) -> list[torch.Tensor]:
+    def outputs_for_recompute(self) -> list[tuple[torch.Tensor, bool]]:
+        """The block's recomputed outputs, cut from the recompute's graph (with their flags)."""
         if self.cached_outputs is None:
             out = self.run("outputs")
-            self.cached_outputs = [leaf for leaf in tree_leaves(out)]
+            self.cached_outputs = [
+                (leaf.detach(), leaf.requires_grad) if isinstance(leaf, torch.Tensor) else (leaf, False)
+                for leaf in tree_leaves(out)
+            ]
         return self.cached_outputs
 
 
@@ -267,10 +257,12 @@ class _Root(_Frame):
         self.owners: list[_Frame | None] = []
         self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
         self.recorder = _state.Recorder()
+        # whether a backward ran inside the first forward (see NOTE [backward inside a block])
+        self.inner_backward = False
 
     def last_needed(self, frame: _Frame) -> int | None:
         """Index of the last live, empty handle `frame` is responsible for."""
-        stop = frame.stop if frame.stop is not None else len(self.handles)
+        stop = len(self.handles) if frame.stop is None else min(frame.stop, len(self.handles))
         for index in range(stop - 1, frame.start - 1, -1):
             handle = self.handles[index]()
             if handle is not None and handle.value is None and _owner(self, index) is frame:
@@ -349,7 +341,7 @@ def _pack(tensor: torch.Tensor) -> Any:
     if context.mode == "skip":
         if index < len(root.owners):
             root.owners[index] = frame
-        return None
+        return tensor if root.inner_backward else None
     # fill
     if frame.stop is not None and index >= frame.stop or index >= len(root.handles):
         raise NondeterministicRecompute(
@@ -375,7 +367,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         # Everything this frame must provide is there (children met on the way own the
         # rest): the remainder of the block need not run.
         raise _StopRecompute
-    return None
+    return tensor if root.inner_backward else None
 
 
 def _unpack(handle: Any) -> torch.Tensor:
@@ -387,6 +379,8 @@ def _unpack(handle: Any) -> torch.Tensor:
             )
         return handle
     root = handle.root
+    if root.stop is None and handle.value is None:
+        root.inner_backward = True
     while handle.value is None:
         owner = _owner(root, handle.index)
         if owner is None:

@@ -18,8 +18,8 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _state
-from remat.manual._frames import TensorMeta, detached_alias
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat.manual._tensors import TensorMeta, detached_alias
 
 __all__ = ["recompute_reentrant"]
 
