@@ -412,3 +412,51 @@ def test_backward_inside_the_block_is_exact(layout: str) -> None:
     actual = torch.autograd.grad(forward(True).sin().sum(), used)
     for e, a in zip(expected, actual):
         assert torch.equal(e, a)
+
+
+# ------------------------------------------------------------------ bad input
+def test_checkpointable_refuses_what_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match="Checkpointable wraps an nn.Module, got function"):
+        remat.Checkpointable(lambda x: x, 0.5)  # type: ignore[arg-type]
+
+
+def test_budget_of_one_always_plans_storing_everything() -> None:
+    for width in (2, 8):
+        model = nn.Sequential(nn.Linear(width, width), nn.Tanh())  # minimum == no recompute
+        wrapped = remat.Checkpointable(model, 1.0)
+        wrapped.measure(torch.randn(3, width))
+        plan = wrapped.plan_for(1.0)
+        assert plan.overhead_fraction == 0.0
+
+
+@pytest.mark.parametrize(
+    ("output", "found"),
+    [
+        (lambda y: y.to(torch.complex64), "complex64"),
+        (lambda y: (y > 0).long(), "torch.int64"),
+        (lambda y: "text", "no tensor"),
+        (lambda y: y.detach(), "requires_grad=False"),
+    ],
+)
+def test_default_loss_that_cannot_be_formed_asks_for_loss_fn(output: Callable[[Any], Any], found: str) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> Any:
+            for block in self.blocks:
+                x = block(x)
+            return output(x)
+
+    model = Model()
+    state = copy.deepcopy(model.state_dict())
+    x = torch.randn(2, 4)
+    rng = torch.get_rng_state()
+    with pytest.raises(RematError, match=f"(?s)cannot form a default loss.*{found}.*loss_fn="):
+        remat.Checkpointable(model, 0.5)(x)
+    # nothing left behind
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all("_call_impl" not in m.__dict__ and "forward" not in m.__dict__ for m in model.modules())

@@ -230,8 +230,8 @@ def test_sixteen_block_mlp_marked_peak_by_hand(use_reentrant: bool, expected: in
         ("300k", 300_000),
         ("2GiB", 2 * 2**30),
         ("  7 b ", 7),
-        ("1e3", 1000),
-        ("64", 64),
+        ("1e3B", 1000),
+        ("64B", 64),
         ("1TiB", 2**40),
         (0.5, 500),
         (1.0, 1000),
@@ -259,6 +259,10 @@ def test_parse_budget_forms(budget: object, expected: int) -> None:
         ("", None, "cannot read"),
         ("-3MB", None, "cannot read"),
         ("0MB", None, "positive"),
+        ("1.5", 1000, r"no unit: write '1.5B' for bytes"),  # not one byte
+        ("512", 1000, r"no unit: write '512B'"),
+        ("1e3", 1000, "no unit"),
+        ("0", 1000, "no unit"),
         ([512], None, "list"),
     ],
 )

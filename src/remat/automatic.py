@@ -79,7 +79,8 @@ class Checkpointable(nn.Module):
         model: the model to wrap (registered as ``self.model``).
         mem_limit: the activation memory budget of a training step: bytes (int), a string
             with a unit ("512MiB", "1.5GB"), a fraction in (0, 1] of the activation memory
-            without recompute, None for the memory the device has free (minus a margin),
+            without recompute (1.0 always fits: it plans no recompute), None for the memory
+            the device has free (minus a margin),
             or ``"min"`` for the smallest feasible budget (see :mod:`remat.budget`).
         solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
         slots: memory slots of the dynamic program; None picks as many as keep the solve
@@ -336,7 +337,10 @@ class Checkpointable(nn.Module):
         return self._minimums[cache_key]
 
     def _solve_minimum_budget_bytes(self, planning: _Planning) -> int:
-        needed = planning.solver.minimum_bytes(planning.profile)
+        return self._total_for(planning, planning.solver.minimum_bytes(planning.profile))
+
+    def _total_for(self, planning: _Planning, needed: int) -> int:
+        """The smallest whole-step budget whose chain share is at least `needed` bytes."""
         minimum = math.ceil((needed + planning.held_outside_bytes) / (1.0 - planning.margin))
         # The smallest budget whose chain share is `needed`, whatever the float rounding.
         while self._chain_bytes(planning, minimum) < needed:
@@ -355,11 +359,12 @@ class Checkpointable(nn.Module):
         if mem_limit == MINIMUM:
             total = self._minimum_budget_bytes(key, planning)
         else:
+            # A fraction is of the budget that stores everything, margin included: 1.0
+            # always plans no recompute.
             store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
             device = planning.profile.metadata.get("device", "cpu")
-            total = parse_budget(
-                mem_limit, reference_bytes=store_all.peak_bytes + planning.held_outside_bytes, device=device
-            )
+            reference = self._total_for(planning, store_all.peak_bytes)
+            total = parse_budget(mem_limit, reference_bytes=reference, device=device)
         chain_bytes = self._chain_bytes(planning, total)
         minimum = self._minimum_budget_bytes(key, planning)
         if total < minimum:

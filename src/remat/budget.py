@@ -52,8 +52,9 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*
 
 BUDGET_FORMS = (
     "an int number of bytes (e.g. 268435456); a string with a unit such as '512MiB', "
-    "'1.5GB', '300kB'; a float in (0, 1] for that fraction of the activation memory "
-    "without recompute (e.g. 0.5); or None for the memory the device has free"
+    "'1.5GB', '300kB', '4096B'; a float in (0, 1] for that fraction of the activation "
+    "memory without recompute (e.g. 0.5, or '0.5' as text); or None for the memory the "
+    "device has free"
 )
 
 #: Fraction of the free device memory remat leaves untouched when the budget is None.
@@ -120,8 +121,13 @@ def parse_budget(
             raise InvalidBudget(f"cannot read the budget {budget!r}; use {BUDGET_FORMS}")
         number = float(match.group(1))
         unit = match.group(2).lower()
-        if unit == "" and "." in match.group(1) and number <= 1.0:
-            return parse_budget(number, reference_bytes=reference_bytes, device=device)
+        if unit == "":
+            if _is_fraction_text(match.group(1)):
+                return parse_budget(number, reference_bytes=reference_bytes, device=device)
+            raise InvalidBudget(
+                f"the budget {budget!r} has no unit: write '{match.group(1)}B' for bytes, "
+                f"'{match.group(1)}MiB' or '{match.group(1)}GB' for more; use {BUDGET_FORMS}"
+            )
         value = int(number * _UNITS[unit])
         if value <= 0:
             raise InvalidBudget(f"budget must be positive, got {budget!r}; use {BUDGET_FORMS}")
@@ -132,7 +138,7 @@ def parse_budget(
 def budget_from_text(text: str, *, allow_minimum: bool = True) -> int | float | str:
     """Reads a budget written as text (a command-line option) into the form the library takes.
 
-    ``"0.5"`` is the fraction 0.5, ``"512MiB"`` and ``"268435456"`` stay text (read by
+    ``"0.5"`` is the fraction 0.5, ``"512MiB"`` and ``"4096B"`` stay text (read by
     :func:`parse_budget`), ``"min"`` is :data:`MINIMUM` where ``allow_minimum`` is set.
 
     Raises:
@@ -145,6 +151,11 @@ def budget_from_text(text: str, *, allow_minimum: bool = True) -> int | float | 
         raise InvalidBudget(f"the budget {text!r} is not accepted here; use {BUDGET_FORMS}")
     parse_budget(stripped, reference_bytes=1)  # raises on a form it cannot read
     match = _BUDGET_RE.match(stripped)
-    if match is not None and match.group(2) == "" and "." in match.group(1) and float(match.group(1)) <= 1.0:
+    if match is not None and match.group(2) == "" and _is_fraction_text(match.group(1)):
         return float(match.group(1))
     return stripped
+
+
+def _is_fraction_text(number: str) -> bool:
+    """Whether a unitless number reads as a fraction: a decimal point and a value in (0, 1]."""
+    return "." in number and 0.0 < float(number) <= 1.0

@@ -182,11 +182,16 @@ def _in_place_spans(
 
 
 def _default_loss(output: Any) -> torch.Tensor:
-    tensors = [t for t in tensors_in(output) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    tensors = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
     if not tensors:
+        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in tensors_in(output)})
+        what = "tensors of " + "; ".join(found) if found else f"no tensor ({type(output).__name__})"
         raise RematError(
-            "the model's output does not require grad, so there is no backward to plan; "
-            "check that the model is in training mode and its parameters require grad"
+            f"remat cannot form a default loss from the model's output: it holds {what}, and the "
+            "default (the sum of the outputs) needs a real floating-point tensor that requires "
+            "grad. Pass loss_fn=lambda output: ... to remat.Checkpointable (the loss of your "
+            "training step), and check that the model is in training mode and its parameters "
+            "require grad"
         )
     return torch.stack([t.sum() for t in tensors]).sum()
 
