@@ -460,3 +460,94 @@ def test_default_loss_that_cannot_be_formed_asks_for_loss_fn(output: Callable[[A
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(rng, torch.get_rng_state())
     assert all("_call_impl" not in m.__dict__ and "forward" not in m.__dict__ for m in model.modules())
+
+
+# ------------------------------------------------------------------ tools
+class Tail(nn.Module):
+    """Saves nothing for backward (a scalar product) and logs is_recomputing() per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(remat.is_recomputing())
+        return x * 2.0
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_skips_the_rest_of_the_block(early_stop: bool) -> None:
+    tail = Tail()
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), tail)
+    x = torch.randn(3, 4, requires_grad=True)
+    remat.recompute(block, x, early_stop=early_stop).sum().backward()
+    assert tail.log == ([False] if early_stop else [False, True])
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_context_fn_wraps_the_forward_and_each_recompute(mode: str) -> None:
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def context(name: str) -> Any:
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name}")
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4, requires_grad=True)
+    out = remat.recompute(
+        block, x, use_reentrant=mode == "reentrant", context_fn=lambda: (context("forward"), context("recompute"))
+    )
+    assert events == ["enter forward", "exit forward"]
+    out.sum().backward()
+    assert events == ["enter forward", "exit forward", "enter recompute", "exit recompute"]
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_determinism_check_can_be_turned_off(mode: str) -> None:
+    class Flips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.runs: list[None] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.runs.append(None)
+            return torch.tanh(x if len(self.runs) == 1 else x[:1])
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(remat.NondeterministicRecompute, match="Flips"):
+        remat.recompute(Flips(), x, use_reentrant=mode == "reentrant").sum().backward()
+    x.grad = None
+    try:  # whatever happens then is autograd's doing, not remat's check
+        remat.recompute(Flips(), x, use_reentrant=mode == "reentrant", determinism_check="none").sum().backward()
+    except remat.NondeterministicRecompute:
+        pytest.fail("determinism_check='none' still checked the recomputed tensors")
+    except RuntimeError:
+        pass
+    with pytest.raises(RematError, match=r"determinism_check must be one of \['default', 'none'\]"):
+        remat.recompute(Flips(), x, determinism_check="strict")
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+@pytest.mark.parametrize("segments", [1, 2, 3, 7])
+def test_recompute_sequential_matches_plain(mode: str, segments: int) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.BatchNorm1d(8)) for _ in range(5)))
+    model = copy.deepcopy(plain)
+    x = torch.randn(6, 8)
+    inputs = [x.clone().requires_grad_(True) for _ in range(2)]
+    torch.manual_seed(1)
+    expected = plain(inputs[0])
+    expected.square().sum().backward()
+    torch.manual_seed(1)
+    actual = remat.recompute_sequential(model, segments, inputs[1], use_reentrant=mode == "reentrant")
+    actual.square().sum().backward()
+    assert torch.equal(expected, actual)
+    assert torch.equal(inputs[0].grad, inputs[1].grad)  # type: ignore[arg-type]
+    assert_same_tensors(grads_of(plain), grads_of(model), "gradients")
+    assert_same_tensors(state_of(plain), state_of(model), "state")  # type: ignore[arg-type]
+    with pytest.raises(RematError, match="segments must be a positive int"):
+        remat.recompute_sequential(model, 0, x)

@@ -15,7 +15,7 @@ from remat.errors import (
 )
 from remat.manual._state import is_recomputing
 from remat.manual.marking import apply, is_marked, mark, unmark
-from remat.manual.recompute import recompute
+from remat.manual.recompute import recompute, recompute_sequential
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
 from remat.memory import MemoryTracker, track_memory
 from remat.plan.step import Plan
@@ -43,6 +43,7 @@ __all__ = [
     "mark",
     "parse_budget",
     "recompute",
+    "recompute_sequential",
     "saved_residuals",
     "track_memory",
     "unmark",

@@ -2,7 +2,7 @@
 
 from remat.manual._state import is_recomputing
 from remat.manual.marking import apply, is_marked, mark, unmark
-from remat.manual.recompute import recompute
+from remat.manual.recompute import recompute, recompute_sequential
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "is_recomputing",
     "mark",
     "recompute",
+    "recompute_sequential",
     "saved_residuals",
     "unmark",
 ]

@@ -23,7 +23,7 @@ from remat.errors import (
 )
 from remat.manual import _state
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
-from remat.manual._tensors import TensorMeta, detached_alias
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
 __all__ = ["RegionRecording", "active_mode", "recompute_with_hooks"]
 
@@ -110,7 +110,7 @@ class _Frame:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        preserve_rng_state: bool,
+        options: RecomputeOptions,
         start: int,
     ) -> None:
         # A child refers to its root weakly: the root owns its children (through
@@ -132,7 +132,8 @@ class _Frame:
             else:
                 self.inputs.append(value)
                 self.versions.append(None)
-        self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+        self.options = options
+        self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
         self.start = start
         self.stop: int | None = None
         self.cursor = start
@@ -202,6 +203,7 @@ class _Frame:
                 torch.enable_grad(),
                 replay_forward_state(self.state),
                 _state.recomputing(root.recorder.log, self.first_call),
+                self.options.recompute_context(),
             ):
                 try:
                     with _state.module_call(self.function):
@@ -249,9 +251,9 @@ class _Root(_Frame):
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        preserve_rng_state: bool,
+        options: RecomputeOptions,
     ) -> None:
-        super().__init__(None, function, args, kwargs, preserve_rng_state, start=0)
+        super().__init__(None, function, args, kwargs, options, start=0)
         self.handles: list[weakref.ref[_Handle]] = []
         self.metas: list[TensorMeta] = []
         self.owners: list[_Frame | None] = []
@@ -352,7 +354,7 @@ def _pack(tensor: torch.Tensor) -> Any:
     filled = root.handles[index]()
     if filled is not None and filled.value is None and _owner(root, index) is frame:
         expected = root.metas[index]
-        if TensorMeta.of(tensor) != expected:
+        if frame.options.checks and TensorMeta.of(tensor) != expected:
             raise NondeterministicRecompute(
                 f"the recompute of block {frame.name!r} saved a tensor of shape {tuple(tensor.shape)}, "
                 f"{tensor.dtype} on {tensor.device} where the original forward saved "
@@ -363,7 +365,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         # original forward saved: a constant, a buffer, an input without grad).
         filled.value = tensor.detach() if tensor.requires_grad else tensor
         root.owners[index] = None
-    if context.last_needed is not None and index >= context.last_needed:
+    if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
         # Everything this frame must provide is there (children met on the way own the
         # rest): the remainder of the block need not run.
         raise _StopRecompute
@@ -433,20 +435,20 @@ def recompute_with_hooks(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    preserve_rng_state: bool,
+    options: RecomputeOptions,
     output_recompute: bool,
 ) -> Any:
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     context = _STACK.top()
     if context is None:
-        root = _Root(function, args, kwargs, preserve_rng_state)
+        root = _Root(function, args, kwargs, options)
         root.output_recompute = output_recompute
         root.span = _Span(0)
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
         try:
-            with autocast_cache_off(), root.recorder.piece(), _state.module_call(function):
+            with options.forward_context(), autocast_cache_off(), root.recorder.piece(), _state.module_call(function):
                 out = function(*args, **kwargs)
         finally:
             _STACK.pop()
@@ -479,7 +481,7 @@ def recompute_with_hooks(
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
     root = parent.root
-    child = _Frame(root, function, args, kwargs, preserve_rng_state, start=parent.cursor)
+    child = _Frame(root, function, args, kwargs, options, start=parent.cursor)
     child.first_call = _state.current_replay_call() or 0
     recorded = _recorded_span(parent, context)
     if recorded is not None:
@@ -490,7 +492,7 @@ def recompute_with_hooks(
                 root.owners[index] = child
         if context.last_needed is not None:
             last_needed = root.last_needed(parent)
-            if last_needed is None:
+            if last_needed is None and parent.options.early_stop:
                 # The parent needs nothing from here on: the child keeps its inputs and
                 # runs when backward reaches it.
                 raise _StopRecompute
@@ -549,7 +551,7 @@ class RegionRecording:
         preserve_rng_state: bool = True,
         observer: Any = None,
     ) -> None:
-        self._root = _Root(function, args, kwargs, preserve_rng_state)
+        self._root = _Root(function, args, kwargs, RecomputeOptions(preserve_rng_state=preserve_rng_state))
         self._root.observer = observer
 
     def stage(self) -> _DiscardingStage:

@@ -19,7 +19,7 @@ from remat.errors import (
 )
 from remat.manual import _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import TensorMeta, detached_alias
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
 __all__ = ["recompute_reentrant"]
 
@@ -51,7 +51,7 @@ class _ReentrantFunction(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
-        with torch.no_grad(), call.recorder.piece():
+        with call.options.forward_context(), torch.no_grad(), call.recorder.piece():
             out = call.run(list(tensors))
         flat, spec = tree_flatten(out)
         call.out_spec = spec
@@ -81,7 +81,12 @@ class _ReentrantFunction(torch.autograd.Function):
                 "do not recompute this block"
             ) from error
         inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
-        with torch.enable_grad(), replay_forward_state(call.state), _state.recomputing(call.recorder.log):
+        with (
+            torch.enable_grad(),
+            replay_forward_state(call.state),
+            _state.recomputing(call.recorder.log),
+            call.options.recompute_context(),
+        ):
             out = call.run(inputs)
         flat, _ = tree_flatten(out)
         if len(flat) != len(call.through):
@@ -92,7 +97,7 @@ class _ReentrantFunction(torch.autograd.Function):
             )
         outs = [v for v, through in zip(flat, call.through, strict=True) if through and isinstance(v, torch.Tensor)]
         metas = [TensorMeta.of(t) for t in outs]
-        if metas != ctx.out_metas:
+        if call.options.checks and metas != ctx.out_metas:
             raise NondeterministicRecompute(
                 f"the recompute of block {call.name!r} returned tensors "
                 f"{[(tuple(m.shape), m.dtype, str(m.device)) for m in metas]} where the original "
@@ -119,6 +124,7 @@ class _ReentrantCall:
         self.out_constants: list[Any] = []
         self.through: list[bool] = []
         self.recorder = _state.Recorder()
+        self.options = RecomputeOptions()
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
         flat, _ = tree_flatten((args, kwargs))
@@ -134,13 +140,14 @@ class _ReentrantCall:
 
 
 def recompute_reentrant(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], preserve_rng_state: bool
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RecomputeOptions
 ) -> Any:
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     flat, _ = tree_flatten((args, kwargs))
-    state = capture_forward_state(flat, preserve_rng_state=preserve_rng_state)
+    state = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
     call = _ReentrantCall(function, args, kwargs, state)
+    call.options = options
     tensors = call.tensors(args, kwargs)
     # The anchor makes the output require grad even when no input does, so that the
     # parameters used inside the block still receive their gradients.

@@ -1,12 +1,16 @@
-"""Small tensor helpers shared by the two recompute implementations."""
+"""Small helpers shared by the two recompute implementations: options, tensor aliases, metadata."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["TensorMeta", "detached_alias"]
+__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias"]
 
 
 def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -34,3 +38,29 @@ class TensorMeta:
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
         return TensorMeta(t.shape, t.dtype, t.device)
+
+
+DETERMINISM_CHECKS = ("default", "none")
+
+
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """How one recomputed block runs (the options of :func:`remat.recompute`)."""
+
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    early_stop: bool = True
+    context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None = None
+
+    @property
+    def checks(self) -> bool:
+        """Whether recomputed tensors are compared with the originals (shape, dtype, device)."""
+        return self.determinism_check == "default"
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """The context around the original forward."""
+        return self.context_fn()[0] if self.context_fn is not None else contextlib.nullcontext()
+
+    def recompute_context(self) -> AbstractContextManager[Any]:
+        """The context around one recompute (``context_fn`` is called again for each)."""
+        return self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()

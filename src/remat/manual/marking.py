@@ -18,7 +18,14 @@ from remat.manual.recompute import recompute
 
 __all__ = ["apply", "is_marked", "mark", "unmark"]
 
-_RECOMPUTE_OPTIONS = {"use_reentrant", "preserve_rng_state", "output_recompute"}
+_RECOMPUTE_OPTIONS = {
+    "use_reentrant",
+    "preserve_rng_state",
+    "output_recompute",
+    "determinism_check",
+    "early_stop",
+    "context_fn",
+}
 
 Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]
 
@@ -49,7 +56,8 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
         module: a block (``nn.Sequential``, a transformer layer, ...) or a single-operation
             module (``nn.ReLU``, ``nn.GELU``, ``nn.Linear``).
         output_recompute: do not keep the module's output either (see :func:`remat.recompute`).
-        **recompute_options: ``use_reentrant`` and ``preserve_rng_state``, as for
+        **recompute_options: ``use_reentrant``, ``preserve_rng_state``,
+            ``determinism_check``, ``early_stop`` and ``context_fn``, as for
             :func:`remat.recompute`.
 
     Returns:

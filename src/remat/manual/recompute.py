@@ -26,8 +26,11 @@ Two implementations stand behind one function:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
+
+from torch import nn
 
 from remat.errors import (
     NotCallableBlock,
@@ -35,8 +38,11 @@ from remat.errors import (
 )
 from remat.manual._frames import recompute_with_hooks
 from remat.manual._reentrant import recompute_reentrant
+from remat.manual._tensors import DETERMINISM_CHECKS, RecomputeOptions
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "recompute_sequential"]
+
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
 
 def recompute(
@@ -45,6 +51,9 @@ def recompute(
     use_reentrant: bool = False,
     preserve_rng_state: bool = True,
     output_recompute: bool = False,
+    determinism_check: str = "default",
+    early_stop: bool = True,
+    context_fn: ContextFn | None = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``function(*args, **kwargs)`` and recomputes its activations in backward.
@@ -64,6 +73,16 @@ def recompute(
         output_recompute: do not keep the block's outputs either: a later recomputed
             block that takes them as inputs gets them by recomputing this one (adjacent
             recomputed blocks are merged). Needs ``use_reentrant=False``.
+        determinism_check: ``"default"`` compares the shape, dtype and device of every
+            tensor the recompute saves (or, reentrant, returns) with the original's and
+            raises :class:`~remat.NondeterministicRecompute` naming the block and the
+            tensor; ``"none"`` skips the comparison.
+        early_stop: stop a recompute as soon as every tensor backward needs from it is
+            regenerated (default); ``False`` runs the block to its end each time. The
+            reentrant implementation always runs the whole block.
+        context_fn: a function returning two context managers: the first is entered
+            around the original forward, the second around each recompute (the function
+            is called again for every recompute), like ``torch.utils.checkpoint``'s.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -91,11 +110,65 @@ def recompute(
             f"recompute() needs a callable block (an nn.Module or a function), got "
             f"{type(function).__name__}; pass the module or function itself, not its output"
         )
+    if determinism_check not in DETERMINISM_CHECKS:
+        raise RematError(f"determinism_check must be one of {list(DETERMINISM_CHECKS)}, got {determinism_check!r}")
+    if context_fn is not None and not callable(context_fn):
+        raise RematError(f"context_fn must be a function returning two context managers, got {context_fn!r}")
+    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn)
     if use_reentrant:
         if output_recompute:
             raise RematError(
                 "output_recompute=True needs the hook-based implementation; "
                 "call recompute(..., use_reentrant=False, output_recompute=True)"
             )
-        return recompute_reentrant(function, args, kwargs, preserve_rng_state)
-    return recompute_with_hooks(function, args, kwargs, preserve_rng_state, output_recompute)
+        return recompute_reentrant(function, args, kwargs, options)
+    return recompute_with_hooks(function, args, kwargs, options, output_recompute)
+
+
+def recompute_sequential(
+    modules: nn.Sequential | Sequence[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    *,
+    use_reentrant: bool = False,
+    **options: Any,
+) -> Any:
+    """Runs `modules` one after another in `segments` recomputed segments.
+
+    The equivalent of ``torch.utils.checkpoint.checkpoint_sequential``, with remat's
+    exactness (RNG, module state, nested structures). Each segment keeps only its input;
+    the last segment is recomputed too (torch runs it plainly), so the whole chain costs
+    about ``segments`` inputs plus one segment's activations in backward.
+
+    Args:
+        modules: an ``nn.Sequential`` or a sequence of callables, each taking the previous
+            one's output.
+        segments: how many segments to cut the chain into, ``1 <= segments``; more
+            segments than modules gives one module per segment.
+        input: the first module's input (any structure the first module takes).
+        use_reentrant: as for :func:`recompute`.
+        **options: other options of :func:`recompute`.
+
+    Returns:
+        The last module's output.
+
+    Raises:
+        RematError: ``segments`` is not a positive int, or `modules` is empty.
+    """
+    functions = list(modules)
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise RematError(f"segments must be a positive int, got {segments!r}")
+    if not functions:
+        raise RematError("recompute_sequential() needs at least one module")
+    size = -(-len(functions) // min(segments, len(functions)))
+    output = input
+    for start in range(0, len(functions), size):
+        segment = functions[start : start + size]
+        output = recompute(_run_in_order, segment, output, use_reentrant=use_reentrant, **options)
+    return output
+
+
+def _run_in_order(functions: list[Callable[..., Any]], value: Any) -> Any:
+    for function in functions:
+        value = function(value)
+    return value
