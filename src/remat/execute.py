@@ -22,11 +22,14 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain, InputLink
 from remat.discover.intercept import call_original, call_stage, intercept_stages
@@ -35,6 +38,7 @@ from remat.manual._frames import RegionRecording, active_mode
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
+from remat.units import format_bytes
 
 __all__ = ["ChainExecutor", "RegionSpan", "expand_operations"]
 
@@ -152,6 +156,7 @@ class _Run:
         self.executor = executor
         self.next_stage = 0
         self.previous_output: Any = None
+        self.previous_versions: list[int] = []
         self.recording: RegionRecording | None = None
         self.links: dict[int, InputLink] = {}
         self.states: dict[int, ForwardState] = {}
@@ -171,6 +176,7 @@ class _Run:
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.previous_output = out if index + 1 < len(executor.chain) else None
+        self.previous_versions = [t._version for t in tree_leaves(self.previous_output) if isinstance(t, torch.Tensor)]
         return out
 
     def _call_in_region(
@@ -196,7 +202,10 @@ class _Run:
                 observer=observer,
             )
         else:
-            self.links[index] = InputLink(args, kwargs, self.previous_output)
+            link = InputLink(args, kwargs, self.previous_output, self.previous_versions)
+            if link.changed_in_place:
+                _warn_changed_in_place(executor.chain, index, link.changed_in_place)
+            self.links[index] = link
         recording = self.recording
         assert recording is not None
         with recording.stage(), autocast_cache_off():
@@ -232,6 +241,23 @@ class _Run:
             return call_stage(module, args, kwargs)
         with replay_forward_state(state):
             return call_stage(module, args, kwargs)
+
+
+def _warn_changed_in_place(chain: Chain, index: int, tensors: list[torch.Tensor]) -> None:
+    # NOTE [stage outputs changed in place]
+    # A replay rebuilds a stage's input from the previous stage's replayed output; if the
+    # model's own code changed that output in place between the two stages, the replay
+    # would give the values from before the change. The executor keeps the changed
+    # tensor itself instead: gradients stay exact, but the plan did not count it.
+    extra = sum(t.untyped_storage().nbytes() for t in tensors)
+    warnings.warn(
+        f"remat: the model's forward changed the output of stage {chain.names[index - 1]!r} in place "
+        f"before stage {chain.names[index]!r}, inside a recomputed region; remat keeps the changed "
+        f"tensor for the recompute ({format_bytes(extra)} more than planned). Make that change out of "
+        "place (h = h * 2 instead of h.mul_(2)) for the planned memory",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 class _Replay:

@@ -198,16 +198,35 @@ class InputLink:
 
     Each tensor of the stage's (args, kwargs) that *is* a tensor output of the previous
     stage is remembered by its position in that output; every other value (a mask, a
-    position table, a flag) is kept as it is.
+    position table, a flag) is kept as it is, and so is a linked tensor that the model's
+    own code changed in place between the two stages (given `previous_versions`, the
+    versions of the previous output's tensors when it was returned).
     """
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], previous_output: Any) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        previous_output: Any,
+        previous_versions: list[int] | None = None,
+    ) -> None:
         flat, self._spec = tree_flatten((args, kwargs))
         previous = _tensor_leaves(previous_output) if previous_output is not None else []
         positions = {id(t): i for i, t in enumerate(previous)}
         self._sources: list[tuple[str, Any]] = []
+        #: the linked tensors changed in place since the previous stage returned them:
+        #: they are kept as they are (a replay of that stage would give the old values)
+        self.changed_in_place: list[torch.Tensor] = []
         for value in flat:
-            if isinstance(value, torch.Tensor) and id(value) in positions:
+            changed = (
+                isinstance(value, torch.Tensor)
+                and id(value) in positions
+                and previous_versions is not None
+                and value._version != previous_versions[positions[id(value)]]
+            )
+            if changed:
+                self.changed_in_place.append(value)
+            if isinstance(value, torch.Tensor) and id(value) in positions and not changed:
                 self._sources.append(("link", positions[id(value)]))
             elif isinstance(value, torch.Tensor):
                 self._sources.append(("tensor", (value.detach(), value.requires_grad)))
