@@ -776,6 +776,23 @@ def test_nondeterministic_recompute(use_reentrant: bool, block_type: type[nn.Mod
     assert_nothing_left_behind(rng_before, bn, bn_state)
 
 
+def test_determinism_check_can_be_turned_off(use_reentrant: bool) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(NondeterministicRecompute, match="ShapeChangesEveryCall"):
+        remat.recompute(ShapeChangesEveryCall(), x, use_reentrant=use_reentrant).sum().backward()
+    x.grad = None
+    try:  # whatever happens then is autograd's doing, not remat's check
+        remat.recompute(
+            ShapeChangesEveryCall(), x, use_reentrant=use_reentrant, determinism_check="none"
+        ).sum().backward()
+    except NondeterministicRecompute:
+        pytest.fail("determinism_check='none' still checked the recomputed tensors")
+    except RuntimeError:
+        pass
+    with pytest.raises(RematError, match=r"determinism_check must be one of \['default', 'none'\]"):
+        remat.recompute(ShapeChangesEveryCall(), x, determinism_check="strict")
+
+
 def test_input_modified_in_place(use_reentrant: bool) -> None:
     bn = nn.BatchNorm1d(4)
     block = nn.Sequential(nn.Linear(4, 4), bn, nn.Tanh())

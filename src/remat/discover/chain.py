@@ -218,15 +218,11 @@ class InputLink:
         #: they are kept as they are (a replay of that stage would give the old values)
         self.changed_in_place: list[torch.Tensor] = []
         for value in flat:
-            changed = (
-                isinstance(value, torch.Tensor)
-                and id(value) in positions
-                and previous_versions is not None
-                and value._version != previous_versions[positions[id(value)]]
-            )
-            if changed:
+            linked = isinstance(value, torch.Tensor) and id(value) in positions
+            if linked and previous_versions is not None and value._version != previous_versions[positions[id(value)]]:
                 self.changed_in_place.append(value)
-            if isinstance(value, torch.Tensor) and id(value) in positions and not changed:
+                linked = False
+            if linked:
                 self._sources.append(("link", positions[id(value)]))
             elif isinstance(value, torch.Tensor):
                 self._sources.append(("tensor", (value.detach(), value.requires_grad)))

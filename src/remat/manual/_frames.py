@@ -202,7 +202,7 @@ class _Frame:
             with (
                 torch.enable_grad(),
                 replay_forward_state(self.state),
-                _state.recomputing(root.recorder.log, self.first_call),
+                _state.recomputing(root.state_log, self.first_call),
                 self.options.recompute_context(),
             ):
                 try:
@@ -258,7 +258,7 @@ class _Root(_Frame):
         self.metas: list[TensorMeta] = []
         self.owners: list[_Frame | None] = []
         self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
-        self.recorder = _state.Recorder()
+        self.state_log = _state.StateLog()
         # whether a backward ran inside the first forward (see NOTE [backward inside a block])
         self.inner_backward = False
 
@@ -448,7 +448,12 @@ def recompute_with_hooks(
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
         try:
-            with options.forward_context(), autocast_cache_off(), root.recorder.piece(), _state.module_call(function):
+            with (
+                options.forward_context(),
+                autocast_cache_off(),
+                root.state_log.recording(),
+                _state.module_call(function),
+            ):
                 out = function(*args, **kwargs)
         finally:
             _STACK.pop()
@@ -570,7 +575,7 @@ class _DiscardingStage:
 
     def __enter__(self) -> None:
         _STACK.push(_Context("discard", self._root))
-        self._recording = self._root.recorder.piece()
+        self._recording = self._root.state_log.recording()
         self._recording.__enter__()
 
     def __exit__(self, *exc: Any) -> None:

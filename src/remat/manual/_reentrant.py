@@ -51,7 +51,7 @@ class _ReentrantFunction(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
-        with call.options.forward_context(), torch.no_grad(), call.recorder.piece():
+        with call.options.forward_context(), torch.no_grad(), call.state_log.recording():
             out = call.run(list(tensors))
         flat, spec = tree_flatten(out)
         call.out_spec = spec
@@ -84,7 +84,7 @@ class _ReentrantFunction(torch.autograd.Function):
         with (
             torch.enable_grad(),
             replay_forward_state(call.state),
-            _state.recomputing(call.recorder.log),
+            _state.recomputing(call.state_log),
             call.options.recompute_context(),
         ):
             out = call.run(inputs)
@@ -123,7 +123,7 @@ class _ReentrantCall:
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
         self.through: list[bool] = []
-        self.recorder = _state.Recorder()
+        self.state_log = _state.StateLog()
         self.options = RecomputeOptions()
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:

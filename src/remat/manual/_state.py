@@ -55,7 +55,6 @@ from torch.nn.modules.batchnorm import _NormBase
 from remat.errors import NondeterministicRecompute, RematError
 
 __all__ = [
-    "Recorder",
     "StateLog",
     "changes_state",
     "current_replay_call",
@@ -100,7 +99,11 @@ class _Change:
 
 
 class StateLog:
-    """The state changes of a recomputed block's module calls, by call number."""
+    """The state changes of a recomputed block's module calls, by call number.
+
+    A block's first forward may be recorded in pieces (the executor of a plan records one
+    region over several stage calls): each piece continues the numbering of the one before.
+    """
 
     __slots__ = ("changes", "calls")
 
@@ -108,15 +111,9 @@ class StateLog:
         self.changes: dict[int, _Change] = {}
         self.calls = 0  # module calls recorded so far
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the states kept for the replay."""
-        return sum(
-            t.numel() * t.element_size()
-            for change in self.changes.values()
-            for t in change.buffers_before.values()
-            if t is not None
-        )
+    def recording(self) -> contextlib.AbstractContextManager[_Scope]:
+        """While active, this thread's module calls are recorded into the log."""
+        return _open(_Scope(self, replaying=False, first_call=self.calls))
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, tuple[Any, int | None]]:
@@ -331,54 +328,21 @@ def _open(scope: _Scope) -> Iterator[_Scope]:
                 _HOOK_HANDLES.clear()
 
 
-class Recorder:
-    """Records the module state changes of a block's first forward, possibly in pieces.
-
-    The executor of a plan records one region over several stage calls: each piece
-    continues the call numbering of the one before.
-    """
-
-    __slots__ = ("log",)
-
-    def __init__(self) -> None:
-        self.log = StateLog()
-
-    def current_call(self) -> int:
-        """The number the next recorded module call gets."""
-        return self.log.calls
-
-    @contextlib.contextmanager
-    def piece(self) -> Iterator[None]:
-        with _open(_Scope(self.log, replaying=False, first_call=self.log.calls)):
-            yield
-
-
-@contextlib.contextmanager
-def recomputing(log: StateLog | None = None, first_call: int = 0) -> Iterator[_Scope | None]:
-    """Marks the current thread as recomputing and replays `log` from call `first_call`.
-
-    Yields the replay scope (its ``next_call`` tells where a nested frame starts), or
-    None without a log.
-    """
-    _LOCAL.recompute_depth += 1
-    try:
-        if log is None:
-            yield None
-        else:
-            with _open(_Scope(log, replaying=True, first_call=first_call)) as scope:
-                yield scope
-    finally:
-        _LOCAL.recompute_depth -= 1
-
-
 @contextlib.contextmanager
 def rehearsing() -> Iterator[None]:
-    """Marks the current thread as recomputing for a run remat makes on its own (measuring)."""
+    """Marks the current thread as recomputing, e.g. for a run remat makes on its own (measuring)."""
     _LOCAL.recompute_depth += 1
     try:
         yield
     finally:
         _LOCAL.recompute_depth -= 1
+
+
+@contextlib.contextmanager
+def recomputing(log: StateLog, first_call: int = 0) -> Iterator[_Scope]:
+    """Marks the current thread as recomputing and replays `log` from call `first_call`."""
+    with rehearsing(), _open(_Scope(log, replaying=True, first_call=first_call)) as scope:
+        yield scope
 
 
 def learning_state() -> contextlib.AbstractContextManager[_Scope]:
