@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -10,10 +11,13 @@ import pytest
 from remat.errors import BudgetTooSmall, InvalidBudget, RematError
 from remat.plan import (
     ChainProfile,
+    InvalidPlan,
+    InvalidProfile,
     OptimalSolver,
     PeriodicSolver,
     Region,
     Schedule,
+    SimulationResult,
     Store,
     available_solvers,
     get_solver,
@@ -291,3 +295,70 @@ def test_minimum_bytes_of_the_edge_chains(name: str, chain: str) -> None:
     """On every edge chain, the method gives the minimum that a budget of 0 bytes reports (0 if it fits)."""
     profile = EDGE_CHAINS[chain]
     assert get_solver(name).minimum_bytes(profile) == minimum_of(name, profile)
+
+
+# ---------------------------------------------------------------------------- breaks and pinned stages
+
+
+def _with_breaks(profile: ChainProfile, seed: int) -> ChainProfile:
+    """`profile` with random region breaks and, sometimes, a pinned stage."""
+    n = profile.n_stages
+    breaks = tuple(k for k in range(1, n) if (seed * 7 + k * 3) % 4 == 0)
+    pinned = (seed % n,) if seed % 3 == 0 else ()
+    return dataclasses.replace(profile, region_breaks=breaks, pinned_stages=pinned)
+
+
+def _allowed_results(profile: ChainProfile) -> list[SimulationResult]:
+    results = []
+    for plan in all_plans(profile.n_stages):
+        try:
+            results.append(simulate(profile, plan))
+        except InvalidPlan:
+            continue
+    return results
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_plans_around_breaks_and_pinned_stages(implementation: str, seed: int) -> None:
+    profile = _with_breaks(random_chain(seed, 2 + seed % 4, integer_times=True, max_time_s=4.0), seed)
+    results = _allowed_results(profile)
+    # the brute force itself must have excluded plans, or the test proves nothing
+    assert len(results) < len(all_plans(profile.n_stages)) or not (profile.region_breaks or profile.pinned_stages)
+    least = min(result.peak_bytes for result in results)
+    solver = OptimalSolver(implementation=implementation)
+    assert solver.minimum_bytes(profile) == least
+    for budget in range(least, max(result.peak_bytes for result in results) + 1):
+        schedule = solver(profile, budget)  # simulate() refuses a plan that crosses a break
+        fitting = [result.time_s for result in results if result.peak_bytes <= budget]
+        assert math.isclose(schedule.predicted_time_s, min(fitting), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["inputs", "periodic"])
+def test_baselines_cut_their_regions_at_breaks(name: str) -> None:
+    profile = dataclasses.replace(random_chain(1, 9), region_breaks=(2, 5), pinned_stages=(7,))
+    schedule = get_solver(name)(profile, None)
+    for item in schedule.items:
+        if isinstance(item, Region):
+            assert profile.region_allowed(item.start, item.stop)
+    assert Store(7) in schedule.items
+
+
+def test_simulate_refuses_plans_across_a_break_or_over_a_pinned_stage() -> None:
+    profile = dataclasses.replace(random_chain(2, 4), region_breaks=(2,), pinned_stages=(3,))
+    with pytest.raises(InvalidPlan, match="crosses boundary 2"):
+        simulate(profile, (Region(0, 3, (Store(0), Store(1), Store(2))), Store(3)))
+    with pytest.raises(InvalidPlan, match="stage 3 is pinned"):
+        simulate(profile, (Store(0), Store(1), Region(2, 4, (Store(2), Store(3)))))
+    simulate(profile, (Region(0, 2, (Store(0), Store(1))), Region(2, 3, (Store(2),)), Store(3)))
+
+
+def test_breaks_survive_a_saved_profile_and_are_checked(tmp_path: Path) -> None:
+    profile = dataclasses.replace(random_chain(3, 5), region_breaks=(3, 1), pinned_stages=(4,))
+    assert profile.region_breaks == (1, 3)
+    assert ChainProfile.from_json(profile.to_json()) == profile
+    assert "region_breaks" not in random_chain(3, 5).to_dict()
+    with pytest.raises(InvalidProfile, match="region_breaks holds 5"):
+        dataclasses.replace(profile, region_breaks=(5,))
+    with pytest.raises(InvalidProfile, match="pinned_stages holds -1"):
+        dataclasses.replace(profile, pinned_stages=(-1,))

@@ -29,9 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from remat.discover.chain import Chain, InputLink
+from remat.discover.chain import Chain, InputLink, StageLinks
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import RegionRecording, active_mode
@@ -155,8 +154,7 @@ class _Run:
     def __init__(self, executor: ChainExecutor) -> None:
         self.executor = executor
         self.next_stage = 0
-        self.previous_output: Any = None
-        self.previous_versions: list[int] = []
+        self.stage_links = StageLinks(len(executor.chain))
         self.recording: RegionRecording | None = None
         self.links: dict[int, InputLink] = {}
         self.states: dict[int, ForwardState] = {}
@@ -175,8 +173,7 @@ class _Run:
             out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
-        self.previous_output = out if index + 1 < len(executor.chain) else None
-        self.previous_versions = [t._version for t in tree_leaves(self.previous_output) if isinstance(t, torch.Tensor)]
+        self.stage_links.returned(index, out)
         return out
 
     def _call_in_region(
@@ -202,7 +199,7 @@ class _Run:
                 observer=observer,
             )
         else:
-            link = InputLink(args, kwargs, self.previous_output, self.previous_versions)
+            link = self.stage_links.link(args, kwargs)
             if link.changed_in_place:
                 _warn_changed_in_place(executor.chain, index, link.changed_in_place)
             self.links[index] = link

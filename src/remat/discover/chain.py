@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.errors import UnsupportedModel
+from remat.errors import RecomputeInputModified, UnsupportedModel
 from remat.manual._tensors import detached_alias
 
-__all__ = ["Chain", "InputLink", "discover_chain", "sequential_chain"]
+__all__ = ["Chain", "InputLink", "StageLinks", "discover_chain", "sequential_chain"]
 
 
 @dataclass
@@ -225,20 +225,54 @@ class InputLink:
             if linked:
                 self._sources.append(("link", positions[id(value)]))
             elif isinstance(value, torch.Tensor):
-                self._sources.append(("tensor", (value.detach(), value.requires_grad)))
+                self._sources.append(("tensor", (value.detach(), value.requires_grad, value._version)))
             else:
                 self._sources.append(("value", value))
 
     def build(self, previous_output: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The stage's (args, kwargs), with linked tensors taken from `previous_output`."""
+        """The stage's (args, kwargs), with linked tensors taken from `previous_output`.
+
+        Raises:
+            RecomputeInputModified: a kept tensor was changed in place since the stage took it.
+        """
         previous = _tensor_leaves(previous_output) if previous_output is not None else []
         flat: list[Any] = []
-        for kind, value in self._sources:
+        for position, (kind, value) in enumerate(self._sources):
             if kind == "link":
                 flat.append(previous[value])
             elif kind == "tensor":
-                flat.append(detached_alias(*value))
+                tensor, requires_grad, version = value
+                if tensor._version != version:
+                    raise RecomputeInputModified(
+                        f"input {position} of a recomputed stage (shape {tuple(tensor.shape)}) was changed in "
+                        "place after the stage took it; its recompute would see other values. Make the change "
+                        "out of place"
+                    )
+                flat.append(detached_alias(tensor, requires_grad))
             else:
                 flat.append(value)
         args, kwargs = tree_unflatten(flat, self._spec)
         return args, kwargs
+
+
+class StageLinks:
+    """Follows a forward's stage calls: how each stage's inputs come from the stage before.
+
+    Remembers the previous stage's output and the versions of its tensors when it was
+    returned, so that :meth:`link` notices a tensor the model's own code changed in place
+    between the two stages.
+    """
+
+    def __init__(self, n_stages: int) -> None:
+        self.n_stages = n_stages
+        self._output: Any = None
+        self._versions: list[int] = []
+
+    def link(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputLink:
+        """How the inputs of the stage being called come from the previous stage's output."""
+        return InputLink(args, kwargs, self._output, self._versions)
+
+    def returned(self, index: int, output: Any) -> None:
+        """Notes the output of stage `index` (the chain's output is not followed)."""
+        self._output = output if index + 1 < self.n_stages else None
+        self._versions = [t._version for t in _tensor_leaves(self._output)]

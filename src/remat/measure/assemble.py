@@ -103,6 +103,7 @@ def assemble(chain: Chain, step: TrackedStep, timing: StageWatch, end_time: floa
     stages = step.watch.stages
     _take_backward_windows_and_times(step, timing, end_time)
     groups = group_stages(stages)
+    breaks, pinned = region_limits(stages, groups)
     fixed_bytes = _bytes_held_outside_chain(chain, step)
     suffix_kept_bytes, output_gradient_bytes = _suffix(step)
     fixed_bytes += suffix_kept_bytes
@@ -134,6 +135,8 @@ def assemble(chain: Chain, step: TrackedStep, timing: StageWatch, end_time: floa
             "measured_peak_bytes": int(measured_peak_bytes),
             "device": step.device,
         },
+        region_breaks=tuple(breaks),
+        pinned_stages=tuple(pinned),
     )
     return ChainMeasurement(
         stages,
@@ -178,12 +181,33 @@ def group_stages(stages: list[StageMeasurement]) -> list[tuple[int, int]]:
         # value) has nothing to recompute: it rides with the stage before. A stage that
         # only does not keep its input is a stage of its own: the planner's model knows
         # what holds each activation (saves_input / saves_output).
-        fuse = index > 0 and (stage.modifies_input or not stage.input_storages or not stage.saved_storages)
+        # A stage whose input the model changed in place keeps its own group where it can:
+        # a region must not cross that boundary (NOTE [stage outputs changed in place]).
+        keeps_nothing = not stage.saved_storages and not stage.input_changed
+        fuse = index > 0 and (stage.modifies_input or not stage.input_storages or keeps_nothing)
         if fuse and groups:
             groups[-1] = (groups[-1][0], index + 1)
         else:
             groups.append((index, index + 1))
     return groups
+
+
+def region_limits(stages: list[StageMeasurement], groups: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The profile's region breaks and pinned stages (in groups) from what each stage saw.
+
+    A group whose first stage's input was changed in place by the model's code is a
+    break: a region may start there but not cross it. A group with such a stage inside
+    (it also modifies that input itself, so it was fused) can be neither replayed nor
+    start a region: it is pinned.
+    """
+    breaks: list[int] = []
+    pinned: list[int] = []
+    for index, (first, stop) in enumerate(groups):
+        if index > 0 and stages[first].input_changed:
+            breaks.append(index)
+        if any(stages[stage].input_changed for stage in range(first + 1, stop)):
+            pinned.append(index)
+    return breaks, pinned
 
 
 def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:

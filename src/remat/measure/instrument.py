@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from remat.discover.chain import Chain
+from remat.discover.chain import Chain, StageLinks
 from remat.discover.intercept import call_original
 from remat.errors import UnsupportedModel
 from remat.memory import MemoryTracker
@@ -51,6 +51,8 @@ class StageMeasurement:
             not take (they go to the model's own code).
         gradient_bytes_in: bytes of the gradient of its input.
         modifies_input: whether it modifies its input in place.
+        input_changed: whether the model's own code changed in place what it takes from
+            the stage before, after that stage returned it.
     """
 
     name: str
@@ -64,6 +66,7 @@ class StageMeasurement:
     escaped_storages: dict[int, int] = field(default_factory=dict)
     gradient_bytes_in: int = 0
     modifies_input: bool = False
+    input_changed: bool = False
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -109,6 +112,7 @@ class StageWatch:
             items = tuple(Region(a, b, tuple(Store(k) for k in range(a, b))) for a, b in spans)
             self._run = _Run(ChainExecutor(chain, items, observer=lambda region: _SpanObserver(self, region.start)))
         self.stages = [StageMeasurement(name) for name in chain.names]
+        self.links = StageLinks(len(chain))
         self.current: int | None = None
         self.next_stage = 0
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
@@ -143,6 +147,7 @@ class StageWatch:
             )
         self.next_stage += 1
         stage = self.stages[index]
+        stage.input_changed = bool(self.links.link(args, kwargs).changed_in_place)
         inputs = tensors_in((args, kwargs))
         tracker = self.tracker
         if tracker is not None:
@@ -166,6 +171,7 @@ class StageWatch:
         stage.forward_time_s = time.perf_counter() - start_time
         stage.forward_window = (start_event, tracker.n_events if tracker is not None else 0)
         stage.modifies_input = list(map(_version_of, inputs)) != versions
+        self.links.returned(index, out)
         outputs = tensors_in(out)
         if tracker is not None:
             stage.output_storages = tracker.allocations_of(outputs)
@@ -268,14 +274,19 @@ class _SpanObserver:
 
 
 class InPlaceProbe:
-    """Finds the stages that modify their input in place, in a forward without grad."""
+    """Finds, in a forward without grad, the stages that modify their input in place and
+    those whose input the model's own code changed in place (see :class:`StageMeasurement`)."""
 
     def __init__(self, chain: Chain) -> None:
         self.modifies_input = [False] * len(chain)
+        self.input_changed = [False] * len(chain)
+        self.links = StageLinks(len(chain))
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.input_changed[index] = bool(self.links.link(args, kwargs).changed_in_place)
         inputs = tensors_in((args, kwargs))
         versions = list(map(_version_of, inputs))
         out = call_original(module, args, kwargs)
         self.modifies_input[index] = list(map(_version_of, inputs)) != versions
+        self.links.returned(index, out)
         return out

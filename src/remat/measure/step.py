@@ -170,11 +170,19 @@ def _in_place_spans(
         _raise_first_stage_in_place(chain)
     # Segments of about sqrt(n) stages (as checkpoint_sequential cuts them): the step
     # then keeps about sqrt(n) segment inputs plus one segment's activations. A segment
-    # never starts at an in-place stage: it would modify the input the segment keeps.
+    # never starts at an in-place stage: it would modify the input the segment keeps; nor
+    # does it cross a stage whose input the model's code changed in place.
     size = math.isqrt(max(0, len(chain) - 1)) + 1
     spans: list[tuple[int, int]] = []
-    for index, in_place in enumerate(probe.modifies_input):
-        if spans and (in_place or spans[-1][1] - spans[-1][0] < size):
+    for index, (in_place, changed) in enumerate(zip(probe.modifies_input, probe.input_changed, strict=True)):
+        if in_place and changed:
+            raise UnsupportedModel(
+                f"stage {chain.names[index]!r} modifies in place an input that the model's code also "
+                "changed in place after the stage before returned it; the frugal measurement cannot "
+                "recompute around it. Measure with frugal_measure=False, or make one of the two "
+                "changes out of place"
+            )
+        if spans and not changed and (in_place or spans[-1][1] - spans[-1][0] < size):
             spans[-1] = (spans[-1][0], index + 1)
         else:
             spans.append((index, index + 1))

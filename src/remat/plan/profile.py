@@ -47,6 +47,7 @@ _BYTE_FIELDS = (
     "backward_temp_bytes",
 )
 _TIME_FIELDS = ("forward_time_s", "backward_time_s")
+_OPTIONAL_FIELDS = ("region_breaks", "pinned_stages")
 _FLAG_FIELDS = ("saves_input", "saves_output")
 
 
@@ -79,11 +80,18 @@ class ChainProfile:
             of what is live, its output and its saved bytes (``n`` ints).
         backward_temp_bytes: transient bytes at the peak of the backward of stage ``i``, on
             top of what is live and the gradient of its input (``n`` ints).
+        region_breaks: boundaries ``k`` (``0 < k < n``) that no recompute region may cross:
+            the model's own code changes ``x_k`` in place after stage ``k - 1`` returned it,
+            so a replay of stage ``k - 1`` could not give stage ``k`` its input. A region may
+            start at ``k``, which keeps the changed ``x_k`` itself (sorted, no repeats).
+        pinned_stages: stages that no recompute region may contain: they always run once,
+            stored (a stage whose input is changed in place both by the model's code and
+            by the stage itself, which can neither be replayed nor start a region).
         metadata: free-form JSON-able facts about the measurement (device, dtype, shapes).
 
     Raises:
         InvalidProfile: a sequence has the wrong length, a size or time is negative or not
-            finite, or a value has the wrong type.
+            finite, a value has the wrong type, or a break or pinned stage is out of range.
     """
 
     names: tuple[str, ...]
@@ -97,6 +105,8 @@ class ChainProfile:
     forward_temp_bytes: tuple[int, ...]
     backward_temp_bytes: tuple[int, ...]
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
+    region_breaks: tuple[int, ...] = ()
+    pinned_stages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         names = _as_tuple(self.names, "names")
@@ -120,6 +130,8 @@ class ChainProfile:
         if not isinstance(self.metadata, Mapping):
             raise InvalidProfile(f"metadata must be a dict, got {type(self.metadata).__name__}")
         object.__setattr__(self, "metadata", dict(self.metadata))
+        object.__setattr__(self, "region_breaks", _indices(self.region_breaks, "region_breaks", 1, n_stages - 1))
+        object.__setattr__(self, "pinned_stages", _indices(self.pinned_stages, "pinned_stages", 0, n_stages - 1))
 
     # ------------------------------------------------------------------ properties
 
@@ -170,6 +182,25 @@ class ChainProfile:
             total += self.activation_bytes[stage + 1]
         return total
 
+    def region_allowed(self, start: int, stop: int) -> bool:
+        """Whether a recompute region may cover the stages ``[start, stop)``.
+
+        It may not cross a break (``start < k < stop``) nor hold a pinned stage.
+        """
+        return not any(start < k < stop for k in self.region_breaks) and not any(
+            start <= g < stop for g in self.pinned_stages
+        )
+
+    def allowed_regions(self) -> numpy.ndarray:
+        """``[a, j]`` is True where a region may cover ``[a, j)``, shape ``(n, n + 1)``, for ``a < j``."""
+        n = self.n_stages
+        allowed = numpy.ones((n, n + 1), dtype=bool)
+        for k in self.region_breaks:
+            allowed[:k, k + 1 :] = False
+        for g in self.pinned_stages:
+            allowed[: g + 1, g + 1 :] = False
+        return allowed
+
     # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +209,9 @@ class ChainProfile:
         data["names"] = list(self.names)
         for field_name in _PER_STAGE_FIELDS + _PER_BOUNDARY_FIELDS:
             data[field_name] = list(getattr(self, field_name))
+        for field_name in _OPTIONAL_FIELDS:
+            if getattr(self, field_name):
+                data[field_name] = list(getattr(self, field_name))
         data["metadata"] = dict(self.metadata)
         return data
 
@@ -210,10 +244,10 @@ class ChainProfile:
         missing = [key for key in required if key not in data]
         if missing:
             raise InvalidProfile(f"saved chain profile lacks the keys {missing}")
-        unknown = sorted(set(data) - set(required) - {"format", "version", "metadata"})
+        unknown = sorted(set(data) - set(required) - set(_OPTIONAL_FIELDS) - {"format", "version", "metadata"})
         if unknown:
             raise InvalidProfile(f"saved chain profile has unknown keys {unknown}")
-        values = {key: data[key] for key in required}
+        values = {key: data[key] for key in required + _OPTIONAL_FIELDS if key in data}
         return cls(**values, metadata=dict(data.get("metadata") or {}))
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -272,6 +306,15 @@ def _as_tuple(values: Any, field_name: str) -> tuple[Any, ...]:
         except TypeError:
             raise InvalidProfile(f"{field_name} must be a sequence, got {type(values).__name__}") from None
     return tuple(values)
+
+
+def _indices(values: Any, field_name: str, low: int, high: int) -> tuple[int, ...]:
+    """Sorted, distinct whole numbers in ``[low, high]``."""
+    indices = _as_tuple(values, field_name)
+    for value in indices:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= int(value) <= high:
+            raise InvalidProfile(f"{field_name} holds {value!r}; expected whole numbers from {low} to {high}")
+    return tuple(sorted({int(value) for value in indices}))
 
 
 def _stage_label(field_name: str, index: int, names: tuple[str, ...]) -> str:

@@ -116,6 +116,8 @@ class PlanReport:
             "baseline_peak_bytes": self.baseline.peak_bytes,
             "baseline_time_s": self.baseline.time_s,
             "plan": plan_to_data(schedule.items),
+            "region_breaks": list(schedule.profile.region_breaks),
+            "pinned_stages": list(schedule.profile.pinned_stages),
             "stages": [
                 {
                     "index": row.index,
@@ -158,7 +160,23 @@ class PlanReport:
                 for column, (cell, width) in enumerate(zip(cells, widths, strict=True))
             ]
             lines.append("  " + "  ".join(formatted).rstrip())
+        lines += self._limit_lines()
         return "\n".join(lines)
+
+    def _limit_lines(self) -> list[str]:
+        """Where no region may go, and why (see ChainProfile.region_breaks)."""
+        profile = self.schedule.profile
+        lines = []
+        if profile.region_breaks:
+            names = ", ".join(f"{k} {profile.names[k]!r}" for k in profile.region_breaks)
+            lines.append(
+                f"  no region crosses into stages {names}: the model changes their input in place"
+                " after the stage before returns it"
+            )
+        if profile.pinned_stages:
+            names = ", ".join(f"{g} {profile.names[g]!r}" for g in profile.pinned_stages)
+            lines.append(f"  never recomputed: stages {names} (they change such an input in place themselves)")
+        return [""] + lines if lines else []
 
     def _memory_lines(self) -> list[str]:
         schedule = self.schedule

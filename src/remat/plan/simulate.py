@@ -149,6 +149,8 @@ class _Simulation:
         self.times_s: list[float] = []
         self.frontier: int | None = None
         self.loss_seen = False
+        self.breaks = frozenset(profile.region_breaks)
+        self.pinned = frozenset(profile.pinned_stages)
 
     # -- values of the boundaries x_k and their holders
     def is_live(self, boundary: int) -> bool:
@@ -197,6 +199,15 @@ class _Simulation:
         profile = self.profile
         if not self.is_live(stage):
             raise InvalidPlan(f"{where}: its input x_{stage} is not live")
+        if kind is not OperationKind.FORWARD_STORE and stage in self.pinned:
+            raise InvalidPlan(
+                f"{where}: stage {stage} is pinned (see ChainProfile.pinned_stages): it is never recomputed"
+            )
+        if kind is OperationKind.FORWARD_DISCARD and stage in self.breaks:
+            raise InvalidPlan(
+                f"{where}: its region crosses boundary {stage}, a break (the model changes x_{stage} in place "
+                f"after stage {stage - 1} returns it; see ChainProfile.region_breaks)"
+            )
         if self.backward_done[stage]:
             raise InvalidPlan(f"{where}: runs after the backward of stage {stage}")
         self.forward_counts[stage] += 1

@@ -16,6 +16,10 @@ from remat.plan.solvers import kernels
 
 __all__: list[str] = []
 
+#: inner(a, j) of a region the profile forbids: above any budget, and small enough that the
+#: program's sums of a few such terms stay below :data:`~.kernels.INT_INFINITY`.
+FORBIDDEN_REGION = np.int64(2**58)
+
 
 # NOTE [memory accounting of the dynamic program]
 # The program is exact with respect to simulate() (simulate.py) for every plan tree in which
@@ -178,7 +182,7 @@ class _ChainArrays:
             saves_output=saves_output,
             first_forward=first_forward,
             discard_forward=discard_forward,
-            region_inner_forward=_region_inner_forward(first_forward, discard_forward),
+            region_inner_forward=_region_inner_forward(first_forward, discard_forward, profile.allowed_regions()),
             outer_gradient=outer_gradient,
             store_background=store_background,
             store_backward=store_backward,
@@ -226,11 +230,14 @@ class _ChainArrays:
         return kernels.region_peak(self.region_forward_peaks(start, end), self.activation[start], rests, bodies)
 
 
-def _region_inner_forward(first_forward: np.ndarray, discard_forward: np.ndarray) -> np.ndarray:
+def _region_inner_forward(first_forward: np.ndarray, discard_forward: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """inner(a, j) of the NOTE above, at ``[a, j]`` for a < j <= n; 0 for j <= a.
 
     The largest of the checkpointing forward of ``a`` and the discarding forwards of
-    ``a+1 .. j-1``: a running maximum along each row.
+    ``a+1 .. j-1``: a running maximum along each row. A region the profile forbids
+    (``allowed[a, j]`` False: it crosses a break or holds a pinned stage) gets
+    :data:`FORBIDDEN_REGION`, a forward peak no budget reaches, so no form of the program
+    picks it.
     """
     n = first_forward.shape[0]
     stage = np.arange(n)
@@ -238,6 +245,7 @@ def _region_inner_forward(first_forward: np.ndarray, discard_forward: np.ndarray
     forwards = np.where(stage[None, :] > stage[:, None], discard_forward[None, :], first_forward[:, None])
     inner = np.zeros((n, n + 1), dtype=np.int64)
     inner[:, 1:] = np.maximum.accumulate(forwards, axis=1)
+    inner[~allowed] = FORBIDDEN_REGION
     inner[np.tril_indices(n, 0, n + 1)] = 0
     return inner
 

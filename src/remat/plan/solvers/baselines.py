@@ -11,12 +11,44 @@ from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.solvers.contract import _ADVICE_BASELINE, _budget_too_small, _validated_budget_bytes
 
-__all__ = ["PeriodicSolver", "StoreEverythingSolver", "StoreInputsSolver", "store_everything_plan"]
+__all__ = ["PeriodicSolver", "StoreEverythingSolver", "StoreInputsSolver", "store_everything_plan", "within_breaks"]
 
 
 def store_everything_plan(n_stages: int) -> PlanTree:
     """Returns the plan that stores every stage (no recomputation)."""
     return tuple(Store(stage) for stage in range(n_stages))
+
+
+def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
+    """``plan`` with its regions cut where the profile forbids them to reach.
+
+    A region that crosses a break (see :attr:`ChainProfile.region_breaks`) becomes one
+    region per piece between the breaks, and a pinned stage in it is stored instead. Only
+    regions whose bodies store every stage are cut (the baselines' plans).
+
+    Raises:
+        ValueError: a region that must be cut has a nested region in its body.
+    """
+    if not profile.region_breaks and not profile.pinned_stages:
+        return plan
+    breaks, pinned = set(profile.region_breaks), set(profile.pinned_stages)
+    items: list[PlanItem] = []
+    for item in plan:
+        if isinstance(item, Store) or profile.region_allowed(item.start, item.stop):
+            items.append(item)
+            continue
+        if not all(isinstance(inner, Store) for inner in item.body):
+            raise ValueError(f"cannot cut the region [{item.start}, {item.stop}): its body holds regions")
+        start = item.start
+        for stage in range(item.start, item.stop + 1):
+            if stage == item.stop or stage in breaks or stage in pinned:
+                if start < stage:
+                    items.append(Region(start, stage, tuple(Store(k) for k in range(start, stage))))
+                start = stage
+            if stage in pinned:
+                items.append(Store(stage))
+                start = stage + 1
+    return tuple(items)
 
 
 class _FixedPlanSolver:
@@ -28,9 +60,13 @@ class _FixedPlanSolver:
         """The plan of a chain of ``n_stages`` stages."""
         raise NotImplementedError
 
+    def plan_for(self, profile: ChainProfile) -> PlanTree:
+        """The plan of the chain of ``profile``, its regions cut at the profile's breaks."""
+        return within_breaks(self.fixed_plan(profile.n_stages), profile)
+
     def minimum_bytes(self, profile: ChainProfile) -> int:
         """The simulated peak of this solver's plan: the smallest budget it fits."""
-        return Schedule.from_plan(profile, self.fixed_plan(profile.n_stages)).predicted_peak_bytes
+        return Schedule.from_plan(profile, self.plan_for(profile)).predicted_peak_bytes
 
     def __call__(self, profile: ChainProfile, budget_bytes: int | None) -> Schedule:
         """Returns the schedule of this solver's plan if it fits the budget.
@@ -39,7 +75,7 @@ class _FixedPlanSolver:
             BudgetTooSmall: its peak is above the budget (``minimum_bytes`` is that peak).
         """
         budget = _validated_budget_bytes(budget_bytes)
-        plan = self.fixed_plan(profile.n_stages)
+        plan = self.plan_for(profile)
         schedule = Schedule.from_plan(profile, plan, budget_bytes=budget, solver_name=self.name)
         if budget is not None and schedule.predicted_peak_bytes > budget:
             minimum = self.minimum_bytes(profile)

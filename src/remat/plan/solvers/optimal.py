@@ -29,11 +29,12 @@ logger = logging.getLogger("remat.plan.solvers")
 _RELAXED_PASS_MAX_STAGES = 120
 
 
-def _baseline_plans(n_stages: int) -> list[PlanTree]:
-    """Store-inputs and the periodic plans with 2 .. 2*sqrt(n) segments."""
-    plans: list[PlanTree] = [StoreInputsSolver.plan_of(n_stages)] if n_stages > 1 else []
+def _baseline_plans(profile: ChainProfile) -> list[PlanTree]:
+    """Store-inputs and the periodic plans with 2 .. 2*sqrt(n) segments, cut at the profile's breaks."""
+    n_stages = profile.n_stages
+    plans: list[PlanTree] = [StoreInputsSolver().plan_for(profile)] if n_stages > 1 else []
     for segments in range(2, min(n_stages, 2 * (math.isqrt(n_stages) + 1)) + 1):
-        plans.append(PeriodicSolver(segments=segments).plan(n_stages))
+        plans.append(PeriodicSolver(segments=segments).plan_for(profile))
     return plans
 
 
@@ -166,7 +167,7 @@ class OptimalSolver:
             if relaxed is not None:
                 candidates.append(relaxed)
         # The baselines are checked exactly too, so the result is never slower than one that fits.
-        candidates.extend(_baseline_plans(n))
+        candidates.extend(_baseline_plans(profile))
         for plan in candidates:
             if _plan_time_s(profile, plan) < best.predicted_time_s * (1.0 - 1e-12):
                 candidate = Schedule.from_plan(profile, plan, budget_bytes=budget_bytes, solver_name=self.name)
