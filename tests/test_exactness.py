@@ -509,6 +509,31 @@ def test_context_fn_wraps_the_forward_and_each_recompute(mode: str) -> None:
     assert events == ["enter forward", "exit forward", "enter recompute", "exit recompute"]
 
 
+def test_a_nested_block_enters_its_own_contexts() -> None:
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def context(name: str) -> Any:
+        events.append(name)
+        yield
+
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    inner_contexts = lambda: (context("inner forward"), context("inner recompute"))  # noqa: E731
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(inner, x.sin(), context_fn=inner_contexts).cos()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = remat.recompute(outer, x, context_fn=lambda: (context("outer forward"), context("outer recompute")))
+    assert events == ["outer forward", "inner forward"]
+    out.sum().backward()
+    # the outer recompute re-runs the inner block (its recompute context), then backward
+    # reaches the inner block, which is recomputed once more on its own
+    assert events == ["outer forward", "inner forward", "outer recompute", "inner recompute", "inner recompute"]
+
+
 @pytest.mark.parametrize("mode", MANUAL)
 @pytest.mark.parametrize("segments", [1, 2, 3, 7])
 def test_recompute_sequential_matches_plain(mode: str, segments: int) -> None:
@@ -662,3 +687,60 @@ def test_the_plan_report_says_where_regions_may_not_go() -> None:
     breaks = list(broken.plan.schedule.profile.region_breaks)
     assert len(breaks) == 2 and broken.plan.report().to_dict()["region_breaks"] == breaks
     assert f"no region crosses into stages {breaks[0]} 'layers.3.0'" in str(broken.plan)
+
+
+# ------------------------------------------------------------------ debug=True
+class ChangesOnRecompute(nn.Module):
+    """A block whose recompute runs other operations (it depends on is_recomputing())."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        if remat.is_recomputing():
+            h = h.reshape(-1)  # the bug the trace must point at
+        return h.sin()
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_debug_shows_where_the_recompute_diverges(mode: str) -> None:
+    x = torch.randn(4, 3, requires_grad=True)
+    # without debug: the error names the block, no trace
+    out = remat.recompute(ChangesOnRecompute(), x, use_reentrant=mode == "reentrant")
+    with pytest.raises(remat.NondeterministicRecompute) as plain_error:
+        out.sum().backward()
+    assert "debug=True" not in str(plain_error.value)
+    out = remat.recompute(ChangesOnRecompute(), x, use_reentrant=mode == "reentrant", debug=True)
+    with pytest.raises(remat.NondeterministicRecompute) as raised:
+        out.sum().backward()
+    text = str(raised.value)
+    assert str(plain_error.value) in text
+    assert "first differ at operation #1" in text
+    original, recomputed = text.split("  recompute:")
+    assert "#1 > aten.sin.default -> (4, 3)" in original and "in forward" in original
+    assert "#1 > aten.view.default -> (12,)" in recomputed and "h = h.reshape(-1)" not in recomputed
+    line = ChangesOnRecompute.forward.__code__.co_firstlineno + 3
+    assert f"test_exactness.py:{line} in forward" in recomputed
+
+
+def test_debug_traces_a_nested_block_from_its_own_first_operation() -> None:
+    inner = ChangesOnRecompute()
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(inner, x.cos(), debug=True).exp()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    out = remat.recompute(outer, x, debug=True)
+    with pytest.raises(remat.NondeterministicRecompute, match="first differ at operation") as raised:
+        out.sum().backward()
+    original, recomputed = str(raised.value).split("  recompute:")
+    assert "#0   aten.cos.default" in original and "#2 > aten.sin.default" in original
+    assert "#0   aten.cos.default" in recomputed and "#2 > aten.view.default -> (12,)" in recomputed
+    assert "detach" not in recomputed  # remat's own operations are not the block's
+
+
+def test_debug_must_be_a_bool_and_marks_carry_it() -> None:
+    with pytest.raises(RematError, match="debug must be True or False"):
+        remat.recompute(torch.sin, torch.ones(2), debug="yes")
+    module = remat.mark(ChangesOnRecompute(), debug=True)
+    out = module(torch.randn(4, 3, requires_grad=True))
+    with pytest.raises(remat.NondeterministicRecompute, match="debug=True: the original forward"):
+        out.sum().backward()

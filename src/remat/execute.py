@@ -33,7 +33,8 @@ from torch import nn
 from remat.discover.chain import Chain, InputLink, StageLinks
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
-from remat.manual._frames import RegionRecording, active_mode
+from remat.manual._frames import active_mode
+from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
@@ -278,7 +279,7 @@ class ChainExecutor:
             :func:`expand_operations`), or a plan tree, which stands for its operations.
         preserve_rng_state: replay RNG states in recomputed stages.
         observer: ``observer(span)`` gives the observer of each top-level region's
-            recording (see :class:`remat.manual.recompute.RegionRecording`); ``span`` is
+            recording (see :class:`remat.manual._recording.RegionRecording`); ``span`` is
             the region's :class:`RegionSpan`. Used by measurement.
 
     Raises:

@@ -21,11 +21,11 @@ from remat.errors import (
     RecomputeInputModified,
     RematError,
 )
-from remat.manual import _state
+from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
-__all__ = ["RegionRecording", "active_mode", "recompute_with_hooks"]
+__all__ = ["active_mode", "recompute_with_hooks"]
 
 
 # =========================================================================== hooks
@@ -80,12 +80,13 @@ class _Handle:
 class _Span:
     """Where a nested block's handles start and stop in its root, and its own nested blocks."""
 
-    __slots__ = ("start", "stop", "children")
+    __slots__ = ("start", "stop", "children", "op_start")
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, op_start: int = 0) -> None:
         self.start = start
         self.stop: int | None = None
         self.children: list[_Span] = []
+        self.op_start = op_start  # its first operation in the root's op trace (debug=True)
 
 
 class _OutputOf:
@@ -198,24 +199,30 @@ class _Frame:
         if observer is not None:
             observer.on_recompute(True)
         _STACK.push(_Context("fill", self, last_needed))
+        trace = None
         try:
-            with (
-                torch.enable_grad(),
-                replay_forward_state(self.state),
-                _state.recomputing(root.state_log, self.first_call),
-                self.options.recompute_context(),
-            ):
-                try:
-                    with _state.module_call(self.function):
-                        out = self.function(*args, **kwargs)
-                except _StopRecompute:
-                    out = None
-        finally:
-            _STACK.pop()
+            try:
+                with (
+                    torch.enable_grad(),
+                    replay_forward_state(self.state),
+                    _state.recomputing(root.state_log, self.first_call),
+                    self.options.recompute_context(),
+                    _debug.traced(self.options.debug) as trace,
+                ):
+                    try:
+                        with _state.module_call(self.function):
+                            out = self.function(*args, **kwargs)
+                    except _StopRecompute:
+                        out = None
+            finally:
+                _STACK.pop()
+            if mode == "fill":
+                self._finish_fill()
+        except NondeterministicRecompute as error:
+            op_start = self.span.op_start if self.span is not None else 0
+            raise _debug.explained(error, root.original_ops, trace, op_start) from None
         if observer is not None:
             observer.on_recompute(False)
-        if mode == "fill":
-            self._finish_fill()
         return out
 
     def _finish_fill(self) -> None:
@@ -259,6 +266,9 @@ class _Root(_Frame):
         self.owners: list[_Frame | None] = []
         self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
         self.state_log = _state.StateLog()
+        # debug=True: the first forward's trace while it runs, then its operations (NOTE [op traces])
+        self.trace: _debug.OpTrace | None = None
+        self.original_ops: list[Any] | None = None
         # whether a backward ran inside the first forward (see NOTE [backward inside a block])
         self.inner_backward = False
 
@@ -413,8 +423,10 @@ def _lazy_output(value: Any) -> _OutputOf | None:
 
 
 def _forget_output(key: int) -> Callable[[Any], None]:
+    outputs = _RECOMPUTABLE_OUTPUTS  # bound here: at interpreter exit the global may be gone
+
     def forget(_ref: Any) -> None:
-        _RECOMPUTABLE_OUTPUTS.pop(key, None)
+        outputs.pop(key, None)
 
     return forget
 
@@ -453,11 +465,13 @@ def recompute_with_hooks(
                 autocast_cache_off(),
                 root.state_log.recording(),
                 _state.module_call(function),
+                _debug.traced(options.debug) as root.trace,
             ):
                 out = function(*args, **kwargs)
         finally:
             _STACK.pop()
             root.open_spans.clear()
+            root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
         root.stop = root.span.stop = len(root.handles)
         if output_recompute:
             _register_outputs(root, out)
@@ -468,20 +482,20 @@ def recompute_with_hooks(
         # is recorded.
         root = context.frame.root
         if not root.open_spans:
-            with _state.module_call(function):
+            with options.forward_context(), _state.module_call(function):
                 return function(*args, **kwargs)
-        span = _Span(len(root.handles))
+        span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
         root.open_spans[-1].children.append(span)
         root.open_spans.append(span)
         try:
-            with _state.module_call(function):
+            with options.forward_context(), _state.module_call(function):
                 return function(*args, **kwargs)
         finally:
             root.open_spans.pop()
             span.stop = len(root.handles)
     if context.mode == "skip":
         # Inside a child being skipped over: the child owns all of it.
-        with _state.module_call(function):
+        with options.recompute_context(), _state.module_call(function):
             return function(*args, **kwargs)
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
@@ -504,7 +518,7 @@ def recompute_with_hooks(
             context.last_needed = last_needed
     _STACK.push(_Context("skip", child))
     try:
-        with _state.module_call(function):
+        with options.recompute_context(), _state.module_call(function):
             out = function(*args, **kwargs)
     finally:
         _STACK.pop()
@@ -529,60 +543,6 @@ def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:
     if span.start != parent.cursor or span.stop is None:
         return None
     return span
-
-
-# =========================================================================== reentrant
-class RegionRecording:
-    """A recomputed region whose first forward spans several calls (used by the executor).
-
-    The executor of a plan cannot wrap a region of a user's forward in one function call:
-    the region starts in one stage call and ends in another, with the user's own code in
-    between. It opens a recording with the function that *replays* the region from its
-    kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
-    tensors saved inside stage calls are discarded (the user's code between stages keeps
-    what it saves as usual, so the replay never needs to run it).
-
-    An `observer` (used by measurement) is told of every tensor the region discards,
-    ``observer.on_discarded(tensor)``, and of each recompute of the region,
-    ``observer.on_recompute(started: bool)`` before and after it.
-    """
-
-    def __init__(
-        self,
-        function: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        preserve_rng_state: bool = True,
-        observer: Any = None,
-    ) -> None:
-        self._root = _Root(function, args, kwargs, RecomputeOptions(preserve_rng_state=preserve_rng_state))
-        self._root.observer = observer
-
-    def stage(self) -> _DiscardingStage:
-        """Context manager: the tensors saved inside it are recomputed in backward."""
-        return _DiscardingStage(self._root)
-
-    def close(self) -> None:
-        """Ends the region's first forward."""
-        self._root.stop = len(self._root.handles)
-
-
-class _DiscardingStage:
-    def __init__(self, root: _Root) -> None:
-        self._root = root
-        self._recording: Any = None
-
-    def __enter__(self) -> None:
-        _STACK.push(_Context("discard", self._root))
-        self._recording = self._root.state_log.recording()
-        self._recording.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._recording.__exit__(*exc)
-        finally:
-            _STACK.pop()
 
 
 def active_mode() -> str | None:

@@ -17,7 +17,7 @@ from remat.errors import (
     RecomputeInputModified,
     RematError,
 )
-from remat.manual import _state
+from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
@@ -33,8 +33,9 @@ _TENSOR: Any = object()
 # history of its own, or is a leaf requiring grad, was not computed by the block: an
 # input returned as is, a parameter, a tensor from outside. Those are returned beside
 # the Function, as themselves (their gradients flow as in plain autograd and their
-# identity is kept). A view the block takes of such a tensor requires grad but has no
-# history under no_grad: it goes through the Function like any computed tensor. Every
+# identity is kept), and so is an input that does not require grad. A view the block
+# takes of such a tensor requires grad but has no history under no_grad: it goes through
+# the Function like any computed tensor. Every
 # tensor that does leaves the Function as a fresh alias (``detach()``): autograd gives
 # each Function output a history of its own, and returning a tensor that exists outside
 # the block (a constant, a buffer) would otherwise rewrite *that* tensor's history.
@@ -51,14 +52,21 @@ class _ReentrantFunction(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
-        with call.options.forward_context(), torch.no_grad(), call.state_log.recording():
+        with (
+            call.options.forward_context(),
+            torch.no_grad(),
+            call.state_log.recording(),
+            _debug.traced(call.options.debug) as trace,
+        ):
             out = call.run(list(tensors))
+        call.original_ops = trace.entries if trace is not None else None
         flat, spec = tree_flatten(out)
         call.out_spec = spec
-        call.through = [_through_function(v) for v in flat]
+        inputs = {id(t) for t in tensors}
+        call.through = [_through_function(v) and id(v) not in inputs for v in flat]
         call.out_constants = [_TENSOR if through else v for v, through in zip(flat, call.through, strict=True)]
         tensors_out = tuple(v.detach() for v, through in zip(flat, call.through, strict=True) if through)
-        ctx.out_metas = [TensorMeta.of(t) for t in tensors_out]
+        call.out_metas = [TensorMeta.of(t) for t in tensors_out]
         return tensors_out
 
     @staticmethod
@@ -86,30 +94,45 @@ class _ReentrantFunction(torch.autograd.Function):
             replay_forward_state(call.state),
             _state.recomputing(call.state_log),
             call.options.recompute_context(),
+            _debug.traced(call.options.debug) as trace,
         ):
             out = call.run(inputs)
-        flat, _ = tree_flatten(out)
-        if len(flat) != len(call.through):
-            raise NondeterministicRecompute(
-                f"the recompute of block {call.name!r} returned {len(flat)} values where the original "
-                f"forward returned {len(call.through)}; the block must compute the same thing when it is "
-                "recomputed"
-            )
-        outs = [v for v, through in zip(flat, call.through, strict=True) if through and isinstance(v, torch.Tensor)]
-        metas = [TensorMeta.of(t) for t in outs]
-        if call.options.checks and metas != ctx.out_metas:
-            raise NondeterministicRecompute(
-                f"the recompute of block {call.name!r} returned tensors "
-                f"{[(tuple(m.shape), m.dtype, str(m.device)) for m in metas]} where the original "
-                f"forward returned {[(tuple(m.shape), m.dtype, str(m.device)) for m in ctx.out_metas]}; "
-                "the block must compute the same thing when it is recomputed (check control flow "
-                "that depends on global state, and use remat.is_recomputing() for side effects)"
-            )
+        try:
+            outs = _recomputed_outputs(call, out)
+        except NondeterministicRecompute as error:
+            raise _debug.explained(error, call.original_ops, trace) from None
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
         return (None, None) + input_grads
+
+
+def _recomputed_outputs(call: _ReentrantCall, out: Any) -> list[torch.Tensor]:
+    """The recompute's outputs that left the Function, checked against the original's.
+
+    Raises:
+        NondeterministicRecompute: a different number of values, or (with the check on)
+            tensors of other shapes, dtypes or devices.
+    """
+    flat, _ = tree_flatten(out)
+    if len(flat) != len(call.through):
+        raise NondeterministicRecompute(
+            f"the recompute of block {call.name!r} returned {len(flat)} values where the original "
+            f"forward returned {len(call.through)}; the block must compute the same thing when it is "
+            "recomputed"
+        )
+    outs = [v for v, through in zip(flat, call.through, strict=True) if through and isinstance(v, torch.Tensor)]
+    metas = [TensorMeta.of(t) for t in outs]
+    if call.options.checks and metas != call.out_metas:
+        raise NondeterministicRecompute(
+            f"the recompute of block {call.name!r} returned tensors "
+            f"{[(tuple(m.shape), m.dtype, str(m.device)) for m in metas]} where the original "
+            f"forward returned {[(tuple(m.shape), m.dtype, str(m.device)) for m in call.out_metas]}; "
+            "the block must compute the same thing when it is recomputed (check control flow "
+            "that depends on global state, and use remat.is_recomputing() for side effects)"
+        )
+    return outs
 
 
 class _ReentrantCall:
@@ -125,6 +148,8 @@ class _ReentrantCall:
         self.through: list[bool] = []
         self.state_log = _state.StateLog()
         self.options = RecomputeOptions()
+        self.out_metas: list[TensorMeta] = []
+        self.original_ops: list[Any] | None = None  # debug=True (NOTE [op traces])
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
         flat, _ = tree_flatten((args, kwargs))

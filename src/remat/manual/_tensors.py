@@ -51,6 +51,7 @@ class RecomputeOptions:
     determinism_check: str = "default"
     early_stop: bool = True
     context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None = None
+    debug: bool = False
 
     @property
     def checks(self) -> bool:

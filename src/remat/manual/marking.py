@@ -25,6 +25,7 @@ _RECOMPUTE_OPTIONS = {
     "determinism_check",
     "early_stop",
     "context_fn",
+    "debug",
 }
 
 Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]
@@ -57,7 +58,7 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
             module (``nn.ReLU``, ``nn.GELU``, ``nn.Linear``).
         output_recompute: do not keep the module's output either (see :func:`remat.recompute`).
         **recompute_options: ``use_reentrant``, ``preserve_rng_state``,
-            ``determinism_check``, ``early_stop`` and ``context_fn``, as for
+            ``determinism_check``, ``early_stop``, ``context_fn`` and ``debug``, as for
             :func:`remat.recompute`.
 
     Returns:

@@ -54,6 +54,7 @@ def recompute(
     determinism_check: str = "default",
     early_stop: bool = True,
     context_fn: ContextFn | None = None,
+    debug: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Runs ``function(*args, **kwargs)`` and recomputes its activations in backward.
@@ -83,6 +84,11 @@ def recompute(
         context_fn: a function returning two context managers: the first is entered
             around the original forward, the second around each recompute (the function
             is called again for every recompute), like ``torch.utils.checkpoint``'s.
+        debug: record the operations of the original forward and of each recompute;
+            when they do not match, the error shows both traces from a few operations
+            before the first difference, each operation with the line of code that ran
+            it. Slow: for finding the cause of a
+            :class:`~remat.NondeterministicRecompute`.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -114,7 +120,9 @@ def recompute(
         raise RematError(f"determinism_check must be one of {list(DETERMINISM_CHECKS)}, got {determinism_check!r}")
     if context_fn is not None and not callable(context_fn):
         raise RematError(f"context_fn must be a function returning two context managers, got {context_fn!r}")
-    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn)
+    if not isinstance(debug, bool):
+        raise RematError(f"debug must be True or False, got {debug!r}")
+    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug)
     if use_reentrant:
         if output_recompute:
             raise RematError(

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
-from remat.manual._state import learning_state, rehearsing
+from remat.manual._state import is_state_attribute, learning_state, rehearsing
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
 from remat.memory import MemoryTracker
@@ -248,19 +248,13 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
                 module._buffers[name] = b
                 b.copy_(saved)
         for module, before in attributes:
-            for name in [n for n in module.__dict__ if n not in before and _is_plain_attribute(n)]:
+            for name in [n for n in module.__dict__ if n not in before and is_state_attribute(n)]:
                 del module.__dict__[name]
             for name, value in before.items():
-                if _is_plain_attribute(name):
+                if is_state_attribute(name):
                     module.__dict__[name] = value
         for p, g in grads:
             p.grad = g
-
-
-def _is_plain_attribute(name: str) -> bool:
-    # nn.Module's own dictionaries (parameters, buffers, hooks) keep their identity;
-    # everything else in the instance dictionary is the module's own state.
-    return not name.startswith("_") and name != "forward"
 
 
 def isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -1,0 +1,64 @@
+"""A recompute frame whose first forward spans several stage calls: the executor's regions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from remat.manual._frames import _STACK, _Context, _Root
+from remat.manual._tensors import RecomputeOptions
+
+__all__ = ["RegionRecording"]
+
+
+class RegionRecording:
+    """A recomputed region whose first forward spans several calls (used by the executor).
+
+    The executor of a plan cannot wrap a region of a user's forward in one function call:
+    the region starts in one stage call and ends in another, with the user's own code in
+    between. It opens a recording with the function that *replays* the region from its
+    kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
+    tensors saved inside stage calls are discarded (the user's code between stages keeps
+    what it saves as usual, so the replay never needs to run it).
+
+    An `observer` (used by measurement) is told of every tensor the region discards,
+    ``observer.on_discarded(tensor)``, and of each recompute of the region,
+    ``observer.on_recompute(started: bool)`` before and after it.
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        preserve_rng_state: bool = True,
+        observer: Any = None,
+    ) -> None:
+        self._root = _Root(function, args, kwargs, RecomputeOptions(preserve_rng_state=preserve_rng_state))
+        self._root.observer = observer
+
+    def stage(self) -> _DiscardingStage:
+        """Context manager: the tensors saved inside it are recomputed in backward."""
+        return _DiscardingStage(self._root)
+
+    def close(self) -> None:
+        """Ends the region's first forward."""
+        self._root.stop = len(self._root.handles)
+
+
+class _DiscardingStage:
+    def __init__(self, root: _Root) -> None:
+        self._root = root
+        self._recording: Any = None
+
+    def __enter__(self) -> None:
+        _STACK.push(_Context("discard", self._root))
+        self._recording = self._root.state_log.recording()
+        self._recording.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._recording.__exit__(*exc)
+        finally:
+            _STACK.pop()
