@@ -744,3 +744,103 @@ def test_debug_must_be_a_bool_and_marks_carry_it() -> None:
     out = module(torch.randn(4, 3, requires_grad=True))
     with pytest.raises(remat.NondeterministicRecompute, match="debug=True: the original forward"):
         out.sum().backward()
+
+
+# ------------------------------------------------------------------ errors leave nothing behind
+class FailsOnCall(nn.Module):
+    """Raises on its `fail_on`-th call (1-based); counts its calls."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise ValueError("the user's forward failed")
+        return torch.tanh(self.linear(x))
+
+
+def _observable(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """Everything a user could observe of the model, its input and the process."""
+    return {
+        "state": {name: value.clone() for name, value in model.state_dict().items()},
+        "buffers": [id(b) for b in model.buffers()],
+        "attributes": [sorted(vars(m)) for m in model.modules()],
+        "plain": [{k: v for k, v in vars(m).items() if isinstance(v, (int, float, str))} for m in model.modules()],
+        "hooks": [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()],
+        "global hooks": len(nn.modules.module._global_forward_hooks) + len(nn.modules.module._global_forward_pre_hooks),
+        "grads": [p.grad for p in model.parameters()],
+        "rng": torch.get_rng_state(),
+        "input": (x.clone(), x._version),
+    }
+
+
+def _assert_same_observable(before: dict[str, Any], after: dict[str, Any]) -> None:
+    from conftest import remat_leftovers
+
+    assert remat_leftovers() == []
+    for key in before:
+        a, b = before[key], after[key]
+        if key == "state":
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key
+        elif key == "rng":
+            assert torch.equal(a, b), key
+        elif key == "input":
+            assert torch.equal(a[0], b[0]) and a[1] == b[1], key
+        else:
+            assert a == b, key
+
+
+def _stacked(fail_on: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), FailsOnCall(fail_on), nn.Dropout(0.3), nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["loss raises while measuring", "forward raises in the timing step", "budget too small", "not a budget"],
+)
+def test_an_automatic_mode_error_leaves_nothing_behind(case: str) -> None:
+    model = _stacked(fail_on=2 if case == "forward raises in the timing step" else 0)
+    x = torch.randn(6, 8)
+    budget: Any = {"budget too small": "100B", "not a budget": "lots"}.get(case, 0.5)
+
+    def loss_fn(output: torch.Tensor) -> torch.Tensor:
+        if case == "loss raises while measuring":
+            raise ValueError("the user's loss failed")
+        return output.sum()
+
+    before = _observable(model, x)
+    expected: type[Exception] = ValueError if "raises" in case else RematError
+    with pytest.raises(expected):
+        remat.Checkpointable(model, budget, loss_fn=loss_fn)(x)
+    # remat's own runs are rehearsals: even the user's call counter is as it was
+    _assert_same_observable(before, _observable(model, x))
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_manual_error_leaves_nothing_behind(mode: str) -> None:
+    model = _stacked(fail_on=1)
+    x = torch.randn(6, 8)
+    before = _observable(model, x)
+    with pytest.raises(ValueError, match="the user's forward failed"):
+        remat.recompute(model, x, use_reentrant=mode == "reentrant")
+    after = _observable(model, x)
+    before["plain"][3]["calls"] = 1
+    # the BatchNorm before the failing layer ran its forward: its statistics moved, as in plain PyTorch
+    for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        before["state"][key] = after["state"][key]
+    _assert_same_observable(before, after)
+    # a recompute that fails in backward restores the RNG and closes every frame
+    out = remat.recompute(
+        ChangesOnRecompute(), torch.randn(4, 3, requires_grad=True), use_reentrant=mode == "reentrant"
+    )
+    rng = torch.get_rng_state()
+    with pytest.raises(remat.NondeterministicRecompute):
+        out.sum().backward()
+    assert torch.equal(torch.get_rng_state(), rng)
+    from conftest import remat_leftovers
+
+    assert remat_leftovers() == []
