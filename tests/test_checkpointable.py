@@ -448,14 +448,6 @@ def test_a_stage_that_modifies_its_input_in_place_is_fused() -> None:
             assert_peak_matches_prediction(peak, wrapped.plan)
 
 
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["input", "input-with-grad"])
-def test_a_first_stage_that_modifies_the_chain_input_is_refused(requires_grad: bool) -> None:
-    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Linear(8, 8))
-    x = torch.randn(4, 8, requires_grad=requires_grad)
-    with pytest.raises(remat.UnsupportedModel, match=r"first stage '0' modifies its input in place"):
-        remat.Checkpointable(model, 0.5)(x.clone() if requires_grad else x)
-
-
 # ----------------------------------------------------------------------------- the printed plan
 def test_the_plan_prints_budget_peak_overhead_and_stages() -> None:
     model, inputs, _ = build("gpt2")

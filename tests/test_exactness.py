@@ -346,30 +346,63 @@ def test_first_step_is_one_plain_step_to_the_user(kind: str, budget: Any) -> Non
     assert_same_tensors(state_of(plain), state_of(model), "state")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["sequential", "loop"])
-def test_a_refused_model_leaves_the_callers_input_untouched(kind: str) -> None:
-    class InPlaceFirst(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.act = nn.ReLU(inplace=True)
-            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+class InPlaceFirst(nn.Module):
+    """A loop model whose first stage changes the model's input in place."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.act(x)
-            for block in self.blocks:
-                x = block(x)
-            return x
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4 if i == 0 else 32, 32), nn.Tanh()) for i in range(4))
 
-    model: nn.Module
-    if kind == "sequential":
-        model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    else:
-        model = InPlaceFirst()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _changes_the_chain_input(kind: str) -> nn.Module:
+    tail = [nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
+    if kind == "loop":
+        return InPlaceFirst()
+    if kind == "relu_ first":
+        return nn.Sequential(nn.ReLU(inplace=True), *tail)
+    # the first stage returns its input itself; the second changes it in place through it
+    first = nn.Identity() if kind == "identity, then relu_" else nn.Dropout(0.0)
+    return nn.Sequential(first, nn.ReLU(inplace=True), *tail)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("kind", ["relu_ first", "identity, then relu_", "dropout(0), then relu_", "loop"])
+def test_a_chain_input_changed_in_place_is_never_recomputed(kind: str, requires_grad: bool) -> None:
+    torch.manual_seed(0)
+    plain = _changes_the_chain_input(kind)
+    model = copy.deepcopy(plain)
+    wrapped = remat.Checkpointable(model, "min")
+    results = []
+    for net in (plain, wrapped):
+        base = torch.randn(16, 4, generator=torch.Generator().manual_seed(1), requires_grad=requires_grad)
+        x = base * 1.0 if requires_grad else base  # a leaf requiring grad cannot change in place
+        net(x).square().sum().backward()
+        results.append((x.detach().clone(), base.grad))
+    # the caller's input is changed exactly as the plain forward changes it, once
+    assert torch.equal(results[0][0], results[1][0])
+    assert (results[0][1] is None) == (results[1][1] is None)
+    if requires_grad:
+        assert torch.equal(results[0][1], results[1][1])
+    assert_same_tensors(grads_of(plain), grads_of(model), "gradients")
+    assert wrapped.plan is not None
+    assert wrapped.plan.schedule.profile.pinned_stages == (0,)
+    assert any(isinstance(item, Region) for item in wrapped.plan.schedule.items)  # the rest is recomputed
+
+
+@pytest.mark.parametrize("kind", ["relu_ first", "identity, then relu_", "loop"])
+def test_frugal_measurement_refuses_a_changed_chain_input_and_leaves_it_untouched(kind: str) -> None:
     x = torch.randn(3, 4)
     before = x.clone()
     version = x._version
-    with pytest.raises(remat.UnsupportedModel, match="modifies its input in place"):
-        remat.Checkpointable(model, 0.5)(x)
+    with pytest.raises(remat.UnsupportedModel, match="input of its first stage .* is changed in place"):
+        remat.Checkpointable(_changes_the_chain_input(kind), "min", frugal_measure=True)(x)
     assert torch.equal(x, before) and x._version == version
 
 
@@ -844,3 +877,65 @@ def test_a_manual_error_leaves_nothing_behind(mode: str) -> None:
     from conftest import remat_leftovers
 
     assert remat_leftovers() == []
+
+
+# ------------------------------------------------------------------ state seen by marked blocks
+@pytest.mark.parametrize("how", ["mark", "recompute"])
+@pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm", "parametrizations.spectral_norm"])
+def test_a_module_called_twice_whose_pre_hook_sets_its_weight_is_exact(norm: str, how: str) -> None:
+    # spectral_norm and weight_norm set module.weight in a forward pre-hook, before a
+    # marked module's block starts; the replay of the first call must see that call's weight
+    wrap = {
+        "spectral_norm": nn.utils.spectral_norm,
+        "weight_norm": nn.utils.weight_norm,
+        "parametrizations.spectral_norm": parametrizations.spectral_norm,
+    }[norm]
+
+    def input_grad(recompute: str | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+            shared = wrap(nn.Linear(8, 8))
+        model = nn.Sequential(nn.Linear(8, 8), shared, shared)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if recompute == "mark":
+            remat.mark(shared)
+            y = model(x)
+        elif recompute == "recompute":
+            y = remat.recompute(shared, remat.recompute(shared, remat.recompute(model[0], x)))
+        else:
+            y = model(x)
+        y.square().sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    assert torch.equal(input_grad(None), input_grad(how))
+
+
+class StepCounter(nn.Module):
+    """Counts its calls in a buffer that scales its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return (x @ self.weight) * self.steps.clone()
+
+
+@pytest.mark.parametrize("inner", MANUAL)
+def test_a_marked_module_inside_a_reentrant_block_keeps_the_call_numbering(inner: str) -> None:
+    # the reentrant block's first run is under no_grad; the marked module's block must
+    # count as one module call there too, or every later state change is replayed off by one
+    torch.manual_seed(0)
+    counter = StepCounter()
+    plain = nn.Sequential(nn.Linear(4, 4), counter, counter, nn.BatchNorm1d(4))
+    model = copy.deepcopy(plain)
+    remat.mark(model[1], use_reentrant=inner == "reentrant")
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    plain(x).square().sum().backward()
+    remat.recompute(model, x, use_reentrant=True).square().sum().backward()
+    assert_same_tensors(grads_of(plain), grads_of(model), "gradients")
+    assert_same_tensors(state_of(plain), state_of(model), "state")  # type: ignore[arg-type]

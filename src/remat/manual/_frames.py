@@ -451,7 +451,9 @@ def recompute_with_hooks(
     output_recompute: bool,
 ) -> Any:
     if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
+        # still one module call, so that the state log's numbering matches the replay's
+        with _state.module_call(function):
+            return function(*args, **kwargs)
     context = _STACK.top()
     if context is None:
         root = _Root(function, args, kwargs, options)

@@ -168,7 +168,9 @@ def recompute_reentrant(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RecomputeOptions
 ) -> Any:
     if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
+        # still one module call, so that the state log's numbering matches the replay's
+        with _state.module_call(function):
+            return function(*args, **kwargs)
     flat, _ = tree_flatten((args, kwargs))
     state = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
     call = _ReentrantCall(function, args, kwargs, state)

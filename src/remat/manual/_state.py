@@ -170,22 +170,33 @@ class _Scope:
         self.next_call = first_call
         # (module, call, buffers: name -> (tensor, version, copy or None), attributes)
         self.open_calls: list[tuple[nn.Module, int, Any, Any]] = []
+        self.block_calls: set[int] = set()  # calls that are a marked module's block
 
     # -- recording
-    def _record_enter(self, module: nn.Module, call: int) -> None:
+    def _record_enter(self, module: nn.Module, call: int, block: bool) -> None:
         # A training-mode normalisation layer changes all its buffers and needs none of
         # them kept; any other module is copied unless it was seen to change nothing.
-        copy = _CHANGES_STATE.get(module, True) and not _output_ignores_state(module)
+        # A marked module's block starts after the module's own pre-hooks ran, which a
+        # replay does not run again: what they set is part of what the block saw.
+        entry_hooks = block and bool(module._forward_pre_hooks)
+        copy = entry_hooks or (_CHANGES_STATE.get(module, True) and not _output_ignores_state(module))
         buffers = {
             name: (buf, buf._version, buf.detach().clone() if copy else None)
             for name, buf in module._buffers.items()
             if buf is not None
         }
         attributes = _plain_attributes(module)
+        if block:
+            self.block_calls.add(call)
         self.open_calls.append((module, call, buffers, attributes))
 
     def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Any) -> None:
         change = _Change(module)
+        if call in self.block_calls:
+            # see _record_enter: the block's whole starting state is replayed
+            change.attributes_before = {name: value for name, (value, _) in attributes.items()}
+            if module._forward_pre_hooks:
+                change.buffers_before = {name: before for name, (_, _, before) in buffers.items()}
         unknown: list[str] = []
         ignores_state = _output_ignores_state(module)
         buf: torch.Tensor
@@ -261,7 +272,7 @@ class _Scope:
             _set_attribute(module, name, value)
 
     # -- hooks
-    def enter(self, module: nn.Module) -> None:
+    def enter(self, module: nn.Module, block: bool = False) -> None:
         call = self.next_call
         self.next_call += 1
         if self.replaying:
@@ -269,7 +280,7 @@ class _Scope:
         else:
             if self.log is not None:
                 self.log.calls = self.next_call
-            self._record_enter(module, call)
+            self._record_enter(module, call, block)
 
     def exit(self, module: nn.Module) -> None:
         for position in range(len(self.open_calls) - 1, -1, -1):
@@ -396,7 +407,8 @@ def module_call(function: Any) -> Iterator[None]:
     if not isinstance(module, nn.Module) or not _LOCAL.scopes:
         yield
         return
-    _pre_hook(module, ())
+    for scope in _LOCAL.scopes:
+        scope.enter(module, block=True)
     try:
         yield
     finally:

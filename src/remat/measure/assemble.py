@@ -198,14 +198,18 @@ def region_limits(stages: list[StageMeasurement], groups: list[tuple[int, int]])
     A group whose first stage's input was changed in place by the model's code is a
     break: a region may start there but not cross it. A group with such a stage inside
     (it also modifies that input itself, so it was fused) can be neither replayed nor
-    start a region: it is pinned.
+    start a region: it is pinned; so is the first group when the chain input is changed
+    in place (there is no group before to fuse it with).
     """
     breaks: list[int] = []
     pinned: list[int] = []
     for index, (first, stop) in enumerate(groups):
         if index > 0 and stages[first].input_changed:
             breaks.append(index)
-        if any(stages[stage].input_changed for stage in range(first + 1, stop)):
+        # the first group's input changed in place cannot be kept for a region either
+        if any(stages[stage].input_changed for stage in range(first + 1, stop)) or (
+            index == 0 and stages[0].modifies_input
+        ):
             pinned.append(index)
     return breaks, pinned
 

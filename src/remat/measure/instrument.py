@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import functools
-import operator
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +50,9 @@ class StageMeasurement:
         escaped_storages: allocation id -> bytes of its outputs that the next stage does
             not take (they go to the model's own code).
         gradient_bytes_in: bytes of the gradient of its input.
-        modifies_input: whether it modifies its input in place.
+        modifies_input: whether its input is changed in place during the step, by the
+            stage itself or by a later one (through an alias: a stage returning its
+            input); a region cannot start there, since it would keep a changing input.
         input_changed: whether the model's own code changed in place what it takes from
             the stage before, after that stage returned it.
     """
@@ -74,7 +76,31 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-_version_of = operator.attrgetter("_version")
+class _InputVersions:
+    """The versions of each stage's input tensors when it was called.
+
+    Tells which stages' inputs were changed in place since, by any later code; only weak
+    references are kept, so that watching changes no tensor's lifetime.
+    """
+
+    def __init__(self) -> None:
+        self._watched: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], int]]]] = []
+
+    def note(self, index: int, inputs: list[torch.Tensor]) -> None:
+        """Starts watching the inputs of stage `index` (at their current versions)."""
+        self._watched.append((index, [(weakref.ref(t), t._version) for t in inputs]))
+
+    def changed(self) -> list[int]:
+        """The stages whose inputs were changed since they were noted (then no longer watched)."""
+        changed, kept = [], []
+        for index, refs in self._watched:
+            tensors = [(ref(), version) for ref, version in refs]
+            if any(t is not None and t._version != version for t, version in tensors):
+                changed.append(index)
+            elif any(t is not None for t, _ in tensors):
+                kept.append((index, refs))
+        self._watched = kept
+        return changed
 
 
 class StageWatch:
@@ -113,6 +139,7 @@ class StageWatch:
             self._run = _Run(ChainExecutor(chain, items, observer=lambda region: _SpanObserver(self, region.start)))
         self.stages = [StageMeasurement(name) for name in chain.names]
         self.links = StageLinks(len(chain))
+        self.input_versions = _InputVersions()
         self.current: int | None = None
         self.next_stage = 0
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
@@ -152,7 +179,7 @@ class StageWatch:
         tracker = self.tracker
         if tracker is not None:
             self._link(index, tracker.allocations_of(inputs))
-        versions = list(map(_version_of, inputs))
+        self.input_versions.note(index, inputs)
         self.current = index
         if self.synchronize is not None:
             self.synchronize()
@@ -170,7 +197,8 @@ class StageWatch:
             self.synchronize()
         stage.forward_time_s = time.perf_counter() - start_time
         stage.forward_window = (start_event, tracker.n_events if tracker is not None else 0)
-        stage.modifies_input = list(map(_version_of, inputs)) != versions
+        for changed in self.input_versions.changed():
+            self.stages[changed].modifies_input = True
         self.links.returned(index, out)
         outputs = tensors_in(out)
         if tracker is not None:
@@ -281,12 +309,13 @@ class InPlaceProbe:
         self.modifies_input = [False] * len(chain)
         self.input_changed = [False] * len(chain)
         self.links = StageLinks(len(chain))
+        self.input_versions = _InputVersions()
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.input_changed[index] = bool(self.links.link(args, kwargs).changed_in_place)
-        inputs = tensors_in((args, kwargs))
-        versions = list(map(_version_of, inputs))
+        self.input_versions.note(index, tensors_in((args, kwargs)))
         out = call_original(module, args, kwargs)
-        self.modifies_input[index] = list(map(_version_of, inputs)) != versions
+        for changed in self.input_versions.changed():
+            self.modifies_input[changed] = True
         self.links.returned(index, out)
         return out

@@ -29,11 +29,11 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
@@ -74,14 +74,19 @@ def measure_chain(
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    args, kwargs = isolated_inputs(args, kwargs)
+    # Each run gets copies of the inputs: the caller's are never touched, and a model that
+    # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):
-        spans = _in_place_spans(model, chain, args, kwargs) if frugal else None
-        tracked = _tracked_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
+        spans = _in_place_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
+        tracked = _tracked_step(
+            model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
+        )
         for p in model.parameters():
             p.grad = None
         with learning_state():  # untracked: the copies it makes do not count
-            timing, end_time = _timing_step(model, chain, args, kwargs, loss_fn=loss_fn, device=device, spans=spans)
+            timing, end_time = _timing_step(
+                model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
+            )
     return assemble(chain, tracked, timing, end_time)
 
 
@@ -112,10 +117,6 @@ def _tracked_step(
             f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
             "every stage to run once per forward"
         )
-    # Checked before the timing step: that step would run the in-place operation again,
-    # on an input whose history the first backward has freed.
-    if watch.stages[0].modifies_input:
-        _raise_first_stage_in_place(chain)
     return TrackedStep(
         watch=watch,
         tracker=tracker,
@@ -149,25 +150,20 @@ def _timing_step(
     return timing, end_time
 
 
-def _raise_first_stage_in_place(chain: Chain) -> NoReturn:
-    raise UnsupportedModel(
-        f"the first stage {chain.names[0]!r} modifies its input in place; remat cannot keep "
-        "the chain input for a recompute. Make that operation out of place (e.g. "
-        "nn.ReLU(inplace=False))"
-    )
-
-
 def _in_place_spans(
     model: nn.Module, chain: Chain, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[int, int]]:
     """Spans of stages for the frugal mode: an in-place stage joins its predecessor's span."""
     probe = InPlaceProbe(chain)
-    # on copies: a first stage that works in place must not change the caller's input
-    copies = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
     with torch.no_grad(), intercept_stages(chain, probe):
-        model(*copies[0], **copies[1])
+        model(*args, **kwargs)
     if probe.modifies_input[0]:
-        _raise_first_stage_in_place(chain)
+        raise UnsupportedModel(
+            f"the chain's input (the input of its first stage {chain.names[0]!r}) is changed in place "
+            "during the forward; the frugal measurement recomputes every stage and cannot keep it. "
+            "Measure with frugal_measure=False (the first stage is then never recomputed), or make "
+            "that operation out of place (e.g. nn.ReLU(inplace=False))"
+        )
     # Segments of about sqrt(n) stages (as checkpoint_sequential cuts them): the step
     # then keeps about sqrt(n) segment inputs plus one segment's activations. A segment
     # never starts at an in-place stage: it would modify the input the segment keeps; nor
