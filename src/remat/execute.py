@@ -35,7 +35,7 @@ from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import active_mode
 from remat.manual._recording import RegionRecording
-from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
+from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 from remat.units import format_bytes
@@ -206,7 +206,7 @@ class _Run:
             self.links[index] = link
         recording = self.recording
         assert recording is not None
-        with recording.stage(), autocast_cache_off():
+        with recording.stage():
             out = call_original(module, args, kwargs)
         if index == step.stop - 1:
             recording.close()

@@ -44,6 +44,11 @@ __all__ = [
 _unpack_saved = operator.itemgetter(0)
 
 
+def _casts_a_leaf(node: Any) -> bool:
+    """Whether the cast node ``node`` casts a leaf tensor (its input is accumulated into ``.grad``)."""
+    return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in node.next_functions if nxt is not None)
+
+
 @dataclass
 class _Allocation:
     allocation_id: int
@@ -141,6 +146,7 @@ class MemoryTracker(TorchDispatchMode):
         self._gradient_ids: set[int] = set()
         self._hooks: list[Any] = []
         self._saved_ids: list[int] = []  # allocations of the tensors saved for backward, in order
+        self._cast_ids: set[int] = set()  # those that are autocast's casts of leaves (see _pack)
         self._next_id = 0
 
     # ------------------------------------------------------------------ dispatch
@@ -260,7 +266,18 @@ class MemoryTracker(TorchDispatchMode):
                 allocation_id = self._live_by_key.get(key)
                 if allocation_id is not None:
                     self._saved_ids.append(allocation_id)
+                    # autocast caches its cast of a leaf (a weight) until its region ends,
+                    # whatever the cast's users keep: such a cast lives on its own terms
+                    base = tensor._base
+                    node = (base if base is not None else tensor).grad_fn
+                    if node is not None and type(node).__name__ == "ToCopyBackward0" and _casts_a_leaf(node):
+                        self._cast_ids.add(allocation_id)
         return (tensor.detach(),)
+
+    def cast_allocations(self) -> set[int]:
+        """Allocation ids of saved tensors that are autocast's casts of leaves (cached by autocast)."""
+        with self._lock:
+            return set(self._cast_ids)
 
     @property
     def n_saved(self) -> int:

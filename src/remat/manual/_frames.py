@@ -22,8 +22,8 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _debug, _state
-from remat.manual._rng import ForwardState, autocast_cache_off, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
 
 __all__ = ["active_mode", "recompute_with_hooks"]
 
@@ -62,6 +62,9 @@ __all__ = ["active_mode", "recompute_with_hooks"]
 # what they save to their own graph as well, because the replayed block runs that inner
 # backward again on the recompute's own graph (the tensors then live until the
 # recompute ends). Blocks without an inner backward keep nothing in a recompute's graph.
+
+
+_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
 
 
 class _StopRecompute(BaseException):
@@ -461,10 +464,10 @@ def recompute_with_hooks(
         root.span = _Span(0)
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
+        out: Any = _SUPPRESSED
         try:
             with (
                 options.forward_context(),
-                autocast_cache_off(),
                 root.state_log.recording(),
                 _state.module_call(function),
                 _debug.traced(options.debug) as root.trace,
@@ -474,6 +477,8 @@ def recompute_with_hooks(
             _STACK.pop()
             root.open_spans.clear()
             root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
+        if out is _SUPPRESSED:
+            raise_suppressed(root.name)
         root.stop = root.span.stop = len(root.handles)
         if output_recompute:
             _register_outputs(root, out)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import (
@@ -19,13 +20,14 @@ from remat.errors import (
 )
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
 
 __all__ = ["recompute_reentrant"]
 
 
 # Marks where a tensor goes in a flattened structure (None and other values are constants).
 _TENSOR: Any = object()
+_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
 
 
 # NOTE [outputs of the reentrant Function]
@@ -52,6 +54,10 @@ class _ReentrantFunction(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.requires = [t.requires_grad for t in tensors]
+        # autograd checks the saved inputs' versions from the end of this forward: a block
+        # that changes its own input in place is caught against the versions from its start
+        ctx.versions = [t._version for t in tensors]
+        out: Any = _SUPPRESSED
         with (
             call.options.forward_context(),
             torch.no_grad(),
@@ -59,6 +65,8 @@ class _ReentrantFunction(torch.autograd.Function):
             _debug.traced(call.options.debug) as trace,
         ):
             out = call.run(list(tensors))
+        if out is _SUPPRESSED:
+            raise_suppressed(call.name)
         call.original_ops = trace.entries if trace is not None else None
         flat, spec = tree_flatten(out)
         call.out_spec = spec
@@ -77,17 +85,20 @@ class _ReentrantFunction(torch.autograd.Function):
                 "backward(inputs=...); use the default use_reentrant=False"
             )
         call: _ReentrantCall = ctx.call
+        message = (
+            f"an input of the recomputed block {call.name!r} was modified in place after the block "
+            "took it; the recompute would see other values. Clone it before modifying it, or do not "
+            "recompute this block"
+        )
         try:
             saved = ctx.saved_tensors
         except RuntimeError as error:
             # autograd checks the version of every saved tensor (the kept inputs here)
             if "modified by an inplace operation" not in str(error):
                 raise
-            raise RecomputeInputModified(
-                f"an input of the recomputed block {call.name!r} was modified in place after the "
-                "forward; the recompute would see other values. Clone it before modifying it, or "
-                "do not recompute this block"
-            ) from error
+            raise RecomputeInputModified(message) from error
+        if any(t._version != version for t, version in zip(saved, ctx.versions, strict=True)):
+            raise RecomputeInputModified(message)
         inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with (
             torch.enable_grad(),
@@ -176,6 +187,16 @@ def recompute_reentrant(
     call = _ReentrantCall(function, args, kwargs, state)
     call.options = options
     tensors = call.tensors(args, kwargs)
+    module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    if (
+        isinstance(module, nn.Module)
+        and not any(t.requires_grad for t in tensors)
+        and not any(p.requires_grad for p in module.parameters())
+    ):
+        # A frozen module on inputs without grad: as in plain autograd, its outputs need
+        # no gradient, so there is nothing to recompute (and no anchor to add one).
+        with _state.module_call(function):
+            return function(*args, **kwargs)
     # The anchor makes the output require grad even when no input does, so that the
     # parameters used inside the block still receive their gradients.
     anchor = torch.empty((), requires_grad=True)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ForwardState", "autocast_cache_off", "capture_forward_state", "replay_forward_state"]
+__all__ = ["ForwardState", "capture_forward_state", "replay_forward_state"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -89,23 +89,3 @@ def replay_forward_state(state: ForwardState) -> Iterator[None]:
                 torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
             )
         yield
-
-
-@contextlib.contextmanager
-def autocast_cache_off() -> Iterator[None]:
-    """Runs the body without caching autocast casts (see NOTE [autocast cache])."""
-    # NOTE [autocast cache]
-    # Under autocast, the casts of weights are cached until the outermost autocast region
-    # ends, usually the whole forward: a block whose saved tensors are discarded would
-    # still keep its casts alive. While such a block runs for the first time, casts are
-    # not cached (they are made per use, with the same values).
-    if not torch.is_autocast_cache_enabled() or not any(
-        torch.is_autocast_enabled(device) for device in ("cpu", "cuda")
-    ):
-        yield
-        return
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(True)

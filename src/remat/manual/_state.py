@@ -96,6 +96,9 @@ class _Change:
     module: nn.Module
     buffers_before: dict[str, torch.Tensor | None] = field(default_factory=dict)
     attributes_before: dict[str, Any] = field(default_factory=dict)
+    # a marked module's block: the state it started from (see _Scope._record_enter)
+    entry_buffers: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    entry_attributes: dict[str, Any] = field(default_factory=dict)
 
 
 class StateLog:
@@ -193,10 +196,11 @@ class _Scope:
     def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Any) -> None:
         change = _Change(module)
         if call in self.block_calls:
-            # see _record_enter: the block's whole starting state is replayed
-            change.attributes_before = {name: value for name, (value, _) in attributes.items()}
+            # see _record_enter: the state the block started from, for a replay that
+            # runs the block without the module's pre-hooks
+            change.entry_attributes = {name: value for name, (value, _) in attributes.items()}
             if module._forward_pre_hooks:
-                change.buffers_before = {name: before for name, (_, _, before) in buffers.items()}
+                change.entry_buffers = {name: before for name, (_, _, before) in buffers.items()}
         unknown: list[str] = []
         ignores_state = _output_ignores_state(module)
         buf: torch.Tensor
@@ -234,11 +238,11 @@ class _Scope:
                     "module's forward changes in place; a recompute could not see the value the "
                     f"original forward saw. Register it with module.register_buffer({name!r}, ...)"
                 )
-        if change.buffers_before or change.attributes_before:
+        if change.buffers_before or change.attributes_before or change.entry_attributes or change.entry_buffers:
             self.log.changes[call] = change
 
     # -- replaying
-    def _replay_enter(self, module: nn.Module, call: int) -> None:
+    def _replay_enter(self, module: nn.Module, call: int, block: bool) -> None:
         assert self.log is not None
         change = self.log.changes.get(call)
         if change is None:
@@ -250,16 +254,24 @@ class _Scope:
                 f"called {_module_name(change.module)} there; the block must make the same calls when "
                 "it is recomputed"
             )
+        buffers_before, attributes_before = change.buffers_before, change.attributes_before
+        # A block run without its module's own call (the root of a recompute) did not run
+        # the module's pre-hooks: it gets the state they had set. Inside the module's call
+        # they have just run again, on the replayed state.
+        inside_own_call = bool(self.open_calls) and self.open_calls[-1][0] is module
+        if block and not inside_own_call:
+            buffers_before = {**change.entry_buffers, **buffers_before}
+            attributes_before = {**change.entry_attributes, **attributes_before}
         current_buffers = {
             name: (module._buffers[name], module._buffers[name].detach().clone())  # type: ignore[union-attr]
-            for name in change.buffers_before
+            for name in buffers_before
         }
-        current_attributes = {name: module.__dict__.get(name, _MISSING) for name in change.attributes_before}
+        current_attributes = {name: module.__dict__.get(name, _MISSING) for name in attributes_before}
         self.open_calls.append((module, call, current_buffers, current_attributes))
-        for name, before in change.buffers_before.items():
+        for name, before in buffers_before.items():
             if before is not None:
                 _write(module._buffers[name], before)  # type: ignore[arg-type]
-        for name, value in change.attributes_before.items():
+        for name, value in attributes_before.items():
             _set_attribute(module, name, value)
 
     def _replay_exit(self, buffers: Any, attributes: Any, module: nn.Module) -> None:
@@ -276,7 +288,7 @@ class _Scope:
         call = self.next_call
         self.next_call += 1
         if self.replaying:
-            self._replay_enter(module, call)
+            self._replay_enter(module, call, block)
         else:
             if self.log is not None:
                 self.log.calls = self.next_call

@@ -6,9 +6,11 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+
+from remat.errors import RematError
 
 __all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias"]
 
@@ -65,3 +67,11 @@ class RecomputeOptions:
     def recompute_context(self) -> AbstractContextManager[Any]:
         """The context around one recompute (``context_fn`` is called again for each)."""
         return self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
+
+
+def raise_suppressed(name: str) -> NoReturn:
+    """Raises the error for a block whose exception a ``context_fn`` context swallowed."""
+    raise RematError(
+        f"the forward context of context_fn suppressed an exception raised by the block {name!r}, "
+        "so the block has no output to return; a context_fn context must let exceptions through"
+    )

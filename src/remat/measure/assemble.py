@@ -234,6 +234,18 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
     stages, tracker = step.watch.stages, step.tracker
     fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
     fixed_bytes += _escaped_bytes(chain, step)
+    # NOTE [autocast casts]
+    # Under autocast, the cast of a weight (a leaf) is cached until the autocast region
+    # ends, and every use in the region shares it: that is how plain autograd builds the
+    # graph, so a recomputed block keeps the cache as it is (exact gradients). A stage's
+    # casts therefore outlive its discarded forward, up to the end of the region; stored,
+    # they live until its backward; recomputed, they are made again. The planner counts
+    # every stage's casts as held through the whole step: an upper bound at every moment
+    # (each stage has at most one copy of its casts alive at a time), exact at the end of
+    # the forward.
+    cast_ids = tracker.cast_allocations()
+    casts = {key: nbytes for stage in stages for key, (nbytes, _) in stage.saved_storages.items() if key in cast_ids}
+    fixed_bytes += sum(casts.values())
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
     for stage in stages:
@@ -307,11 +319,15 @@ def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _Grou
         saved_all.update(member.saved_storages)
     forward_start, forward_stop = members[0].forward_window[0], members[-1].forward_window[1]
     # Saved storages allocated before the group (side inputs such as a mask) are held by
-    # the model anyway: only what the group allocates counts as its own.
-    saved_bytes = 0
+    # the model anyway: only what the group allocates counts as its own. Autocast's casts
+    # of weights are held by its cache (NOTE [autocast casts]): outside the chain.
+    saved_bytes = cast_bytes = 0
+    casts = step.tracker.cast_allocations()
     for key, (nbytes, allocated_event) in saved_all.items():
         own = forward_start <= allocated_event < forward_stop
-        if own and key not in input_storages and key not in output_storages:
+        if own and key in casts:
+            cast_bytes += nbytes
+        elif own and key not in input_storages and key not in output_storages:
             saved_bytes += nbytes
     output_bytes = sum(output_storages.values())
     forward = step.tracker.window(forward_start, forward_stop)
@@ -320,7 +336,9 @@ def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _Grou
     # A recomputed stage also holds the guard's copy of one normalisation layer's running
     # statistics (NOTE [running statistics during recompute]).
     guard_bytes = max(map(snapshot_bytes, chain.modules[first:stop]))
-    forward_temp_bytes = forward.peak_bytes - forward.before_bytes - output_bytes - (0 if frugal else saved_bytes)
+    forward_temp_bytes = (
+        forward.peak_bytes - forward.before_bytes - output_bytes - (0 if frugal else saved_bytes) - cast_bytes
+    )
     return _GroupCost(
         name=chain.names[first] if stop - first == 1 else f"{chain.names[first]}..{chain.names[stop - 1]}",
         forward_time_s=sum([m.forward_time_s for m in members]),

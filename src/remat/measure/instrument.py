@@ -235,6 +235,9 @@ class StageWatch:
         position = 0
         for tensor in tensors:
             if tensor.requires_grad:
+                # Reading grad_fn first brings a view changed in place up to date: PyTorch
+                # regenerates its node there, and registering a hook before that fails.
+                _ = tensor.grad_fn
                 tensor.register_hook(functools.partial(self._on_gradient, index, position, received))
                 position += 1
 
