@@ -939,3 +939,54 @@ def test_a_marked_module_inside_a_reentrant_block_keeps_the_call_numbering(inner
     remat.recompute(model, x, use_reentrant=True).square().sum().backward()
     assert_same_tensors(grads_of(plain), grads_of(model), "gradients")
     assert_same_tensors(state_of(plain), state_of(model), "state")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ a model that recomputes by itself
+class RecomputesItsBody(nn.Module):
+    """A model whose body is recomputed by the model itself (marked, or remat.recompute)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.stem = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
+        if how == "mark":
+            remat.mark(self.body)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = remat.recompute(self.body, h) if self.how == "recompute" else self.body(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("frugal", [False, True])
+@pytest.mark.parametrize("how", ["mark", "recompute"])
+def test_checkpointable_leaves_the_models_own_recompute_blocks_alone(how: str, frugal: bool) -> None:
+    torch.manual_seed(0)
+    plain = RecomputesItsBody(how)
+    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min", frugal_measure=frugal)
+    compare_training(plain, wrapped, [torch.randn(6, 8)], lambda out: out.square().sum(), steps=2)
+    assert wrapped.plan is not None
+    names = [stage.name for stage in wrapped.plan.measurement.stages]
+    assert not any(name.startswith("body") for name in names)  # the body's modules are not stages
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_under_autocast_an_input_used_twice_is_cast_as_in_plain_autograd(mode: str) -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def block(a: torch.Tensor) -> torch.Tensor:
+        return first(a) * torch.tanh(second(a))
+
+    def input_grad(recompute: bool) -> torch.Tensor:
+        w = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = w * 1.5  # not a leaf: plain autograd casts it once per use
+            y = remat.recompute(block, h, use_reentrant=mode == "reentrant") if recompute else block(h)
+        y.float().square().sum().backward()
+        assert w.grad is not None
+        return w.grad
+
+    assert torch.equal(input_grad(False), input_grad(True))

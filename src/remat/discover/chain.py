@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import RecomputeInputModified, UnsupportedModel
+from remat.manual._state import in_manual_block
 from remat.manual._tensors import detached_alias
+from remat.manual.marking import is_marked
 
 __all__ = ["Chain", "InputLink", "StageLinks", "discover_chain", "sequential_chain"]
 
@@ -47,7 +49,8 @@ class Chain:
 
 
 def _flatten_sequential(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
-    if isinstance(module, nn.Sequential) and len(module) > 0:
+    # a marked Sequential is one block: its children run inside its recompute
+    if isinstance(module, nn.Sequential) and len(module) > 0 and not is_marked(module):
         out: list[tuple[str, nn.Module]] = []
         for name, child in module._modules.items():  # not named_children(): it hides repeats
             out.extend(_flatten_sequential(f"{prefix}.{name}" if prefix else name, child))
@@ -78,6 +81,7 @@ class _Call:
     inputs: list[int] = field(default_factory=list)  # ids of input tensors
     outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     linked: bool = False  # takes (identically) a tensor output of the previous sibling call
+    eligible: bool = True  # may be a stage: not a marked module (remat.mark recomputes it already)
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -99,11 +103,16 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     call_counts: dict[int, int] = {}
     last_child: dict[int | None, int] = {}
 
+    # NOTE [stages of a model that recomputes by itself]
+    # Modules called inside a block of remat.recompute or of a marked module are not
+    # stages: that block's recompute calls them again, in backward, outside the chain's
+    # order. The marked module itself is not one either (it recomputes already); the
+    # chain is found among the other calls, and such blocks ride inside its stages.
     def pre_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any) -> None:
-        if id(module) not in names:
+        if id(module) not in names or in_manual_block():
             return
         parent = stack[-1] if stack else None
-        call = _Call(module, names[id(module)], parent)
+        call = _Call(module, names[id(module)], parent, eligible=not is_marked(module))
         call.inputs = [id(t) for t in _tensor_leaves((hook_args, hook_kwargs))]
         previous = last_child.get(parent)
         # Decided now, while the previous call's outputs are certainly alive.
@@ -114,7 +123,7 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         call_counts[id(module)] = call_counts.get(id(module), 0) + 1
 
     def post_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any, output: Any) -> None:
-        if id(module) not in names or not stack:
+        if id(module) not in names or not stack or in_manual_block():
             return
         index = stack.pop()
         calls[index].outputs = [weakref.ref(t) for t in _tensor_leaves(output)]
@@ -145,7 +154,7 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         run_stages = 0
         for index in siblings:
             call = calls[index]
-            if call_counts.get(id(call.module), 0) != 1:
+            if call_counts.get(id(call.module), 0) != 1 or not call.eligible:
                 run, run_stages = [], 0
                 continue
             if not (run and call.linked):

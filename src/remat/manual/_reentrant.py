@@ -57,6 +57,7 @@ class _ReentrantFunction(torch.autograd.Function):
         # autograd checks the saved inputs' versions from the end of this forward: a block
         # that changes its own input in place is caught against the versions from its start
         ctx.versions = [t._version for t in tensors]
+        ctx.leaves = [t.is_leaf for t in tensors]
         out: Any = _SUPPRESSED
         with (
             call.options.forward_context(),
@@ -99,7 +100,7 @@ class _ReentrantFunction(torch.autograd.Function):
             raise RecomputeInputModified(message) from error
         if any(t._version != version for t, version in zip(saved, ctx.versions, strict=True)):
             raise RecomputeInputModified(message)
-        inputs = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
+        leaves = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with (
             torch.enable_grad(),
             replay_forward_state(call.state),
@@ -107,6 +108,12 @@ class _ReentrantFunction(torch.autograd.Function):
             call.options.recompute_context(),
             _debug.traced(call.options.debug) as trace,
         ):
+            # An input that was not a leaf is given as a view of the leaf that collects its
+            # gradient: autocast caches its casts of leaves only, so each use is cast as in
+            # plain autograd.
+            inputs = [
+                t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, ctx.leaves, strict=True)
+            ]
             out = call.run(inputs)
         try:
             outs = _recomputed_outputs(call, out)
@@ -115,7 +122,7 @@ class _ReentrantFunction(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+        input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves)
         return (None, None) + input_grads
 
 

@@ -58,6 +58,8 @@ __all__ = [
     "StateLog",
     "changes_state",
     "current_replay_call",
+    "in_manual_block",
+    "inside_manual_block",
     "is_recomputing",
     "learning_state",
     "module_call",
@@ -72,6 +74,7 @@ _PLAIN_ATTRIBUTE_TYPES = (bool, int, float, complex, str, type(None), torch.Tens
 class _Local(threading.local):
     def __init__(self) -> None:
         self.recompute_depth = 0
+        self.manual_depth = 0  # blocks of remat.recompute / remat.mark being run
         self.scopes: list[_Scope] = []
 
 
@@ -86,6 +89,21 @@ def is_recomputing() -> bool:
     in another.
     """
     return _LOCAL.recompute_depth > 0
+
+
+@contextlib.contextmanager
+def inside_manual_block() -> Iterator[None]:
+    """Marks the current thread as running a block of :func:`remat.recompute` (any grad mode)."""
+    _LOCAL.manual_depth += 1
+    try:
+        yield
+    finally:
+        _LOCAL.manual_depth -= 1
+
+
+def in_manual_block() -> bool:
+    """Whether the current thread runs a block of :func:`remat.recompute` (or of a marked module)."""
+    return _LOCAL.manual_depth > 0
 
 
 # ----------------------------------------------------------------------------- the log

@@ -36,6 +36,7 @@ from remat.errors import (
     NotCallableBlock,
     RematError,
 )
+from remat.manual import _state
 from remat.manual._frames import recompute_with_hooks
 from remat.manual._reentrant import recompute_reentrant
 from remat.manual._tensors import DETERMINISM_CHECKS, RecomputeOptions
@@ -123,14 +124,15 @@ def recompute(
     if not isinstance(debug, bool):
         raise RematError(f"debug must be True or False, got {debug!r}")
     options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug)
-    if use_reentrant:
-        if output_recompute:
-            raise RematError(
-                "output_recompute=True needs the hook-based implementation; "
-                "call recompute(..., use_reentrant=False, output_recompute=True)"
-            )
-        return recompute_reentrant(function, args, kwargs, options)
-    return recompute_with_hooks(function, args, kwargs, options, output_recompute)
+    if use_reentrant and output_recompute:
+        raise RematError(
+            "output_recompute=True needs the hook-based implementation; "
+            "call recompute(..., use_reentrant=False, output_recompute=True)"
+        )
+    with _state.inside_manual_block():
+        if use_reentrant:
+            return recompute_reentrant(function, args, kwargs, options)
+        return recompute_with_hooks(function, args, kwargs, options, output_recompute)
 
 
 def recompute_sequential(
