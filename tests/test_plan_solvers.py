@@ -362,3 +362,11 @@ def test_breaks_survive_a_saved_profile_and_are_checked(tmp_path: Path) -> None:
         dataclasses.replace(profile, region_breaks=(5,))
     with pytest.raises(InvalidProfile, match="pinned_stages holds -1"):
         dataclasses.replace(profile, pinned_stages=(-1,))
+
+
+def test_a_pinned_stage_right_after_a_cut_region_is_stored_once() -> None:
+    profile = dataclasses.replace(random_chain(4, 5), region_breaks=(1,), pinned_stages=(2,))
+    plan = PeriodicSolver(segments=2).plan_for(profile)
+    assert plan == (Region(0, 1, (Store(0),)), Region(1, 2, (Store(1),)), Store(2), Store(3), Store(4))
+    for budget in (OptimalSolver().minimum_bytes(profile), None):
+        validate_plan(get_solver("optimal")(profile, budget).items, profile.n_stages)

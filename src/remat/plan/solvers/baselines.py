@@ -45,7 +45,7 @@ def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
                 if start < stage:
                     items.append(Region(start, stage, tuple(Store(k) for k in range(start, stage))))
                 start = stage
-            if stage in pinned:
+            if stage in pinned and stage < item.stop:
                 items.append(Store(stage))
                 start = stage + 1
     return tuple(items)
