@@ -225,6 +225,55 @@ def test_plans_are_cached_per_input_signature(monkeypatch: pytest.MonkeyPatch) -
     assert len(calls) == 2 and wrapped.plan is first
 
 
+@pytest.mark.parametrize(
+    "change", ["unfreeze", "freeze", "eval a submodule", "autocast", "autocast dtype", "double", "kwargs"]
+)
+def test_a_plan_is_made_again_when_the_costs_can_change(monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    # NOTE [what a plan depends on]: each change gives a new measurement, never a stale plan
+    import contextlib
+
+    import remat.automatic as checkpointable_module
+
+    calls: list[int] = []
+    measure_chain = checkpointable_module.measure_chain
+    monkeypatch.setattr(
+        checkpointable_module, "measure_chain", lambda *a, **k: calls.append(1) or measure_chain(*a, **k)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)
+    )
+    if change == "unfreeze":
+        model[0].requires_grad_(False)
+    wrapped = remat.Checkpointable(model, "min")
+    x = torch.randn(16, 8)
+    wrapped(x).float().sum().backward()
+    first = wrapped.plan
+    assert len(calls) == 1 and first is not None
+    context: Any = contextlib.nullcontext()
+    if change == "unfreeze":
+        model[0].requires_grad_(True)
+    elif change == "freeze":
+        model[3].requires_grad_(False)
+    elif change == "eval a submodule":
+        model[1].eval()
+    elif change == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif change == "autocast dtype":
+        context = torch.autocast("cpu", dtype=torch.float16)
+    elif change == "double":
+        model.double()
+        x = x.double()
+    with context:
+        out = wrapped(x) if change != "kwargs" else wrapped(input=x)
+    out.float().sum().backward()
+    assert len(calls) == 2 and wrapped.plan is not first
+    with context:
+        out = wrapped(x) if change != "kwargs" else wrapped(input=x)
+    out.float().sum().backward()
+    assert len(calls) == 2  # and then it is cached
+
+
 # ----------------------------------------------------------------------------- measure() is clean
 def test_the_measuring_call_leaves_the_callers_graph_alone() -> None:
     """The first call measures on the caller's input, computed here by an upstream layer.

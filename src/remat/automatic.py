@@ -154,7 +154,7 @@ class Checkpointable(nn.Module):
 
         The model is left as it was: parameters, ``.grad``, buffers and RNG states.
         """
-        key = _signature(sample_inputs, sample_kwargs)
+        key = _signature(self.model, sample_inputs, sample_kwargs)
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
         try:
             measurement = measure_chain(
@@ -226,7 +226,7 @@ class Checkpointable(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        key = _signature(args, kwargs)
+        key = _signature(self.model, args, kwargs)
         if self._forced_plan is not None:
             plan = self._forced_plan
         else:
@@ -388,9 +388,25 @@ class Checkpointable(nn.Module):
         return plan
 
 
-def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+# NOTE [what a plan depends on]
+# A plan is made for the costs of one step. They change with the inputs (structure,
+# shapes, dtypes, devices, which require grad), with the model (which parameters require
+# grad and so keep activations for their gradients; their dtypes and devices, after
+# model.half() or .to(); which modules are in training mode) and with autocast (on which
+# device, to which dtype, with its cache). Each of these is part of the key a plan is
+# cached under: a change gives a new measurement and plan, never a stale one.
+def _signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     leaves, spec = tree_flatten((args, kwargs))
-    parts: list[Any] = [str(spec)]
+    parts: list[Any] = [
+        str(spec),
+        tuple((p.requires_grad, p.dtype, p.device) for p in model.parameters()),
+        tuple(m.training for m in model.modules()),
+        tuple(
+            (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+            for device in ("cpu", "cuda")
+        ),
+        torch.is_autocast_cache_enabled(),
+    ]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
