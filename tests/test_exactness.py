@@ -990,3 +990,25 @@ def test_under_autocast_an_input_used_twice_is_cast_as_in_plain_autograd(mode: s
         return w.grad
 
     assert torch.equal(input_grad(False), input_grad(True))
+
+
+class ReassignedBuffer(nn.Module):
+    """Reassigns its buffer in forward (a new tensor each time): replayed state, not a cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + 0.1 * self.total
+        self.total = self.total + x.detach().sum(0)
+        return out
+
+
+def test_a_reassigned_buffer_is_not_warned_about_as_a_cache() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), ReassignedBuffer(), nn.Tanh(), nn.Linear(8, 8))
+    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compare_training(plain, wrapped, [torch.randn(4, 8)], lambda out: out.square().sum(), steps=2)

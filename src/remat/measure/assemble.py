@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from remat.discover.chain import Chain
@@ -69,6 +69,8 @@ class TrackedStep:
         output_bytes: bytes of the model's output.
         output_allocations: the allocations of the model's output.
         device: the device the step ran on.
+        state_allocations: the allocations of the modules' buffers and tensor attributes
+            when the forward returned (state that remat replays, not a side effect).
     """
 
     watch: StageWatch
@@ -77,6 +79,7 @@ class TrackedStep:
     output_bytes: int
     output_allocations: set[int]
     device: str
+    state_allocations: set[int] = field(default_factory=set)
 
 
 class _GroupCost(NamedTuple):
@@ -276,7 +279,8 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
             start, stop = stage.forward_window
             if start <= record.allocated_event < stop:
                 escaped[key] = record.nbytes
-                side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
+                if key not in step.state_allocations:  # module state is replayed: no side effect
+                    side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
                 break
     if side_effects:
         _warn_side_effects(side_effects)

@@ -109,6 +109,13 @@ def _tracked_step(
         # Sizes now: some of these storages die with the output, before the assembly.
         alive_after_forward = tracker.live_allocations()
         output_storages = tracker.allocations_of(tensors_in(output))
+        state = [
+            value
+            for module in model.modules()
+            for value in [*module._buffers.values(), *vars(module).values()]
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+        ]
+        state_allocations = set(tracker.allocations_of(state))
         holder = [output]
         del output
         _loss_and_backward(loss_fn, holder)
@@ -124,6 +131,7 @@ def _tracked_step(
         output_bytes=sum(output_storages.values()),
         output_allocations=set(output_storages),
         device=str(device),
+        state_allocations=state_allocations,
     )
 
 
