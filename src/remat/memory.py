@@ -44,9 +44,19 @@ __all__ = [
 _unpack_saved = operator.itemgetter(0)
 
 
-def _casts_a_leaf(node: Any) -> bool:
-    """Whether the cast node ``node`` casts a leaf tensor (its input is accumulated into ``.grad``)."""
-    return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in node.next_functions if nxt is not None)
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _is_autocast_cast(func: Any, args: Any) -> bool:
+    """Whether an operator call casts a leaf that requires grad, as autocast does (and caches).
+
+    (Inside autocast's own cast, ``torch.is_autocast_enabled`` reads False: any such cast
+    counts, and one made by the model's code is then only held a little longer in the plan.)
+    """
+    if func is not _TO_COPY or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    source = args[0]
+    return source.is_leaf and source.requires_grad
 
 
 @dataclass
@@ -177,6 +187,7 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
         out = func(*args, **kwargs)
+        cast = _is_autocast_cast(func, args)
         device_type = self._device_type
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
@@ -201,6 +212,8 @@ class MemoryTracker(TorchDispatchMode):
                     self._allocations[allocation_id] = _Allocation(allocation_id, nbytes, len(self._events))
                     self._live_by_key[key] = allocation_id
                     self._events.append((allocation_id, nbytes))
+                    if cast:
+                        self._cast_ids.add(allocation_id)
                 else:
                     allocation = self._allocations[allocation_id]
                     if allocation.freed_at is None and nbytes != allocation.nbytes:
@@ -266,16 +279,14 @@ class MemoryTracker(TorchDispatchMode):
                 allocation_id = self._live_by_key.get(key)
                 if allocation_id is not None:
                     self._saved_ids.append(allocation_id)
-                    # autocast caches its cast of a leaf (a weight) until its region ends,
-                    # whatever the cast's users keep: such a cast lives on its own terms
-                    base = tensor._base
-                    node = (base if base is not None else tensor).grad_fn
-                    if node is not None and type(node).__name__ == "ToCopyBackward0" and _casts_a_leaf(node):
-                        self._cast_ids.add(allocation_id)
         return (tensor.detach(),)
 
     def cast_allocations(self) -> set[int]:
-        """Allocation ids of saved tensors that are autocast's casts of leaves (cached by autocast)."""
+        """Allocation ids of autocast's casts of leaves that require grad (weights).
+
+        Autocast caches such a cast until its region ends, whatever the cast's users keep:
+        it lives on its own terms (NOTE [autocast casts] in ``remat.measure.assemble``).
+        """
         with self._lock:
             return set(self._cast_ids)
 

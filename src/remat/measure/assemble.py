@@ -268,6 +268,7 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     # cache object filled in place): alive after the forward, neither saved for
     # backward nor passed on to the next stage.
     accounted = set(escaped)
+    casts = step.tracker.cast_allocations()
     for stage in stages:
         accounted.update(stage.saved_storages)
         accounted.update(stage.output_storages)
@@ -279,7 +280,8 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
             start, stop = stage.forward_window
             if start <= record.allocated_event < stop:
                 escaped[key] = record.nbytes
-                if key not in step.state_allocations:  # module state is replayed: no side effect
+                # module state is replayed, and autocast's cache holds its casts: no side effects
+                if key not in step.state_allocations and key not in casts:
                     side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
                 break
     if side_effects:
