@@ -8,6 +8,7 @@ with the budget and with the plan's prediction.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -658,3 +659,22 @@ def test_at_the_minimum_the_running_statistics_guard_is_counted() -> None:
     peaks = compare_training(copy.deepcopy(model), wrapped, (x,), loss_fn)
     assert wrapped.margin == 0.0
     assert max(peaks[1:]) <= info.value.minimum_bytes
+
+
+def test_one_log_line_per_measurement_and_per_plan(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+    wrapped = remat.Checkpointable(model, "min")
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for batch in (16, 16, 32):
+            wrapped(torch.randn(batch, 8)).sum().backward()
+        model[0].requires_grad_(False)
+        wrapped(torch.randn(32, 8)).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if r.name == "remat" and r.levelno == logging.INFO]
+    measured = [line for line in lines if line.startswith("remat measured")]
+    planned = [line for line in lines if line.startswith("remat planned")]
+    assert len(measured) == len(planned) == 3  # the second batch of 16 reuses the first plan
+    assert "the first input" in measured[0]
+    assert "a change in the input shapes" in measured[1]
+    assert "a change in the parameters" in measured[2]
+    assert all("predicted peak" in line and "overhead" in line for line in planned)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 import warnings
 from collections.abc import Hashable, Iterator
 from types import EllipsisType
@@ -155,6 +156,7 @@ class Checkpointable(nn.Module):
         The model is left as it was: parameters, ``.grad``, buffers and RNG states.
         """
         key = _signature(self.model, sample_inputs, sample_kwargs)
+        started = time.perf_counter()
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
         try:
             measurement = measure_chain(
@@ -176,9 +178,16 @@ class Checkpointable(nn.Module):
             measurement = measure_chain(
                 self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=True
             )
+        logger.info(
+            "remat measured %s: %d stages (%d planned) in %.2f s, plain peak %s",
+            _what_changed(self._last_key, key),
+            len(chain),
+            measurement.profile.n_stages,
+            time.perf_counter() - started,
+            format_bytes(measurement.measured_peak_bytes),
+        )
         self._measurements[key] = measurement
         self._last_key = key
-        logger.info("remat measured %d stages (%d planned stages)", len(chain), measurement.profile.n_stages)
         return measurement
 
     def plan_for(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
@@ -385,6 +394,14 @@ class Checkpointable(nn.Module):
         )
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
+        logger.info(
+            "remat planned for a budget of %s: predicted peak %s, overhead +%.0f%%, %d of %d stages recomputed",
+            format_bytes(total),
+            format_bytes(plan.predicted_peak_bytes),
+            100 * plan.overhead_fraction,
+            sum(count > 1 for count in plan.forward_counts),
+            len(plan.forward_counts),
+        )
         return plan
 
 
@@ -395,6 +412,25 @@ class Checkpointable(nn.Module):
 # model.half() or .to(); which modules are in training mode) and with autocast (on which
 # device, to which dtype, with its cache). Each of these is part of the key a plan is
 # cached under: a change gives a new measurement and plan, never a stale one.
+_KEY_PARTS = (
+    "the input structure",
+    "the parameters (requires_grad, dtype or device)",
+    "the modules' training modes",
+    "autocast",
+    "the autocast cache",
+)
+
+
+def _what_changed(previous: Hashable | None, key: Hashable) -> str:
+    """Names what differs between two plan keys (see :func:`_signature`), for the log."""
+    if not isinstance(previous, tuple) or not isinstance(key, tuple):
+        return "the first input"
+    changed = [name for name, a, b in zip(_KEY_PARTS, previous, key, strict=False) if a != b]
+    if previous[len(_KEY_PARTS) :] != key[len(_KEY_PARTS) :]:
+        changed.append("the input shapes, dtypes or devices")
+    return "a change in " + ", ".join(changed) if changed else "the same input again"
+
+
 def _signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     leaves, spec = tree_flatten((args, kwargs))
     parts: list[Any] = [
