@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -678,3 +679,31 @@ def test_one_log_line_per_measurement_and_per_plan(caplog: pytest.LogCaptureFixt
     assert "a change in the input shapes" in measured[1]
     assert "a change in the parameters" in measured[2]
     assert all("predicted peak" in line and "overhead" in line for line in planned)
+
+
+def test_a_pinned_plan_trains_without_measuring(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import remat.automatic as checkpointable_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+    x = torch.randn(16, 8)
+    planner = remat.Checkpointable(copy.deepcopy(model), "min")
+    planner(x).sum().backward()
+    assert planner.plan is not None
+    path = tmp_path / "plan.json"
+    path.write_text(planner.plan.to_json())
+    calls: list[int] = []
+    measure_chain = checkpointable_module.measure_chain
+    monkeypatch.setattr(
+        checkpointable_module, "measure_chain", lambda *a, **k: calls.append(1) or measure_chain(*a, **k)
+    )
+    for pinned in (str(path), path, planner.plan):
+        wrapped = remat.Checkpointable(copy.deepcopy(model), plan=pinned)
+        compare_training(copy.deepcopy(model), wrapped, [x], lambda out: out.sum(), steps=2)
+        assert wrapped.plan is not None and wrapped.plan.schedule.items == planner.plan.schedule.items
+    assert calls == []  # never measured
+    other = remat.Checkpointable(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), plan=path)
+    with pytest.raises(remat.RematError, match="schedule"):
+        other(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(TypeError, match="plan must be a remat.plan.Plan or the path"):
+        remat.Checkpointable(model, plan=42)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Hashable, Iterator
@@ -103,6 +104,10 @@ class Checkpointable(nn.Module):
             in a fraction of the memory of a plain step, for a model that does not fit
             without recompute (see NOTE [frugal measurement]); its predictions err a little
             more on the safe side.
+        plan: a plan to train with at every training call, without measuring or planning:
+            a :class:`~remat.plan.Plan` or the path of one saved with ``plan.to_json()``
+            (for production runs that must not change their schedule). It must plan this
+            model's chain of stage calls; ``mem_limit`` is then not used.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -123,6 +128,7 @@ class Checkpointable(nn.Module):
         margin: float | None = None,
         output_kept: bool = True,
         frugal_measure: bool = False,
+        plan: Plan | str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -139,7 +145,7 @@ class Checkpointable(nn.Module):
         self._measurements: dict[Hashable, ChainMeasurement] = {}
         self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
         self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
-        self._forced_plan: Plan | None = None
+        self._forced_plan: Plan | None = _pinned_plan(plan)
         self._minimums: dict[Hashable, int] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
@@ -227,7 +233,9 @@ class Checkpointable(nn.Module):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan of the most recent training call, if any."""
+        """The plan of the most recent training call, if any (the pinned one, if given)."""
+        if self._forced_plan is not None:
+            return self._forced_plan
         if self._last_key is None:
             return None
         return self._plans.get((self._last_key, self._options(self.mem_limit)))
@@ -412,6 +420,16 @@ class Checkpointable(nn.Module):
 # model.half() or .to(); which modules are in training mode) and with autocast (on which
 # device, to which dtype, with its cache). Each of these is part of the key a plan is
 # cached under: a change gives a new measurement and plan, never a stale one.
+def _pinned_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
+    """The ``plan=`` argument of :class:`Checkpointable`, read from its file if a path."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if not isinstance(plan, (str, os.PathLike)):
+        raise TypeError(f"plan must be a remat.plan.Plan or the path of a saved plan, got {type(plan).__name__}")
+    with open(plan, encoding="utf-8") as handle:
+        return Plan.from_json(handle.read())
+
+
 _KEY_PARTS = (
     "the input structure",
     "the parameters (requires_grad, dtype or device)",
