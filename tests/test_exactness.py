@@ -1012,3 +1012,94 @@ def test_a_reassigned_buffer_is_not_warned_about_as_a_cache() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compare_training(plain, wrapped, [torch.randn(4, 8)], lambda out: out.square().sum(), steps=2)
+
+
+# ------------------------------------------------------------------ found in review
+def test_a_nested_context_that_swallows_the_blocks_error_is_refused_and_runs_it_once() -> None:
+    import contextlib
+
+    class Swallows:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> bool:
+            return True
+
+    runs: list[bool] = []
+
+    def failing(h: torch.Tensor) -> torch.Tensor:
+        runs.append(remat.is_recomputing())
+        raise ValueError("the block failed")
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(failing, x * 2, context_fn=lambda: (Swallows(), contextlib.nullcontext()))
+
+    with pytest.raises(RematError, match="context_fn suppressed an exception raised by the block '.*failing'"):
+        remat.recompute(outer, torch.randn(3, requires_grad=True))
+    assert runs == [False]
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_sparse_input_that_is_not_a_leaf_is_exact(mode: str) -> None:
+    dense = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    dense[dense < 0.3] = 0
+    w = torch.randn(6, 4, requires_grad=True)
+
+    def block(s: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(s, weight).tanh()
+
+    grads = []
+    for recompute in (False, True):
+        w.grad = None
+        leaf = dense.clone().requires_grad_()
+        s = (leaf * 2).to_sparse()
+        out = remat.recompute(block, s, w, use_reentrant=mode == "reentrant") if recompute else block(s, w)
+        out.sum().backward()
+        grads.append((w.grad, leaf.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])  # type: ignore[arg-type]
+
+
+class SwitchesDropoutOff(nn.Module):
+    """Its forward puts its dropout in eval mode from its second call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+        self.drop = nn.Dropout(0.5)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            self.drop.eval()
+        for block in self.blocks:
+            x = block(x)
+        return self.drop(x)
+
+
+def test_measurement_puts_back_a_training_mode_the_forward_changed() -> None:
+    torch.manual_seed(0)
+    plain = SwitchesDropoutOff()
+    model = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    plain(x).sum().backward()
+    remat.Checkpointable(model, None)(x).sum().backward()
+    assert model.calls == plain.calls == 1 and model.drop.training and plain.drop.training
+
+
+def test_debug_on_a_nested_block_alone_traces_it() -> None:
+    def inner(h: torch.Tensor) -> torch.Tensor:
+        a = h.sin()
+        if remat.is_recomputing():
+            a = a.cos()
+        return (a * h).exp()
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(inner, x.tanh() * 2, debug=True).sigmoid()
+
+    out = remat.recompute(outer, torch.randn(4, requires_grad=True))  # the root has no debug
+    with pytest.raises(remat.NondeterministicRecompute) as raised:
+        out.sum().backward()
+    original, recomputed = str(raised.value).split("  recompute:")
+    assert "first differ at operation #1" in original and "#1 > aten.mul.Tensor" in original
+    assert "#0   aten.sin.default" in recomputed and "#1 > aten.cos.default" in recomputed

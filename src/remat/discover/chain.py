@@ -49,7 +49,9 @@ class Chain:
 
 
 def _flatten_sequential(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
-    # a marked Sequential is one block: its children run inside its recompute
+    # A marked Sequential is not flattened: its children run inside its own recompute.
+    # It stays one entry, which Checkpointable then refuses as a stage (unmark it, and
+    # the planner decides what to recompute).
     if isinstance(module, nn.Sequential) and len(module) > 0 and not is_marked(module):
         out: list[tuple[str, nn.Module]] = []
         for name, child in module._modules.items():  # not named_children(): it hides repeats

@@ -54,7 +54,11 @@ def _user_line() -> str | None:
     hooks (a detach when a saved tensor is filled), not of the block.
     """
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    # torch's frames, and those of a trace nested in another (its dispatch passes the
+    # operation on to the outer trace), are not the block's
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is not None and frame.f_code.co_filename.startswith(_REMAT_DIR):
         return None

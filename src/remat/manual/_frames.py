@@ -23,7 +23,7 @@ from remat.errors import (
 )
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
+from remat.manual._tensors import _SUPPRESSED, RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
 
 __all__ = ["active_mode", "recompute_with_hooks"]
 
@@ -64,9 +64,6 @@ __all__ = ["active_mode", "recompute_with_hooks"]
 # recompute ends). Blocks without an inner backward keep nothing in a recompute's graph.
 
 
-_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
-
-
 class _StopRecompute(BaseException):
     """Raised inside a recompute once every needed handle is filled."""
 
@@ -83,13 +80,14 @@ class _Handle:
 class _Span:
     """Where a nested block's handles start and stop in its root, and its own nested blocks."""
 
-    __slots__ = ("start", "stop", "children", "op_start")
+    __slots__ = ("start", "stop", "children", "op_start", "original_ops")
 
     def __init__(self, start: int, op_start: int = 0) -> None:
         self.start = start
         self.stop: int | None = None
         self.children: list[_Span] = []
         self.op_start = op_start  # its first operation in the root's op trace (debug=True)
+        self.original_ops: list[Any] | None = None  # its own trace, when only it has debug=True
 
 
 class _OutputOf:
@@ -222,8 +220,8 @@ class _Frame:
             if mode == "fill":
                 self._finish_fill()
         except NondeterministicRecompute as error:
-            op_start = self.span.op_start if self.span is not None else 0
-            raise _debug.explained(error, root.original_ops, trace, op_start) from None
+            original, op_start = _original_ops(root, self.span)
+            raise _debug.explained(error, original, trace, op_start) from None
         if observer is not None:
             observer.on_recompute(False)
         return out
@@ -489,21 +487,22 @@ def recompute_with_hooks(
         # is recorded.
         root = context.frame.root
         if not root.open_spans:
-            with options.forward_context(), _state.module_call(function):
-                return function(*args, **kwargs)
+            return _inline(function, args, kwargs, options.forward_context())
         span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
         root.open_spans[-1].children.append(span)
         root.open_spans.append(span)
+        trace = None
         try:
-            with options.forward_context(), _state.module_call(function):
-                return function(*args, **kwargs)
+            # a nested block with debug=True in a root without it keeps a trace of its own
+            with _debug.traced(options.debug and root.trace is None) as trace:
+                return _inline(function, args, kwargs, options.forward_context())
         finally:
             root.open_spans.pop()
             span.stop = len(root.handles)
+            span.original_ops = trace.entries if trace is not None else None
     if context.mode == "skip":
         # Inside a child being skipped over: the child owns all of it.
-        with options.recompute_context(), _state.module_call(function):
-            return function(*args, **kwargs)
+        return _inline(function, args, kwargs, options.recompute_context())
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
     root = parent.root
@@ -523,21 +522,42 @@ def recompute_with_hooks(
                 # runs when backward reaches it.
                 raise _StopRecompute
             context.last_needed = last_needed
+    original, op_start = _original_ops(root, recorded)
     _STACK.push(_Context("skip", child))
+    trace = None
     try:
-        with options.recompute_context(), _state.module_call(function):
-            out = function(*args, **kwargs)
+        with _debug.traced(options.debug and original is not None) as trace:
+            out = _inline(function, args, kwargs, options.recompute_context())
+        if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
+            raise NondeterministicRecompute(
+                f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
+                f"tensors for backward, its first forward saved {recorded.stop - recorded.start}; "
+                "the block must run the same operations when it is recomputed"
+            )
+    except NondeterministicRecompute as error:
+        raise _debug.explained(error, original, trace, op_start) from None
     finally:
         _STACK.pop()
-    if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
-        raise NondeterministicRecompute(
-            f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
-            f"tensors for backward, its first forward saved {recorded.stop - recorded.start}; "
-            "the block must run the same operations when it is recomputed"
-        )
     parent.cursor = child.cursor
     child.stop = child.cursor
     return out
+
+
+def _inline(function: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+    """``function(*args, **kwargs)`` as one module call inside `context`, which may not swallow its error."""
+    out: Any = _SUPPRESSED
+    with context, _state.module_call(function):
+        out = function(*args, **kwargs)
+    if out is _SUPPRESSED:
+        raise_suppressed(getattr(function, "__qualname__", None) or type(function).__name__)
+    return out
+
+
+def _original_ops(root: _Root, span: _Span | None) -> tuple[list[Any] | None, int]:
+    """The original forward's trace of a block (debug=True) and where the block starts in it."""
+    if span is not None and span.original_ops is not None:
+        return span.original_ops, 0
+    return root.original_ops, span.op_start if span is not None else 0
 
 
 def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:

@@ -20,14 +20,13 @@ from remat.errors import (
 )
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
+from remat.manual._tensors import _SUPPRESSED, RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
 
 __all__ = ["recompute_reentrant"]
 
 
 # Marks where a tensor goes in a flattened structure (None and other values are constants).
 _TENSOR: Any = object()
-_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
 
 
 # NOTE [outputs of the reentrant Function]
@@ -112,7 +111,8 @@ class _ReentrantFunction(torch.autograd.Function):
             # gradient: autocast caches its casts of leaves only, so each use is cast as in
             # plain autograd.
             inputs = [
-                t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, ctx.leaves, strict=True)
+                t.view_as(t) if t.requires_grad and not leaf and t.layout == torch.strided else t
+                for t, leaf in zip(leaves, ctx.leaves, strict=True)
             ]
             out = call.run(inputs)
         try:
@@ -190,20 +190,20 @@ def recompute_reentrant(
         with _state.module_call(function):
             return function(*args, **kwargs)
     flat, _ = tree_flatten((args, kwargs))
-    state = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
-    call = _ReentrantCall(function, args, kwargs, state)
-    call.options = options
-    tensors = call.tensors(args, kwargs)
     module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
     if (
         isinstance(module, nn.Module)
-        and not any(t.requires_grad for t in tensors)
+        and not any(t.requires_grad for t in flat if isinstance(t, torch.Tensor))
         and not any(p.requires_grad for p in module.parameters())
     ):
         # A frozen module on inputs without grad: as in plain autograd, its outputs need
         # no gradient, so there is nothing to recompute (and no anchor to add one).
         with _state.module_call(function):
             return function(*args, **kwargs)
+    state = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
+    call = _ReentrantCall(function, args, kwargs, state)
+    call.options = options
+    tensors = call.tensors(args, kwargs)
     # The anchor makes the output require grad even when no input does, so that the
     # parameters used inside the block still receive their gradients.
     anchor = torch.empty((), requires_grad=True)

@@ -60,6 +60,7 @@ __all__ = [
     "current_replay_call",
     "in_manual_block",
     "inside_manual_block",
+    "is_state_attribute",
     "is_recomputing",
     "learning_state",
     "module_call",
@@ -213,12 +214,11 @@ class _Scope:
 
     def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Any) -> None:
         change = _Change(module)
-        if call in self.block_calls:
+        if call in self.block_calls and module._forward_pre_hooks:
             # see _record_enter: the state the block started from, for a replay that
             # runs the block without the module's pre-hooks
             change.entry_attributes = {name: value for name, (value, _) in attributes.items()}
-            if module._forward_pre_hooks:
-                change.entry_buffers = {name: before for name, (_, _, before) in buffers.items()}
+            change.entry_buffers = {name: before for name, (_, _, before) in buffers.items()}
         unknown: list[str] = []
         ignores_state = _output_ignores_state(module)
         buf: torch.Tensor

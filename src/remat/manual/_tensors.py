@@ -12,7 +12,7 @@ import torch
 
 from remat.errors import RematError
 
-__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias"]
+__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "raise_suppressed"]
 
 
 def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -67,6 +67,9 @@ class RecomputeOptions:
     def recompute_context(self) -> AbstractContextManager[Any]:
         """The context around one recompute (``context_fn`` is called again for each)."""
         return self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
+
+
+_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
 
 
 def raise_suppressed(name: str) -> NoReturn:

@@ -252,13 +252,18 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
                 module._buffers[name] = b
                 b.copy_(saved)
         for module, before in attributes:
-            for name in [n for n in module.__dict__ if n not in before and is_state_attribute(n)]:
+            for name in [n for n in module.__dict__ if n not in before and _restored(n)]:
                 del module.__dict__[name]
             for name, value in before.items():
-                if is_state_attribute(name):
+                if _restored(name):
                     module.__dict__[name] = value
         for p, g in grads:
             p.grad = g
+
+
+def _restored(name: str) -> bool:
+    """Whether measurement puts a module's attribute back: its state, and its training mode."""
+    return name == "training" or is_state_attribute(name)
 
 
 def isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
