@@ -1103,3 +1103,29 @@ def test_debug_on_a_nested_block_alone_traces_it() -> None:
     original, recomputed = str(raised.value).split("  recompute:")
     assert "first differ at operation #1" in original and "#1 > aten.mul.Tensor" in original
     assert "#0   aten.sin.default" in recomputed and "#1 > aten.cos.default" in recomputed
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_recompute_context_that_swallows_the_blocks_error_is_refused(mode: str) -> None:
+    import contextlib
+
+    class Swallows:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> bool:
+            return True
+
+    def fails_when_recomputed(x: torch.Tensor) -> torch.Tensor:
+        if remat.is_recomputing():
+            raise ValueError("the recompute failed")
+        return x.sin()
+
+    out = remat.recompute(
+        fails_when_recomputed,
+        torch.randn(3, requires_grad=True),
+        use_reentrant=mode == "reentrant",
+        context_fn=lambda: (contextlib.nullcontext(), Swallows()),
+    )
+    with pytest.raises(RematError, match="context_fn suppressed an exception raised by the block '.*fails_when"):
+        out.sum().backward()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from remat.errors import (
 )
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import _SUPPRESSED, RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
 __all__ = ["active_mode", "recompute_with_hooks"]
 
@@ -207,7 +208,7 @@ class _Frame:
                     torch.enable_grad(),
                     replay_forward_state(self.state),
                     _state.recomputing(root.state_log, self.first_call),
-                    self.options.recompute_context(),
+                    self.options.recompute_context(self.name),
                     _debug.traced(self.options.debug) as trace,
                 ):
                     try:
@@ -462,10 +463,9 @@ def recompute_with_hooks(
         root.span = _Span(0)
         root.open_spans.append(root.span)
         _STACK.push(_Context("discard", root))
-        out: Any = _SUPPRESSED
         try:
             with (
-                options.forward_context(),
+                options.forward_context(root.name),
                 root.state_log.recording(),
                 _state.module_call(function),
                 _debug.traced(options.debug) as root.trace,
@@ -475,8 +475,6 @@ def recompute_with_hooks(
             _STACK.pop()
             root.open_spans.clear()
             root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
-        if out is _SUPPRESSED:
-            raise_suppressed(root.name)
         root.stop = root.span.stop = len(root.handles)
         if output_recompute:
             _register_outputs(root, out)
@@ -487,7 +485,7 @@ def recompute_with_hooks(
         # is recorded.
         root = context.frame.root
         if not root.open_spans:
-            return _inline(function, args, kwargs, options.forward_context())
+            return _inline(function, args, kwargs, options.forward_context)
         span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
         root.open_spans[-1].children.append(span)
         root.open_spans.append(span)
@@ -495,14 +493,14 @@ def recompute_with_hooks(
         try:
             # a nested block with debug=True in a root without it keeps a trace of its own
             with _debug.traced(options.debug and root.trace is None) as trace:
-                return _inline(function, args, kwargs, options.forward_context())
+                return _inline(function, args, kwargs, options.forward_context)
         finally:
             root.open_spans.pop()
             span.stop = len(root.handles)
             span.original_ops = trace.entries if trace is not None else None
     if context.mode == "skip":
         # Inside a child being skipped over: the child owns all of it.
-        return _inline(function, args, kwargs, options.recompute_context())
+        return _inline(function, args, kwargs, options.recompute_context)
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
     root = parent.root
@@ -527,7 +525,7 @@ def recompute_with_hooks(
     trace = None
     try:
         with _debug.traced(options.debug and original is not None) as trace:
-            out = _inline(function, args, kwargs, options.recompute_context())
+            out = _inline(function, args, kwargs, options.recompute_context)
         if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
             raise NondeterministicRecompute(
                 f"the recompute of the nested block {child.name!r} saved {child.cursor - child.start} "
@@ -543,14 +541,13 @@ def recompute_with_hooks(
     return out
 
 
-def _inline(function: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """``function(*args, **kwargs)`` as one module call inside `context`, which may not swallow its error."""
-    out: Any = _SUPPRESSED
-    with context, _state.module_call(function):
-        out = function(*args, **kwargs)
-    if out is _SUPPRESSED:
-        raise_suppressed(getattr(function, "__qualname__", None) or type(function).__name__)
-    return out
+def _inline(
+    function: Callable[..., Any], args: Any, kwargs: Any, context: Callable[[str], AbstractContextManager[Any]]
+) -> Any:
+    """``function(*args, **kwargs)`` as one module call, inside ``context(name)``."""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    with context(name), _state.module_call(function):
+        return function(*args, **kwargs)
 
 
 def _original_ops(root: _Root, span: _Span | None) -> tuple[list[Any] | None, int]:

@@ -20,7 +20,7 @@ from remat.errors import (
 )
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import _SUPPRESSED, RecomputeOptions, TensorMeta, detached_alias, raise_suppressed
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
 
 __all__ = ["recompute_reentrant"]
 
@@ -57,16 +57,13 @@ class _ReentrantFunction(torch.autograd.Function):
         # that changes its own input in place is caught against the versions from its start
         ctx.versions = [t._version for t in tensors]
         ctx.leaves = [t.is_leaf for t in tensors]
-        out: Any = _SUPPRESSED
         with (
-            call.options.forward_context(),
+            call.options.forward_context(call.name),
             torch.no_grad(),
             call.state_log.recording(),
             _debug.traced(call.options.debug) as trace,
         ):
             out = call.run(list(tensors))
-        if out is _SUPPRESSED:
-            raise_suppressed(call.name)
         call.original_ops = trace.entries if trace is not None else None
         flat, spec = tree_flatten(out)
         call.out_spec = spec
@@ -104,7 +101,7 @@ class _ReentrantFunction(torch.autograd.Function):
             torch.enable_grad(),
             replay_forward_state(call.state),
             _state.recomputing(call.state_log),
-            call.options.recompute_context(),
+            call.options.recompute_context(call.name),
             _debug.traced(call.options.debug) as trace,
         ):
             # An input that was not a leaf is given as a view of the leaf that collects its

@@ -6,13 +6,13 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Literal
 
 import torch
 
 from remat.errors import RematError
 
-__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "raise_suppressed"]
+__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias"]
 
 
 def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -60,21 +60,37 @@ class RecomputeOptions:
         """Whether recomputed tensors are compared with the originals (shape, dtype, device)."""
         return self.determinism_check == "default"
 
-    def forward_context(self) -> AbstractContextManager[Any]:
-        """The context around the original forward."""
-        return self.context_fn()[0] if self.context_fn is not None else contextlib.nullcontext()
+    def forward_context(self, name: str) -> AbstractContextManager[Any]:
+        """The context around the original forward of the block `name`."""
+        if self.context_fn is None:
+            return contextlib.nullcontext()
+        return _Unsuppressing(self.context_fn()[0], name)
 
-    def recompute_context(self) -> AbstractContextManager[Any]:
-        """The context around one recompute (``context_fn`` is called again for each)."""
-        return self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
+    def recompute_context(self, name: str) -> AbstractContextManager[Any]:
+        """The context around one recompute of the block `name` (``context_fn`` is called again for each)."""
+        if self.context_fn is None:
+            return contextlib.nullcontext()
+        return _Unsuppressing(self.context_fn()[1], name)
 
 
-_SUPPRESSED: Any = object()  # no output: a context manager suppressed the block's exception
+class _Unsuppressing:
+    """A ``context_fn`` context that may not swallow the block's exception.
 
+    A block whose exception is swallowed has no output to return (nor, recomputed, the
+    tensors backward needs): that is refused at the context itself, for every caller.
+    """
 
-def raise_suppressed(name: str) -> NoReturn:
-    """Raises the error for a block whose exception a ``context_fn`` context swallowed."""
-    raise RematError(
-        f"the forward context of context_fn suppressed an exception raised by the block {name!r}, "
-        "so the block has no output to return; a context_fn context must let exceptions through"
-    )
+    def __init__(self, context: AbstractContextManager[Any], name: str) -> None:
+        self.context = context
+        self.name = name
+
+    def __enter__(self) -> Any:
+        return self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Literal[False]:
+        if self.context.__exit__(*exc) and exc[0] is not None:
+            raise RematError(
+                f"a context of context_fn suppressed an exception raised by the block {self.name!r}, "
+                "so the block has no output to return; a context_fn context must let exceptions through"
+            ) from exc[1]
+        return False
