@@ -76,22 +76,28 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-class _InputVersions:
-    """The versions of each stage's input tensors when it was called.
+class _InPlaceWatch:
+    """Sees, around each stage call, what was changed in place in a forward.
 
-    Tells which stages' inputs were changed in place since, by any later code; only weak
-    references are kept, so that watching changes no tensor's lifetime.
+    :meth:`before` tells whether the model's code changed what the stage takes from the
+    stage before (see :class:`~remat.discover.chain.StageLinks`); :meth:`after` which
+    stages' inputs were changed in place since they were called, by the stage itself or
+    any later code (only weak references are kept: watching changes no tensor's lifetime).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, n_stages: int) -> None:
+        self._links = StageLinks(n_stages)
         self._watched: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], int]]]] = []
 
-    def note(self, index: int, inputs: list[torch.Tensor]) -> None:
-        """Starts watching the inputs of stage `index` (at their current versions)."""
-        self._watched.append((index, [(weakref.ref(t), t._version) for t in inputs]))
+    def before(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Starts watching stage `index`'s inputs; whether the model's code changed its linked input."""
+        changed = bool(self._links.link(args, kwargs).changed_in_place)
+        self._watched.append((index, [(weakref.ref(t), t._version) for t in tensors_in((args, kwargs))]))
+        return changed
 
-    def changed(self) -> list[int]:
-        """The stages whose inputs were changed since they were noted (then no longer watched)."""
+    def after(self, index: int, output: Any) -> list[int]:
+        """Notes stage `index`'s output; the stages whose inputs changed since (then no longer watched)."""
+        self._links.returned(index, output)
         changed, kept = [], []
         for index, refs in self._watched:
             tensors = [(ref(), version) for ref, version in refs]
@@ -138,8 +144,7 @@ class StageWatch:
             items = tuple(Region(a, b, tuple(Store(k) for k in range(a, b))) for a, b in spans)
             self._run = _Run(ChainExecutor(chain, items, observer=lambda region: _SpanObserver(self, region.start)))
         self.stages = [StageMeasurement(name) for name in chain.names]
-        self.links = StageLinks(len(chain))
-        self.input_versions = _InputVersions()
+        self.in_place = _InPlaceWatch(len(chain))
         self.current: int | None = None
         self.next_stage = 0
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
@@ -174,12 +179,11 @@ class StageWatch:
             )
         self.next_stage += 1
         stage = self.stages[index]
-        stage.input_changed = bool(self.links.link(args, kwargs).changed_in_place)
+        stage.input_changed = self.in_place.before(index, args, kwargs)
         inputs = tensors_in((args, kwargs))
         tracker = self.tracker
         if tracker is not None:
             self._link(index, tracker.allocations_of(inputs))
-        self.input_versions.note(index, inputs)
         self.current = index
         if self.synchronize is not None:
             self.synchronize()
@@ -197,9 +201,8 @@ class StageWatch:
             self.synchronize()
         stage.forward_time_s = time.perf_counter() - start_time
         stage.forward_window = (start_event, tracker.n_events if tracker is not None else 0)
-        for changed in self.input_versions.changed():
+        for changed in self.in_place.after(index, out):
             self.stages[changed].modifies_input = True
-        self.links.returned(index, out)
         outputs = tensors_in(out)
         if tracker is not None:
             stage.output_storages = tracker.allocations_of(outputs)
@@ -311,14 +314,11 @@ class InPlaceProbe:
     def __init__(self, chain: Chain) -> None:
         self.modifies_input = [False] * len(chain)
         self.input_changed = [False] * len(chain)
-        self.links = StageLinks(len(chain))
-        self.input_versions = _InputVersions()
+        self.in_place = _InPlaceWatch(len(chain))
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.input_changed[index] = bool(self.links.link(args, kwargs).changed_in_place)
-        self.input_versions.note(index, tensors_in((args, kwargs)))
+        self.input_changed[index] = self.in_place.before(index, args, kwargs)
         out = call_original(module, args, kwargs)
-        for changed in self.input_versions.changed():
+        for changed in self.in_place.after(index, out):
             self.modifies_input[changed] = True
-        self.links.returned(index, out)
         return out
