@@ -156,7 +156,7 @@ class MemoryTracker(TorchDispatchMode):
         self._gradient_ids: set[int] = set()
         self._hooks: list[Any] = []
         self._saved_ids: list[int] = []  # allocations of the tensors saved for backward, in order
-        self._cast_ids: set[int] = set()  # those that are autocast's casts of leaves (see _pack)
+        self._cast_ids: set[int] = set()  # allocations made by casting a leaf (see _is_autocast_cast)
         self._next_id = 0
 
     # ------------------------------------------------------------------ dispatch

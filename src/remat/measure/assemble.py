@@ -71,6 +71,8 @@ class TrackedStep:
         device: the device the step ran on.
         state_allocations: the allocations of the modules' buffers and tensor attributes
             when the forward returned (state that remat replays, not a side effect).
+        cast_allocations: the allocations of autocast's casts of weights (see
+            :meth:`remat.memory.MemoryTracker.cast_allocations`).
     """
 
     watch: StageWatch
@@ -80,6 +82,7 @@ class TrackedStep:
     output_allocations: set[int]
     device: str
     state_allocations: set[int] = field(default_factory=set)
+    cast_allocations: set[int] = field(default_factory=set)
 
 
 class _GroupCost(NamedTuple):
@@ -246,8 +249,12 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
     # every stage's casts as held through the whole step: an upper bound at every moment
     # (each stage has at most one copy of its casts alive at a time), exact at the end of
     # the forward.
-    cast_ids = tracker.cast_allocations()
-    casts = {key: nbytes for stage in stages for key, (nbytes, _) in stage.saved_storages.items() if key in cast_ids}
+    casts = {
+        key: nbytes
+        for stage in stages
+        for key, (nbytes, _) in stage.saved_storages.items()
+        if key in step.cast_allocations
+    }
     fixed_bytes += sum(casts.values())
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
@@ -268,7 +275,6 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     # cache object filled in place): alive after the forward, neither saved for
     # backward nor passed on to the next stage.
     accounted = set(escaped)
-    casts = step.tracker.cast_allocations()
     for stage in stages:
         accounted.update(stage.saved_storages)
         accounted.update(stage.output_storages)
@@ -281,7 +287,7 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
             if start <= record.allocated_event < stop:
                 escaped[key] = record.nbytes
                 # module state is replayed, and autocast's cache holds its casts: no side effects
-                if key not in step.state_allocations and key not in casts:
+                if key not in step.state_allocations and key not in step.cast_allocations:
                     side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
                 break
     if side_effects:
@@ -328,10 +334,9 @@ def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _Grou
     # the model anyway: only what the group allocates counts as its own. Autocast's casts
     # of weights are held by its cache (NOTE [autocast casts]): outside the chain.
     saved_bytes = cast_bytes = 0
-    casts = step.tracker.cast_allocations()
     for key, (nbytes, allocated_event) in saved_all.items():
         own = forward_start <= allocated_event < forward_stop
-        if own and key in casts:
+        if own and key in step.cast_allocations:
             cast_bytes += nbytes
         elif own and key not in input_storages and key not in output_storages:
             saved_bytes += nbytes

@@ -132,6 +132,7 @@ def _tracked_step(
         output_allocations=set(output_storages),
         device=str(device),
         state_allocations=state_allocations,
+        cast_allocations=tracker.cast_allocations(),
     )
 
 
