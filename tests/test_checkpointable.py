@@ -578,8 +578,8 @@ def test_a_plain_measuring_step_that_runs_out_of_memory_is_measured_frugally(
 
     monkeypatch.setattr(module, "measure_chain", measure)
     model, inputs, loss_fn = build("mlp_dropout")
-    wrapped = remat.Checkpointable(copy.deepcopy(model), 0.5)
-    with pytest.warns(RuntimeWarning, match="frugal_measure=True"):
+    wrapped = remat.Checkpointable(copy.deepcopy(model), 0.5, measure="plain")
+    with pytest.warns(RuntimeWarning, match="measure='frugal'"):
         peaks = compare_training(copy.deepcopy(model), wrapped, inputs, loss_fn)
     assert modes == [False, True]
     assert wrapped.plan is not None and max(peaks[1:]) <= wrapped.plan.budget_bytes

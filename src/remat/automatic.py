@@ -27,6 +27,8 @@ from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
+from remat.measure.fake import FakeRunFailed, on_fake_tensors
+from remat.measure.timing import timing_need_bytes
 from remat.plan.profile import ChainProfile
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
@@ -39,6 +41,9 @@ logger = logging.getLogger("remat")
 
 #: Fraction of the budget kept free when the prediction is not exact by construction.
 DEFAULT_PLANNING_MARGIN = 0.02
+
+#: The ways of measuring stages (see ``measure`` in :class:`Checkpointable`).
+_MEASURE_MODES = ("sized", "plain", "frugal")
 
 #: Without a loss_fn, the loss is assumed to hold this many tensors of the output's size.
 LOSS_ALLOWANCE_OUTPUTS = 3
@@ -75,7 +80,8 @@ class Checkpointable(nn.Module):
 
     The first training call measures the model on its inputs (unless :meth:`measure` was
     called), solves, and caches the plan for that input signature (shapes, dtypes,
-    devices); a new signature measures and plans again.
+    devices); a new signature measures and plans again. The measuring itself stays within
+    the budget (see ``measure``), so the first step fits as every later one does.
 
     Args:
         model: the model to wrap (registered as ``self.model``).
@@ -100,10 +106,21 @@ class Checkpointable(nn.Module):
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
             expression (``loss_fn(model(x), y).backward()``) for a tighter plan.
-        frugal_measure: measure with the stages recomputed in segments of about sqrt(n),
-            in a fraction of the memory of a plain step, for a model that does not fit
-            without recompute (see NOTE [frugal measurement]); its predictions err a little
-            more on the safe side.
+        measure: how stages are measured (NOTE [measuring within the budget]):
+
+            * ``"sized"`` (default): the bytes come from a step run on fake tensors (no
+              device memory, exact sizes), the times from a pass that runs one planned
+              stage at a time, forward and backward, whose memory is bounded before it
+              runs: a budget it would not fit in raises :class:`~remat.BudgetTooSmall`
+              with the figure. A model that cannot run on fake tensors (data-dependent
+              shapes, ``.item()`` in its forward) is measured with a plain step instead,
+              with a warning;
+            * ``"plain"``: one plain training step (all activations stored) tracked byte
+              for byte, and one more for the times;
+            * ``"frugal"``: the same steps with the stages recomputed in segments of about
+              sqrt(n) (see NOTE [frugal measurement]); its predictions err a little more
+              on the safe side.
+        frugal_measure: the same as ``measure="frugal"`` (kept for older code).
         plan: a plan to train with at every training call, without measuring or planning:
             a :class:`~remat.plan.Plan` or the path of one saved with ``plan.to_json()``
             (for production runs that must not change their schedule). It must plan this
@@ -127,6 +144,7 @@ class Checkpointable(nn.Module):
         loss_fn: Any = None,
         margin: float | None = None,
         output_kept: bool = True,
+        measure: str = "sized",
         frugal_measure: bool = False,
         plan: Plan | str | os.PathLike[str] | None = None,
     ) -> None:
@@ -152,41 +170,61 @@ class Checkpointable(nn.Module):
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
         self._margin_option = margin
         self.output_kept = output_kept
-        self.frugal_measure = frugal_measure
+        if measure not in _MEASURE_MODES:
+            raise ValueError(f"measure is one of {', '.join(map(repr, _MEASURE_MODES))}, got {measure!r}")
+        if frugal_measure and measure != "sized":
+            raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure='frugal' alone")
+        self.measure_mode = "frugal" if frugal_measure else measure
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
-        """Measures every stage on these inputs (one step, plus one untracked for times).
+        """Measures every stage on these inputs (see ``measure`` in the class docstring).
 
         The model is left as it was: parameters, ``.grad``, buffers and RNG states.
+
+        With ``measure="sized"``, the timing pass stays within the budget: a planned stage
+        whose backward would not fit is timed forward only, its backward estimated. (A
+        training call with a budget no schedule fits raises :class:`~remat.BudgetTooSmall`
+        before anything runs on the device.)
         """
+        return self._measure(sample_inputs, sample_kwargs, training=False)
+
+    def _measure(
+        self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
+    ) -> ChainMeasurement:
         key = _signature(self.model, sample_inputs, sample_kwargs)
         started = time.perf_counter()
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
-        try:
-            measurement = measure_chain(
-                self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=self.frugal_measure
-            )
-        except torch.OutOfMemoryError:
-            if self.frugal_measure:
-                raise
-            # A plain step does not fit the device: measure frugally instead (the model,
-            # its gradients and buffers were put back as they were).
-            warnings.warn(
-                "remat: a plain training step does not fit in memory; measuring with recompute "
-                "instead (frugal_measure=True)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            measurement = measure_chain(
-                self.model, chain, sample_inputs, sample_kwargs, loss_fn=self._loss_fn, frugal=True
-            )
+        how = self.measure_mode
+        if how == "sized":
+            try:
+                measurement = measure_chain(
+                    self.model,
+                    chain,
+                    sample_inputs,
+                    sample_kwargs,
+                    loss_fn=self._loss_fn,
+                    sized=True,
+                    before_timing=lambda sized: self._timed_backwards(key, sized, training),
+                )
+            except FakeRunFailed as error:
+                # Measured for real instead; a user's error raises there as itself.
+                measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=False)
+                how = "plain"
+                warnings.warn(
+                    f"remat: the model cannot run on fake tensors ({error}), so its sizes could not be known "
+                    "before it ran; it was measured with a plain step instead, which needs the memory of a "
+                    "step without recompute. Pass measure='frugal' to measure in less memory",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        else:
+            measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=how == "frugal")
         logger.info(
-            "remat measured %s: %d stages (%d planned) in %.2f s, plain peak %s",
+            "remat measured %s (%s): %d stages (%d planned) in %.2f s, plain peak %s",
             _what_changed(self._last_key, key),
+            how,
             len(chain),
             measurement.profile.n_stages,
             time.perf_counter() - started,
@@ -195,6 +233,52 @@ class Checkpointable(nn.Module):
         self._measurements[key] = measurement
         self._last_key = key
         return measurement
+
+    def _measure_on_device(
+        self, chain: Chain, args: tuple[Any, ...], kwargs: dict[str, Any], *, frugal: bool
+    ) -> ChainMeasurement:
+        """A plain (or frugal) measured step; a plain one that runs out of memory is made frugal."""
+        try:
+            return measure_chain(self.model, chain, args, kwargs, loss_fn=self._loss_fn, frugal=frugal)
+        except torch.OutOfMemoryError:
+            if frugal:
+                raise
+        # A plain step does not fit the device: measure frugally instead (the model, its
+        # gradients and buffers were put back as they were).
+        warnings.warn(
+            "remat: a plain training step does not fit in memory; measuring with recompute instead (measure='frugal')",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return measure_chain(self.model, chain, args, kwargs, loss_fn=self._loss_fn, frugal=True)
+
+    def _timed_backwards(self, key: Hashable, sized: ChainMeasurement, training: bool) -> frozenset[int] | None:
+        """The groups whose backward the timing pass can run within the budget (None: all).
+
+        For a training call, raises BudgetTooSmall, before anything runs, for a budget no
+        schedule fits in.
+        """
+        if self.mem_limit is None:
+            return None  # the free device memory: no plan fits where the timing pass does not
+        planning = self._prepare(key, sized)
+        total = self._total_bytes(key, planning, self.mem_limit)
+        if training:
+            self._check_feasible(key, planning, total)
+        timed = frozenset(
+            g
+            for g, (first, _) in enumerate(sized.groups)
+            if timing_need_bytes(sized.profile, sized.fixed_bytes, g, clone=sized.stages[first].modifies_input) <= total
+        )
+        if len(timed) < len(sized.groups):
+            logger.info(
+                "remat: %d of %d planned stages do not fit in the budget with their backward; their "
+                "backward times are estimated from their forwards",
+                len(sized.groups) - len(timed),
+                len(sized.groups),
+            )
+        return timed
 
     def plan_for(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
         """The plan of the last measured input signature under a budget (cached).
@@ -248,10 +332,19 @@ class Checkpointable(nn.Module):
             plan = self._forced_plan
         else:
             if key not in self._measurements:
-                self.measure(*args, **kwargs)
+                self._measure(args, kwargs, training=True)
             self._last_key = key
             plan = self._plan(key, self.mem_limit)
         return self._executor(key, plan, args, kwargs)(self.model, args, kwargs)
+
+    @property
+    def frugal_measure(self) -> bool:
+        """Whether stages are measured with the frugal step (``measure="frugal"``)."""
+        return self.measure_mode == "frugal"
+
+    @frugal_measure.setter
+    def frugal_measure(self, value: bool) -> None:
+        self.measure_mode = "frugal" if value else "sized"
 
     # ------------------------------------------------------------------ internals
     @property
@@ -301,9 +394,21 @@ class Checkpointable(nn.Module):
             else:
                 devices = [p.device for p in self.model.parameters()]
                 with preserved_model_state(self.model, devices):
-                    chain = discover_chain(self.model, *isolated_inputs(args, kwargs))
+                    chain = self._discover(args, kwargs)
             self._chains[key] = chain
         return chain
+
+    def _discover(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
+        """The model's chain, found on fake tensors where it can (no device memory)."""
+        if self.measure_mode == "sized":
+            try:
+                with on_fake_tensors(self.model) as fake:
+                    fake_args, fake_kwargs = fake.inputs(args, kwargs)
+                    with fake.mode:
+                        return discover_chain(self.model, fake_args, fake_kwargs)
+            except FakeRunFailed:
+                pass  # found on the real inputs; measuring says why fake tensors do not do
+        return discover_chain(self.model, *isolated_inputs(args, kwargs))
 
     def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
         executor = self._executors.get((key, plan))
@@ -315,7 +420,9 @@ class Checkpointable(nn.Module):
         return executor
 
     def _prepared(self, key: Hashable) -> _Planning:
-        measurement = self._measurements[key]
+        return self._prepare(key, self._measurements[key])
+
+    def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> _Planning:
         profile = measurement.profile
         allowance = 0
         if self._loss_fn is None:
@@ -366,23 +473,18 @@ class Checkpointable(nn.Module):
             minimum -= 1
         return minimum
 
-    def _plan(self, key: Hashable, mem_limit: Budget) -> Plan:
-        options = self._options(mem_limit)
-        cached = self._plans.get((key, options))
-        if cached is not None:
-            return cached
-        measurement = self._measurements[key]
-        planning = self._prepared(key)
+    def _total_bytes(self, key: Hashable, planning: _Planning, mem_limit: Budget) -> int:
+        """The whole-step budget in bytes that `mem_limit` stands for."""
         if mem_limit == MINIMUM:
-            total = self._minimum_budget_bytes(key, planning)
-        else:
-            # A fraction is of the budget that stores everything, margin included: 1.0
-            # always plans no recompute.
-            store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
-            device = planning.profile.metadata.get("device", "cpu")
-            reference = self._total_for(planning, store_all.peak_bytes)
-            total = parse_budget(mem_limit, reference_bytes=reference, device=device)
-        chain_bytes = self._chain_bytes(planning, total)
+            return self._minimum_budget_bytes(key, planning)
+        # A fraction is of the budget that stores everything, margin included: 1.0
+        # always plans no recompute.
+        store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
+        device = planning.profile.metadata.get("device", "cpu")
+        reference = self._total_for(planning, store_all.peak_bytes)
+        return parse_budget(mem_limit, reference_bytes=reference, device=device)
+
+    def _check_feasible(self, key: Hashable, planning: _Planning, total: int) -> None:
         minimum = self._minimum_budget_bytes(key, planning)
         if total < minimum:
             raise BudgetTooSmall(
@@ -392,6 +494,17 @@ class Checkpointable(nn.Module):
                 budget_bytes=total,
                 minimum_bytes=minimum,
             )
+
+    def _plan(self, key: Hashable, mem_limit: Budget) -> Plan:
+        options = self._options(mem_limit)
+        cached = self._plans.get((key, options))
+        if cached is not None:
+            return cached
+        measurement = self._measurements[key]
+        planning = self._prepared(key)
+        total = self._total_bytes(key, planning, mem_limit)
+        chain_bytes = self._chain_bytes(planning, total)
+        self._check_feasible(key, planning, total)
         schedule = planning.solver(planning.profile, chain_bytes)
         split = BudgetSplit(
             total_bytes=total,

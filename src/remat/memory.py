@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -45,6 +46,18 @@ _unpack_saved = operator.itemgetter(0)
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+# Fake tensors ask their device through this operator, from above autograd: its argument
+# can look like a leaf there, and a hook registered on it would replace the tensor's own.
+_DEVICE = torch.ops.prim.device.default
+
+
+def _is_fake_conversion(func: Any, args: Any, out: Any) -> bool:
+    """Whether an alias of a real tensor came back fake: fake tensor mode converting data
+    that existed before the run (see :mod:`remat.measure.fake`), not an allocation."""
+    if func not in _ALIASES or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    return isinstance(out, FakeTensor) and not isinstance(args[0], FakeTensor)
 
 
 def _is_autocast_cast(func: Any, args: Any) -> bool:
@@ -185,8 +198,12 @@ class MemoryTracker(TorchDispatchMode):
     # storage when it dies.
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
         input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
         out = func(*args, **kwargs)
+        if _is_fake_conversion(func, args, out):
+            return out
         cast = _is_autocast_cast(func, args)
         device_type = self._device_type
         for tensor in tree_leaves(out):
@@ -380,7 +397,7 @@ class MemoryTracker(TorchDispatchMode):
         refs = list(self._leaves.values()) + self._extra_leaves
         for ref in refs:
             leaf = ref()
-            if leaf is None:
+            if leaf is None or not leaf.is_leaf:  # (a fake tensor's view can pass for a leaf in dispatch)
                 continue
             grad = leaf.grad
             if grad is None or grad.layout != torch.strided:

@@ -16,7 +16,9 @@ The assembly runs in named steps:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,7 +30,7 @@ from remat.memory import AllocationRecord, MemoryTracker
 from remat.plan.profile import ChainProfile
 from remat.units import format_bytes
 
-__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "group_stages"]
+__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "group_stages", "watched_times", "with_times"]
 
 
 @dataclass
@@ -47,6 +49,9 @@ class ChainMeasurement:
             it or build a measurement by hand.
         output_bytes: bytes of the model's output (what a training loop that keeps the
             output through the backward holds on top).
+        suffix_peak_bytes: the peak of what runs after the chain (a head, the loss, their
+            backward up to the chain output's gradient) above what was live when it began.
+        suffix_kept_bytes: what the suffix still holds then (counted in ``fixed_bytes``).
     """
 
     stages: list[StageMeasurement]
@@ -56,6 +61,8 @@ class ChainMeasurement:
     measured_peak_bytes: int
     end_peak_bytes: int = 0
     output_bytes: int = 0
+    suffix_peak_bytes: int = 0
+    suffix_kept_bytes: int = 0
 
 
 @dataclass
@@ -97,21 +104,23 @@ class _GroupCost(NamedTuple):
     backward_temp_bytes: int
 
 
-def assemble(chain: Chain, step: TrackedStep, timing: StageWatch, end_time: float) -> ChainMeasurement:
+def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float]] | None = None) -> ChainMeasurement:
     """Groups the measured stages and builds the profile (see the module's steps).
 
     Args:
         chain: the stages.
         step: what the tracked step saw.
-        timing: the stage watch of the untracked step (times).
-        end_time: when the untracked step's backward ended (``time.perf_counter()``).
+        times: (forward, backward) seconds of each stage call; None: all 0 (a profile of
+            bytes only, whose times come later).
     """
     stages = step.watch.stages
-    _take_backward_windows_and_times(step, timing, end_time)
+    _take_backward_windows(step)
+    for stage, (stage_forward_s, stage_backward_s) in zip(stages, times or [(0.0, 0.0)] * len(stages), strict=True):
+        stage.forward_time_s, stage.backward_time_s = stage_forward_s, stage_backward_s
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
     fixed_bytes = _bytes_held_outside_chain(chain, step)
-    suffix_kept_bytes, output_gradient_bytes = _suffix(step)
+    suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes = _suffix(step)
     fixed_bytes += suffix_kept_bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
@@ -152,13 +161,28 @@ def assemble(chain: Chain, step: TrackedStep, timing: StageWatch, end_time: floa
         int(measured_peak_bytes),
         end_peak_bytes=int(end_peak_bytes),
         output_bytes=int(step.output_bytes),
+        suffix_peak_bytes=int(suffix_peak_bytes),
+        suffix_kept_bytes=int(suffix_kept_bytes),
     )
 
 
-def _take_backward_windows_and_times(step: TrackedStep, timing: StageWatch, end_time: float) -> None:
-    """Sets each stage's backward window and time, and its better forward time."""
+def with_times(measurement: ChainMeasurement, times: Sequence[tuple[float, float]]) -> ChainMeasurement:
+    """The measurement with these (forward, backward) seconds of each stage call."""
+    stages = measurement.stages
+    for stage, (forward_s, backward_s) in zip(stages, times, strict=True):
+        stage.forward_time_s, stage.backward_time_s = forward_s, backward_s
+    groups = measurement.groups
+    profile = dataclasses.replace(
+        measurement.profile,
+        forward_time_s=tuple(sum(s.forward_time_s for s in stages[a:b]) for a, b in groups),
+        backward_time_s=tuple(sum(s.backward_time_s for s in stages[a:b]) for a, b in groups),
+    )
+    return dataclasses.replace(measurement, profile=profile)
+
+
+def _take_backward_windows(step: TrackedStep) -> None:
+    """Sets each stage's backward window in the tracked step's events."""
     watch = step.watch
-    span_of_last = watch.span_start_of_last_stage
     end_event = step.tracker.n_events
     for index, stage in enumerate(watch.stages):
         # stage i's backward runs from the moment its output's gradient is complete to the
@@ -166,15 +190,30 @@ def _take_backward_windows_and_times(step: TrackedStep, timing: StageWatch, end_
         start_event = watch.grad_ready_event.get(index)
         if start_event is not None:
             stage.backward_window = (start_event, watch.grad_ready_event.get(index - 1, end_event))
+
+
+def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each stage call, from a timing step watched like the tracked one.
+
+    Args:
+        step: what the tracked step saw (its forwards are a second sample of each forward).
+        timing: the stage watch of the untracked step.
+        end_time: when the untracked step's backward ended (``time.perf_counter()``).
+    """
+    span_of_last = timing.span_start_of_last_stage
+    times = []
+    for index, stage in enumerate(step.watch.stages):
+        backward_s = 0.0
         start_time_s = timing.grad_ready_time.get(index)
         if start_time_s is not None:
             stop_time_s = timing.grad_ready_time.get(index - 1, end_time)
             # in the frugal mode, the span's recompute ran inside its last stage's backward
             recompute_time_s = timing.recompute_time_s.get(span_of_last.get(index, -1), 0.0)
-            stage.backward_time_s = max(0.0, stop_time_s - start_time_s - recompute_time_s)
+            backward_s = max(0.0, stop_time_s - start_time_s - recompute_time_s)
         # Two samples of each forward (the tracked one is slowed by the tracker, never
         # sped up): the smaller is the better estimate, and a spike in one is ignored.
-        stage.forward_time_s = min(timing.stages[index].forward_time_s, stage.forward_time_s)
+        times.append((min(timing.stages[index].forward_time_s, stage.forward_time_s), backward_s))
+    return times
 
 
 def group_stages(stages: list[StageMeasurement]) -> list[tuple[int, int]]:
@@ -295,8 +334,8 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     return sum(escaped.values())
 
 
-def _suffix(step: TrackedStep) -> tuple[int, int]:
-    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain output).
+def _suffix(step: TrackedStep) -> tuple[int, int, int]:
+    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain output, its peak).
 
     The chain output's gradient appears with the loss; whatever runs after the chain (a
     head, the loss) is charged at that moment, as extra bytes of that gradient.
@@ -317,7 +356,7 @@ def _suffix(step: TrackedStep) -> tuple[int, int]:
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         kept_bytes = _sum_except(held, excluded | _recomputed(step, held))
     gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - suffix.before_bytes - kept_bytes)
-    return kept_bytes, gradient_bytes
+    return kept_bytes, gradient_bytes, suffix.peak_bytes - suffix.before_bytes
 
 
 def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _GroupCost:

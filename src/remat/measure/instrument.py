@@ -55,6 +55,8 @@ class StageMeasurement:
             input); a region cannot start there, since it would keep a changing input.
         input_changed: whether the model's own code changed in place what it takes from
             the stage before, after that stage returned it.
+        input_requires_grad: for each tensor among its inputs (in flattening order),
+            whether it required grad.
     """
 
     name: str
@@ -69,6 +71,7 @@ class StageMeasurement:
     gradient_bytes_in: int = 0
     modifies_input: bool = False
     input_changed: bool = False
+    input_requires_grad: tuple[bool, ...] = ()
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -181,6 +184,7 @@ class StageWatch:
         stage = self.stages[index]
         stage.input_changed = self.in_place.before(index, args, kwargs)
         inputs = tensors_in((args, kwargs))
+        stage.input_requires_grad = tuple(t.requires_grad for t in inputs)
         tracker = self.tracker
         if tracker is not None:
             self._link(index, tracker.allocations_of(inputs))

@@ -25,6 +25,7 @@ fused with the stage before it. Which activations each stage keeps (``saves_inpu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -39,8 +40,10 @@ from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._state import is_state_attribute, learning_state, rehearsing
-from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble
+from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, watched_times, with_times
+from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
+from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
 __all__ = ["isolated_inputs", "measure_chain", "preserved_model_state"]
@@ -54,6 +57,8 @@ def measure_chain(
     *,
     loss_fn: Callable[[Any], Any] | None = None,
     frugal: bool = False,
+    sized: bool = False,
+    before_timing: Callable[[ChainMeasurement], frozenset[int] | None] | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -70,10 +75,21 @@ def measure_chain(
             that runs the backward itself may return None.
         frugal: measure with every stage recomputed, in about the memory of keeping only
             the stages' inputs, instead of a plain step (see NOTE [frugal measurement]).
+        sized: take the bytes from a step on fake tensors (no device memory; see
+            :mod:`remat.measure.fake`) and the times from a pass that runs one planned
+            stage at a time (:mod:`remat.measure.timing`). Raises
+            :class:`~remat.measure.fake.FakeRunFailed` when the model cannot run on fake
+            tensors (nothing real ran then).
+        before_timing: with `sized`, called with the measurement of bytes (all times 0)
+            before anything runs on the device; it returns the groups whose backward the
+            timing pass may run (None: all; see :func:`remat.measure.timing.time_groups`),
+            or raises to stop there (a budget below the feasible minimum).
     """
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    if sized:
+        return _sized_measurement(model, chain, args, kwargs, loss_fn, devices, device, before_timing)
     # Each run gets copies of the inputs: the caller's are never touched, and a model that
     # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):
@@ -87,7 +103,66 @@ def measure_chain(
             timing, end_time = _timing_step(
                 model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
             )
-    return assemble(chain, tracked, timing, end_time)
+    return assemble(chain, tracked, watched_times(tracked, timing, end_time))
+
+
+def _sized_measurement(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], Any],
+    devices: list[torch.device],
+    device: torch.device,
+    before_timing: Callable[[ChainMeasurement], frozenset[int] | None] | None,
+) -> ChainMeasurement:
+    """Bytes from a step on fake tensors, then times from a pass of one group at a time."""
+    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+        fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        with fake.mode:
+            tracked = _tracked_step(model, chain, fake_args, fake_kwargs, loss_fn=loss_fn, device=device, spans=None)
+    sized = assemble(chain, tracked)
+    backward_groups = before_timing(sized) if before_timing is not None else None
+    with preserved_model_state(model, devices), learning_state():
+        args, kwargs = isolated_inputs(args, kwargs)
+        timing = time_groups(
+            model,
+            chain,
+            sized.stages,
+            sized.groups,
+            args,
+            kwargs,
+            device,
+            backward_groups,
+            run_loss=functools.partial(_loss_and_backward, loss_fn),
+        )
+    measurement = with_times(sized, timing.times)
+    if timing.suffix_peak_bytes is not None:
+        # NOTE [suffix on real tensors]: what the suffix needs on real tensors beyond what
+        # it needs on fake ones, in the same pass, is counted as held through the whole
+        # step (the safe side: it may be transient).
+        with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+            fake_args, fake_kwargs = fake.inputs(args, kwargs)
+            with fake.mode:
+                fake_pass = time_groups(
+                    model,
+                    chain,
+                    sized.stages,
+                    sized.groups,
+                    fake_args,
+                    fake_kwargs,
+                    torch.device("cpu"),  # nothing to synchronise
+                    frozenset({len(sized.groups) - 1}),
+                    run_loss=functools.partial(_loss_and_backward, loss_fn),
+                )
+        extra = max(0, timing.suffix_peak_bytes - (fake_pass.suffix_peak_bytes or 0))
+        if extra:
+            fixed_bytes = measurement.fixed_bytes + extra
+            profile = dataclasses.replace(
+                measurement.profile, metadata={**measurement.profile.metadata, "fixed_bytes": fixed_bytes}
+            )
+            measurement = dataclasses.replace(measurement, profile=profile, fixed_bytes=fixed_bytes)
+    return measurement
 
 
 def _tracked_step(

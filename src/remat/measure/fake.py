@@ -1,0 +1,122 @@
+"""Running a model on fake tensors: every size of a step, without its memory or its time.
+
+A fake tensor (``torch._subclasses.fake_tensor``) has a real tensor's shape, dtype,
+device and strides but no data: operators compute only the metadata of their results.
+A training step run on fake tensors therefore allocates nothing on the device, yet the
+:class:`~remat.memory.MemoryTracker` sees every storage it would allocate, at its exact
+size, in the same order: the step's memory profile, byte for byte, before the real step
+has run once.
+
+:func:`on_fake_tensors` swaps a model's parameters and buffers for fake ones (tied
+parameters stay tied), converts the inputs, and puts everything back afterwards,
+including module attributes the forward filled with fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from remat.errors import RematError
+
+__all__ = ["FakeRunFailed", "on_fake_tensors"]
+
+
+class FakeRunFailed(Exception):
+    """The model could not run on fake tensors (the cause is chained)."""
+
+
+class _FakeModel:
+    """The fake mode of one run, and what it converted."""
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self._memo: dict[int, torch.Tensor] = {}
+
+    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fake counterpart of `tensor` (the same one for the same tensor)."""
+        fake = self._memo.get(id(tensor))
+        if fake is None:
+            if tensor.numel() <= 1 and not isinstance(tensor, nn.Parameter):
+                # A counter such as BatchNorm's num_batches_tracked is read as a number in
+                # the forward: a fake constant keeps its value and follows its updates.
+                converted = self.mode.fake_tensor_converter.from_real_tensor(
+                    self.mode, tensor.detach().clone(), make_constant=True
+                )
+            else:
+                converted = self.mode.from_tensor(tensor.detach())
+            if isinstance(tensor, nn.Parameter):
+                fake = nn.Parameter(converted, requires_grad=tensor.requires_grad)
+            else:
+                fake = converted
+            self._memo[id(tensor)] = fake
+        return fake
+
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fake copies of the inputs (one that requires grad gets a graph of its own).
+
+        Call it outside the fake mode: the inputs are real tensors.
+        """
+        leaves, spec = tree_flatten((args, kwargs))
+        out = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                fake: torch.Tensor = self.mode.from_tensor(leaf.detach())
+                if leaf.requires_grad:
+                    with self.mode:
+                        fake = fake.requires_grad_(True).clone()
+                out.append(fake)
+            else:
+                out.append(leaf)
+        return tree_unflatten(out, spec)
+
+
+def _holds_fake(value: Any) -> bool:
+    try:
+        return any(isinstance(leaf, FakeTensor) for leaf in tree_leaves(value))
+    except Exception:  # an object pytree cannot flatten holds no fake tensor we put there
+        return False
+
+
+@contextlib.contextmanager
+def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
+    """Within this block, `model`'s parameters and buffers are fake tensors.
+
+    Yields the converter; run the model inside ``with converter.mode:`` on inputs from
+    :meth:`_FakeModel.inputs`. On exit the real parameters and buffers are back, and
+    every module attribute the run set to something holding a fake tensor is put back
+    as it was (or removed). A failure inside the block is raised as
+    :class:`FakeRunFailed`, with the cause chained.
+    """
+    fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True))
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    attributes = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        for module in model.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
+                for name, value in list(table.items()):
+                    if value is not None:
+                        swapped.append((table, name, value))
+                        table[name] = fake.tensor(value)
+        try:
+            yield fake
+        except RematError:
+            raise  # remat's own refusals hold on real tensors too
+        except Exception as error:
+            raise FakeRunFailed(f"{type(error).__name__}: {error}") from error
+    finally:
+        for table, name, value in swapped:
+            table[name] = value
+        for module, before in attributes:
+            for name in [n for n, v in module.__dict__.items() if n not in before and _holds_fake(v)]:
+                del module.__dict__[name]
+            for name, value in before.items():
+                if module.__dict__.get(name) is not value and _holds_fake(module.__dict__.get(name)):
+                    module.__dict__[name] = value

@@ -1,0 +1,244 @@
+"""Timing a chain's stages one group at a time, in little more memory than one group needs.
+
+The timing pass runs the model's forward without grad. At the first stage call of each
+group (see :func:`remat.measure.assemble.group_stages`), grad is switched on, on inputs
+cut from the pass (those that required grad in the sized step require grad again); at
+the group's last stage call, its backward runs at once from gradients of ones, and the
+group's outputs go on, detached, to the rest of the forward. Only one group's
+activations and gradients are alive at a time, on top of what the model holds between
+stages: the pass fits in any budget that a schedule of the chain fits in
+(:func:`timing_need_bytes` gives the bound before the pass runs).
+
+Each stage's forward is timed alone (on a GPU, with the device synchronised around it),
+and each group's backward as a whole (charged to its last stage). A group whose backward
+would not fit in the budget (see :func:`timing_need_bytes`) runs its forward without grad
+and its backward is estimated at ``BACKWARD_PER_FORWARD`` times its forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.discover.chain import Chain
+from remat.discover.intercept import call_original, intercept_stages
+from remat.errors import UnsupportedModel
+from remat.measure.instrument import StageMeasurement, tensors_in
+from remat.memory import MemoryTracker
+from remat.plan.profile import ChainProfile
+
+__all__ = ["BACKWARD_PER_FORWARD", "TimingPass", "time_groups", "timing_need_bytes"]
+
+#: A backward's time per forward's, for a group whose backward cannot be timed within the
+#: budget (a matrix product's backward makes two products).
+BACKWARD_PER_FORWARD = 2.0
+
+
+class TimingPass(NamedTuple):
+    """What the timing pass gives.
+
+    Attributes:
+        times: (forward, backward) seconds of each stage call.
+        suffix_peak_bytes: the peak of what runs after the chain (a head, the loss, their
+            backward down to the chain output's gradient) above what was live when it
+            began, tracked on real tensors; None when not measured.
+    """
+
+    times: list[tuple[float, float]]
+    suffix_peak_bytes: int | None
+
+
+class _GroupTimer:
+    """Called instead of each stage module during the timing pass."""
+
+    def __init__(
+        self,
+        chain: Chain,
+        stages: list[StageMeasurement],
+        groups: list[tuple[int, int]],
+        synchronize: Callable[[], None] | None,
+        backward_groups: frozenset[int],
+        tracker: MemoryTracker | None,
+    ) -> None:
+        self.chain = chain
+        self.stages = stages
+        self.first = {first for g, (first, _) in enumerate(groups) if g in backward_groups}
+        self.last = {stop - 1 for g, (_, stop) in enumerate(groups) if g in backward_groups}
+        self.groups = groups
+        self.synchronize = synchronize
+        self.times = [(0.0, 0.0)] * len(chain)
+        self.next_stage = 0
+        self._grad_mode = False
+        # NOTE [suffix on real tensors]
+        # With a tracker, the last group is not cut from what follows: its backward runs
+        # from the real loss, and the suffix (what runs after the chain: a head, the loss)
+        # is tracked on real tensors, as the sized step tracked it on fake ones. A kernel
+        # can hold more than its fake counterpart says (CPU mse_loss keeps its whole
+        # elementwise buffer behind the scalar loss), and the suffix is short.
+        self.tracker = tracker if len(chain) - 1 in self.last else None
+        self.suffix_start_event = 0
+        self.gradient_event: int | None = None
+        self.gradient_time = 0.0
+        self.tracking = False
+
+    def _now(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter()
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if index != self.next_stage:
+            raise UnsupportedModel(
+                f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} was "
+                "expected while timing the stages; remat needs the chain's stages to run once each, in "
+                "order, in every forward"
+            )
+        self.next_stage += 1
+        suffix_follows = self.tracker is not None and index == len(self.chain) - 1
+        if index in self.first:
+            self._grad_mode = torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+            args, kwargs = _cut_inputs(args, kwargs, self.stages[index])
+            if self.tracker is not None and self.groups[-1][0] == index:
+                self.tracker.__enter__()
+                self.tracking = True
+        started = self._now()
+        out = call_original(module, args, kwargs)
+        forward_s = self._now() - started
+        backward_s = 0.0
+        if suffix_follows:
+            self._watch_output_gradient(out)  # grad stays on: the pass's no_grad block puts it back
+        elif index in self.last:
+            outputs = [t for t in tensors_in(out) if t.requires_grad]
+            if outputs:
+                started = self._now()
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                backward_s = self._now() - started
+            torch.set_grad_enabled(self._grad_mode)
+            out = _detached(out)
+        self.times[index] = (forward_s, backward_s)
+        return out
+
+    def _watch_output_gradient(self, out: Any) -> None:
+        assert self.tracker is not None
+        self.suffix_start_event = self.tracker.n_events
+        for tensor in tensors_in(out):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_gradient)
+
+    def _on_output_gradient(self, grad: torch.Tensor | None) -> None:
+        # the last one to fire marks the moment the whole gradient of the chain output is there
+        self.gradient_time = self._now()
+        assert self.tracker is not None
+        self.gradient_event = self.tracker.n_events
+
+    def estimated(self) -> list[tuple[float, float]]:
+        """The times, with the backward of each group not timed estimated from its forwards."""
+        times = list(self.times)
+        for first, stop in self.groups:
+            if first not in self.first:
+                forward_s = sum(f for f, _ in times[first:stop])
+                times[stop - 1] = (times[stop - 1][0], BACKWARD_PER_FORWARD * forward_s)
+        return times
+
+
+def _cut_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], stage: StageMeasurement
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The stage's inputs cut from the pass; those that required grad when sized require it again."""
+    leaves, spec = tree_flatten((args, kwargs))
+    flags = iter(stage.input_requires_grad)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            wanted = next(flags, False)
+            if wanted and not leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+                leaf = leaf.detach().requires_grad_(True)
+                if stage.modifies_input:
+                    leaf = leaf.clone()  # an in-place stage cannot work on a leaf that requires grad
+        out.append(leaf)
+    return tree_unflatten(out, spec)
+
+
+def _detached(value: Any) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+def time_groups(
+    model: nn.Module,
+    chain: Chain,
+    stages: list[StageMeasurement],
+    groups: list[tuple[int, int]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    backward_groups: frozenset[int] | None = None,
+    run_loss: Callable[[list[Any]], None] | None = None,
+) -> TimingPass:
+    """The seconds of each stage call from one timing pass (see the module), and its suffix's bytes.
+
+    Args:
+        model: the model (its state is the caller's to restore).
+        chain: the stages.
+        stages: the sized step's stage figures (input flags).
+        groups: (first, stop) stage indices of each planned stage.
+        args: inputs for the pass.
+        kwargs: keyword inputs for the pass.
+        device: the device the step runs on (synchronised around each timing on a GPU).
+        backward_groups: the groups whose backward is timed (None: all); the others run
+            their forward without grad, and their backward is estimated.
+        run_loss: takes the model's output from the one-element list it is given,
+            computes the loss and runs its backward (None: the suffix is not measured).
+    """
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    every = frozenset(range(len(groups)))
+    chosen = every if backward_groups is None else backward_groups
+    tracker = MemoryTracker(device=device.type) if run_loss is not None else None
+    timer = _GroupTimer(chain, stages, groups, synchronize, chosen, tracker)
+    try:
+        with torch.no_grad():
+            with intercept_stages(chain, timer):
+                holder = [model(*args, **kwargs)]
+            if timer.next_stage != len(chain):
+                raise UnsupportedModel(
+                    f"the forward ran {timer.next_stage} of the chain's {len(chain)} stages while timing them; "
+                    "remat needs every stage to run once per forward"
+                )
+            if timer.tracking and run_loss is not None:
+                run_loss(holder)  # drops the output once the loss is computed, as a training loop does
+            holder.clear()
+            ended = timer._now()
+    finally:
+        if timer.tracking and timer.tracker is not None:
+            timer.tracker.__exit__(None, None, None)
+    times = timer.estimated()
+    if timer.tracker is None or timer.gradient_event is None:
+        return TimingPass(times, None)
+    # the last group's backward: from its output's gradient to the end of the step
+    last = len(chain) - 1
+    times[last] = (times[last][0], ended - timer.gradient_time)
+    suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes)
+
+
+def timing_need_bytes(profile: ChainProfile, held_bytes: int, group: int, *, clone: bool = False) -> int:
+    """An upper bound of the live bytes of the timing pass while group `group` runs with grad.
+
+    What the model holds between stages (`held_bytes`), the group's input (twice with
+    `clone`: its first stage changes it in place, so it works on a copy) and output, its
+    saved and transient bytes, and both gradients (its input's, and the ones its backward
+    starts from). Run without grad, the group needs at most its forward's share.
+    """
+    given = profile.activation_bytes[group] * (2 if clone else 1)
+    output = profile.activation_bytes[group + 1]
+    seed = profile.gradient_bytes[group + 1] if group + 1 < profile.n_stages else output
+    saved = profile.saved_bytes[group]
+    forward = output + saved + profile.forward_temp_bytes[group]
+    backward = output + saved + seed + profile.gradient_bytes[group] + profile.backward_temp_bytes[group]
+    return held_bytes + given + max(forward, backward)
