@@ -543,7 +543,7 @@ def test_changing_an_option_after_planning_plans_again() -> None:
 @pytest.mark.parametrize("name", ["mlp_dropout", "conv_bn_relu", "gpt2"])
 def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: str) -> None:
     model, inputs, loss_fn = build(name)
-    plain_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5)
+    plain_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, measure="plain")
     with remat.MemoryTracker() as plain_tracker:
         plain = plain_wrapper.measure(*inputs)
     frugal_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, frugal_measure=True)

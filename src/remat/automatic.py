@@ -28,7 +28,6 @@ from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.fake import FakeRunFailed, on_fake_tensors
-from remat.measure.timing import timing_need_bytes
 from remat.plan.profile import ChainProfile
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
@@ -206,7 +205,7 @@ class Checkpointable(nn.Module):
                     sample_kwargs,
                     loss_fn=self._loss_fn,
                     sized=True,
-                    before_timing=lambda sized: self._timed_backwards(key, sized, training),
+                    before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.
@@ -254,7 +253,9 @@ class Checkpointable(nn.Module):
             torch.cuda.empty_cache()
         return measure_chain(self.model, chain, args, kwargs, loss_fn=self._loss_fn, frugal=True)
 
-    def _timed_backwards(self, key: Hashable, sized: ChainMeasurement, training: bool) -> frozenset[int] | None:
+    def _timed_backwards(
+        self, key: Hashable, sized: ChainMeasurement, needs: tuple[int, ...], training: bool
+    ) -> frozenset[int] | None:
         """The groups whose backward the timing pass can run within the budget (None: all).
 
         For a training call, raises BudgetTooSmall, before anything runs, for a budget no
@@ -266,11 +267,7 @@ class Checkpointable(nn.Module):
         total = self._total_bytes(key, planning, self.mem_limit)
         if training:
             self._check_feasible(key, planning, total)
-        timed = frozenset(
-            g
-            for g, (first, _) in enumerate(sized.groups)
-            if timing_need_bytes(sized.profile, sized.fixed_bytes, g, clone=sized.stages[first].modifies_input) <= total
-        )
+        timed = frozenset(g for g, need in enumerate(needs) if need <= total)
         if len(timed) < len(sized.groups):
             logger.info(
                 "remat: %d of %d planned stages do not fit in the budget with their backward; their "

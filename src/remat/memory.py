@@ -143,6 +143,9 @@ class MemoryTracker(TorchDispatchMode):
             storages must be excluded even if no operator saw them.
         device: count only storages on this device type (``"cpu"``, ``"cuda"``); ``None``
             counts all devices together.
+        count_fake: count the storages of fake tensors (``torch._subclasses.fake_tensor``)
+            too, as if they were real: how remat sizes a step before running it. By default
+            they are left out: they hold no memory.
     """
 
     def __init__(
@@ -150,8 +153,10 @@ class MemoryTracker(TorchDispatchMode):
         *,
         exclude_grads_of: Any = None,
         device: str | torch.device | None = None,
+        count_fake: bool = False,
     ) -> None:
         super().__init__()
+        self._count_fake = count_fake
         self._lock = threading.Lock()
         self._device_type = None if device is None else torch.device(device).type
         self._allocations: dict[int, _Allocation] = {}
@@ -206,8 +211,11 @@ class MemoryTracker(TorchDispatchMode):
             return out
         cast = _is_autocast_cast(func, args)
         device_type = self._device_type
+        count_fake = self._count_fake
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
+                continue
+            if not count_fake and isinstance(tensor, FakeTensor):
                 continue
             if device_type is not None and tensor.device.type != device_type:
                 continue

@@ -58,7 +58,7 @@ def measure_chain(
     loss_fn: Callable[[Any], Any] | None = None,
     frugal: bool = False,
     sized: bool = False,
-    before_timing: Callable[[ChainMeasurement], frozenset[int] | None] | None = None,
+    before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -80,10 +80,12 @@ def measure_chain(
             stage at a time (:mod:`remat.measure.timing`). Raises
             :class:`~remat.measure.fake.FakeRunFailed` when the model cannot run on fake
             tensors (nothing real ran then).
-        before_timing: with `sized`, called with the measurement of bytes (all times 0)
-            before anything runs on the device; it returns the groups whose backward the
-            timing pass may run (None: all; see :func:`remat.measure.timing.time_groups`),
-            or raises to stop there (a budget below the feasible minimum).
+        before_timing: with `sized`, called before anything runs on the device with the
+            measurement of bytes (all times 0) and the bytes the timing pass needs while
+            each group runs with its backward (rehearsed on fake tensors); it returns the
+            groups whose backward the pass may run (None: all; see
+            :func:`remat.measure.timing.time_groups`), or raises to stop there (a budget
+            below the feasible minimum).
     """
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
@@ -114,48 +116,41 @@ def _sized_measurement(
     loss_fn: Callable[[Any], Any],
     devices: list[torch.device],
     device: torch.device,
-    before_timing: Callable[[ChainMeasurement], frozenset[int] | None] | None,
+    before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
 ) -> ChainMeasurement:
     """Bytes from a step on fake tensors, then times from a pass of one group at a time."""
+    run_loss = functools.partial(_loss_and_backward, loss_fn)
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
             tracked = _tracked_step(model, chain, fake_args, fake_kwargs, loss_fn=loss_fn, device=device, spans=None)
     sized = assemble(chain, tracked)
-    backward_groups = before_timing(sized) if before_timing is not None else None
+    # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
+    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+        fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        with fake.mode:
+            rehearsal = time_groups(
+                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
+                run_loss=run_loss, track_all=True,
+            )  # fmt: skip
+    # the real pass runs on copies of the inputs, which the rehearsal did not count
+    copies = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs)))
+    needs = tuple(peak + copies for peak in rehearsal.group_peak_bytes)
+    backward_groups = before_timing(sized, needs) if before_timing is not None else None
     with preserved_model_state(model, devices), learning_state():
         args, kwargs = isolated_inputs(args, kwargs)
         timing = time_groups(
-            model,
-            chain,
-            sized.stages,
-            sized.groups,
-            args,
-            kwargs,
-            device,
-            backward_groups,
-            run_loss=functools.partial(_loss_and_backward, loss_fn),
+            model, chain, sized.stages, sized.groups, args, kwargs, device, backward_groups, run_loss=run_loss
         )
     measurement = with_times(sized, timing.times)
-    if timing.suffix_peak_bytes is not None:
-        # NOTE [suffix on real tensors]: what the suffix needs on real tensors beyond what
-        # it needs on fake ones, in the same pass, is counted as held through the whole
-        # step (the safe side: it may be transient).
-        with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
-            fake_args, fake_kwargs = fake.inputs(args, kwargs)
-            with fake.mode:
-                fake_pass = time_groups(
-                    model,
-                    chain,
-                    sized.stages,
-                    sized.groups,
-                    fake_args,
-                    fake_kwargs,
-                    torch.device("cpu"),  # nothing to synchronise
-                    frozenset({len(sized.groups) - 1}),
-                    run_loss=functools.partial(_loss_and_backward, loss_fn),
-                )
-        extra = max(0, timing.suffix_peak_bytes - (fake_pass.suffix_peak_bytes or 0))
+    if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
+        # NOTE [suffix on real tensors]
+        # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps
+        # its whole elementwise buffer behind the scalar loss). What runs after the chain
+        # is tracked in the real timing pass as in its rehearsal: what it needs on real
+        # tensors beyond fake ones is counted as held through the whole step (the safe
+        # side: it may be transient).
+        extra = max(0, timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes)
         if extra:
             fixed_bytes = measurement.fixed_bytes + extra
             profile = dataclasses.replace(
@@ -176,7 +171,7 @@ def _tracked_step(
     spans: list[tuple[int, int]] | None,
 ) -> TrackedStep:
     """Runs the step under the tracker: bytes and event windows of every stage."""
-    tracker = MemoryTracker(device=device.type)
+    tracker = MemoryTracker(device=device.type, count_fake=True)  # sized steps run on fake tensors
     watch = StageWatch(chain, tracker, None, spans)
     with intercept_stages(chain, watch), tracker, tracker.saved_tensors_hooks():
         output = model(*args, **kwargs)

@@ -11,12 +11,13 @@ stages: the pass fits in any budget that a schedule of the chain fits in
 
 Each stage's forward is timed alone (on a GPU, with the device synchronised around it),
 and each group's backward as a whole (charged to its last stage). A group whose backward
-would not fit in the budget (see :func:`timing_need_bytes`) runs its forward without grad
-and its backward is estimated at ``BACKWARD_PER_FORWARD`` times its forward.
+would not fit in the budget runs its forward without grad and its backward is estimated at
+``BACKWARD_PER_FORWARD`` times its forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,9 +31,8 @@ from remat.discover.intercept import call_original, intercept_stages
 from remat.errors import UnsupportedModel
 from remat.measure.instrument import StageMeasurement, tensors_in
 from remat.memory import MemoryTracker
-from remat.plan.profile import ChainProfile
 
-__all__ = ["BACKWARD_PER_FORWARD", "TimingPass", "time_groups", "timing_need_bytes"]
+__all__ = ["BACKWARD_PER_FORWARD", "TimingPass", "time_groups"]
 
 #: A backward's time per forward's, for a group whose backward cannot be timed within the
 #: budget (a matrix product's backward makes two products).
@@ -46,11 +46,14 @@ class TimingPass(NamedTuple):
         times: (forward, backward) seconds of each stage call.
         suffix_peak_bytes: the peak of what runs after the chain (a head, the loss, their
             backward down to the chain output's gradient) above what was live when it
-            began, tracked on real tensors; None when not measured.
+            began; None when not measured.
+        group_peak_bytes: with ``track_all``, the pass's peak while each group ran (the
+            last one with the suffix), counting everything allocated since it began.
     """
 
     times: list[tuple[float, float]]
     suffix_peak_bytes: int | None
+    group_peak_bytes: tuple[int, ...] = ()
 
 
 class _GroupTimer:
@@ -63,13 +66,17 @@ class _GroupTimer:
         groups: list[tuple[int, int]],
         synchronize: Callable[[], None] | None,
         backward_groups: frozenset[int],
-        tracker: MemoryTracker | None,
+        device_type: str,
+        track_all: bool,
+        track_suffix: bool,
     ) -> None:
         self.chain = chain
         self.stages = stages
         self.first = {first for g, (first, _) in enumerate(groups) if g in backward_groups}
         self.last = {stop - 1 for g, (_, stop) in enumerate(groups) if g in backward_groups}
         self.groups = groups
+        self.first_stages = {first for first, _ in groups}
+        self.last_stages = {stop - 1 for _, stop in groups}
         self.synchronize = synchronize
         self.times = [(0.0, 0.0)] * len(chain)
         self.next_stage = 0
@@ -80,7 +87,13 @@ class _GroupTimer:
         # is tracked on real tensors, as the sized step tracked it on fake ones. A kernel
         # can hold more than its fake counterpart says (CPU mse_loss keeps its whole
         # elementwise buffer behind the scalar loss), and the suffix is short.
-        self.tracker = tracker if len(chain) - 1 in self.last else None
+        # the suffix tracker is entered as the last group starts, in the real pass and in its
+        # rehearsal alike; the rehearsal also tracks every group (`everything`)
+        self.tracker = MemoryTracker(device=device_type, count_fake=True) if track_suffix else None
+        self.everything = MemoryTracker(device=device_type, count_fake=True) if track_all else None
+        self.track_all = track_all
+        self.group_windows: list[tuple[int, int]] = []
+        self._group_start = 0
         self.suffix_start_event = 0
         self.gradient_event: int | None = None
         self.gradient_time = 0.0
@@ -99,7 +112,9 @@ class _GroupTimer:
                 "order, in every forward"
             )
         self.next_stage += 1
-        suffix_follows = self.tracker is not None and index == len(self.chain) - 1
+        suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
+        if self.track_all and index in self.first_stages:
+            self._group_start = self._event()
         if index in self.first:
             self._grad_mode = torch.is_grad_enabled()
             torch.set_grad_enabled(True)
@@ -121,8 +136,13 @@ class _GroupTimer:
                 backward_s = self._now() - started
             torch.set_grad_enabled(self._grad_mode)
             out = _detached(out)
+        if self.track_all and index in self.last_stages and not suffix_follows:
+            self.group_windows.append((self._group_start, self._event()))
         self.times[index] = (forward_s, backward_s)
         return out
+
+    def _event(self) -> int:
+        return self.everything.n_events if self.everything is not None else 0
 
     def _watch_output_gradient(self, out: Any) -> None:
         assert self.tracker is not None
@@ -180,6 +200,8 @@ def time_groups(
     device: torch.device,
     backward_groups: frozenset[int] | None = None,
     run_loss: Callable[[list[Any]], None] | None = None,
+    *,
+    track_all: bool = False,
 ) -> TimingPass:
     """The seconds of each stage call from one timing pass (see the module), and its suffix's bytes.
 
@@ -195,14 +217,16 @@ def time_groups(
             their forward without grad, and their backward is estimated.
         run_loss: takes the model's output from the one-element list it is given,
             computes the loss and runs its backward (None: the suffix is not measured).
+        track_all: track the whole pass, not only the suffix: the peak of each group (a
+            rehearsal on fake tensors gives what the real pass will need).
     """
     synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     every = frozenset(range(len(groups)))
     chosen = every if backward_groups is None else backward_groups
-    tracker = MemoryTracker(device=device.type) if run_loss is not None else None
-    timer = _GroupTimer(chain, stages, groups, synchronize, chosen, tracker)
-    try:
-        with torch.no_grad():
+    timer = _GroupTimer(chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None)
+    everything = timer.everything if timer.everything is not None else contextlib.nullcontext()
+    with everything, torch.no_grad():
+        try:
             with intercept_stages(chain, timer):
                 holder = [model(*args, **kwargs)]
             if timer.next_stage != len(chain):
@@ -214,31 +238,18 @@ def time_groups(
                 run_loss(holder)  # drops the output once the loss is computed, as a training loop does
             holder.clear()
             ended = timer._now()
-    finally:
-        if timer.tracking and timer.tracker is not None:
-            timer.tracker.__exit__(None, None, None)
+        finally:
+            if timer.tracking and timer.tracker is not None:
+                timer.tracker.__exit__(None, None, None)
     times = timer.estimated()
+    peaks: tuple[int, ...] = ()
+    if timer.everything is not None:
+        timer.group_windows.append((timer._group_start, timer.everything.n_events))
+        peaks = tuple(timer.everything.window(start, stop).peak_bytes for start, stop in timer.group_windows)
     if timer.tracker is None or timer.gradient_event is None:
-        return TimingPass(times, None)
+        return TimingPass(times, None, peaks)
     # the last group's backward: from its output's gradient to the end of the step
     last = len(chain) - 1
     times[last] = (times[last][0], ended - timer.gradient_time)
     suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
-    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes)
-
-
-def timing_need_bytes(profile: ChainProfile, held_bytes: int, group: int, *, clone: bool = False) -> int:
-    """An upper bound of the live bytes of the timing pass while group `group` runs with grad.
-
-    What the model holds between stages (`held_bytes`), the group's input (twice with
-    `clone`: its first stage changes it in place, so it works on a copy) and output, its
-    saved and transient bytes, and both gradients (its input's, and the ones its backward
-    starts from). Run without grad, the group needs at most its forward's share.
-    """
-    given = profile.activation_bytes[group] * (2 if clone else 1)
-    output = profile.activation_bytes[group + 1]
-    seed = profile.gradient_bytes[group + 1] if group + 1 < profile.n_stages else output
-    saved = profile.saved_bytes[group]
-    forward = output + saved + profile.forward_temp_bytes[group]
-    backward = output + saved + seed + profile.gradient_bytes[group] + profile.backward_temp_bytes[group]
-    return held_bytes + given + max(forward, backward)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks)
