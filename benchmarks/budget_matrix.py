@@ -106,7 +106,7 @@ def run_case(
     model = factory().train()
     wrapped = remat.Checkpointable(model, fraction, loss_fn=loss_fn)
     peaks, seconds = [], []
-    for step in range(steps):
+    for _ in range(steps):
         started = time.perf_counter()
         with remat.MemoryTracker() as tracker:
             try:

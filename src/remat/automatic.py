@@ -99,8 +99,8 @@ class Checkpointable(nn.Module):
             sum and leaves room for a loss holding ``LOSS_ALLOWANCE_OUTPUTS`` (3) tensors of
             the output's size (see NOTE [loss allowance]); with it, the plan is exact.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
-            None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` (predicted to
-            the byte), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
+            None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` outside autocast
+            (predicted to the byte), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
         output_kept: whether the training loop keeps the model's output alive through the
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
@@ -163,7 +163,7 @@ class Checkpointable(nn.Module):
         self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
         self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
         self._forced_plan: Plan | None = _pinned_plan(plan)
-        self._minimums: dict[Hashable, int] = {}
+        self._minimums: dict[tuple[Hashable, _PlanOptions], int] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
@@ -230,6 +230,8 @@ class Checkpointable(nn.Module):
             format_bytes(measurement.measured_peak_bytes),
         )
         self._measurements[key] = measurement
+        # the check before timing solved on the sizes alone; the measurement may add to them
+        self._minimums = {k: v for k, v in self._minimums.items() if k[0] != key}
         self._last_key = key
         return measurement
 
@@ -355,8 +357,11 @@ class Checkpointable(nn.Module):
         if self._margin_option is not None:
             return self._margin_option
         # An nn.Sequential measured with the real loss is predicted to the byte; anything
-        # with parts outside the chain, or measured with the default loss, keeps a margin.
-        exact = self._chains[key].whole_model and self._loss_fn is not None
+        # with parts outside the chain, measured with the default loss, or run under
+        # autocast (whose cache of casts lives across the step on its own terms, NOTE
+        # [autocast casts]) keeps a margin.
+        autocast = isinstance(key, tuple) and len(key) > 3 and any(key[3])
+        exact = self._chains[key].whole_model and self._loss_fn is not None and not autocast
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
     def _options(self, mem_limit: Budget) -> _PlanOptions:

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
@@ -80,12 +81,12 @@ def measure_chain(
             stage at a time (:mod:`remat.measure.timing`). Raises
             :class:`~remat.measure.fake.FakeRunFailed` when the model cannot run on fake
             tensors (nothing real ran then).
-        before_timing: with `sized`, called before anything runs on the device with the
-            measurement of bytes (all times 0) and the bytes the timing pass needs while
-            each group runs with its backward (rehearsed on fake tensors); it returns the
-            groups whose backward the pass may run (None: all; see
-            :func:`remat.measure.timing.time_groups`), or raises to stop there (a budget
-            below the feasible minimum).
+        before_timing: with `sized`, called with the measurement of bytes (all times 0)
+            and the bytes the timing pass needs while each group runs with its backward
+            (rehearsed on fake tensors); it returns the groups whose backward the pass may
+            run (None: all; see :func:`remat.measure.timing.time_groups`), or raises to stop
+            there (a budget below the feasible minimum). It is called first with no needs,
+            before anything runs on the device, then again before the timing pass.
     """
     loss_fn = loss_fn or _default_loss
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
@@ -125,17 +126,32 @@ def _sized_measurement(
         with fake.mode:
             tracked = _tracked_step(model, chain, fake_args, fake_kwargs, loss_fn=loss_fn, device=device, spans=None)
     sized = assemble(chain, tracked)
+    if before_timing is not None:
+        before_timing(sized, ())  # a budget no schedule fits is refused before anything real runs
     # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
+    outputs: list[Any] = []
+
+    def rehearse_loss(holder: list[Any]) -> None:
+        outputs.append(tree_map(_shape_of, holder[0]))
+        run_loss(holder)
+
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
             rehearsal = time_groups(
                 model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
-                run_loss=run_loss, track_all=True,
+                run_loss=rehearse_loss, track_all=True,
             )  # fmt: skip
+    # NOTE [suffix on real tensors]
+    # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps its
+    # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
+    # shaped like the model's output before anything else runs; what it needs beyond its
+    # fake run is held through the whole step (the safe side: it may be transient).
+    loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
+    sized = _with_fixed_bytes(sized, sized.fixed_bytes + loss_extra)
     # the real pass runs on copies of the inputs, which the rehearsal did not count
     copies = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs)))
-    needs = tuple(peak + copies for peak in rehearsal.group_peak_bytes)
+    needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
     backward_groups = before_timing(sized, needs) if before_timing is not None else None
     with preserved_model_state(model, devices), learning_state():
         args, kwargs = isolated_inputs(args, kwargs)
@@ -144,20 +160,54 @@ def _sized_measurement(
         )
     measurement = with_times(sized, timing.times)
     if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
-        # NOTE [suffix on real tensors]
-        # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps
-        # its whole elementwise buffer behind the scalar loss). What runs after the chain
-        # is tracked in the real timing pass as in its rehearsal: what it needs on real
-        # tensors beyond fake ones is counted as held through the whole step (the safe
-        # side: it may be transient).
-        extra = max(0, timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes)
-        if extra:
-            fixed_bytes = measurement.fixed_bytes + extra
-            profile = dataclasses.replace(
-                measurement.profile, metadata={**measurement.profile.metadata, "fixed_bytes": fixed_bytes}
-            )
-            measurement = dataclasses.replace(measurement, profile=profile, fixed_bytes=fixed_bytes)
+        # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
+        # (a kernel of the model's own head); found after the pass, it counts from now on
+        extra = timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes - loss_extra
+        if extra > 0:
+            measurement = _with_fixed_bytes(measurement, measurement.fixed_bytes + extra)
     return measurement
+
+
+def _with_fixed_bytes(measurement: ChainMeasurement, fixed_bytes: int) -> ChainMeasurement:
+    if fixed_bytes == measurement.fixed_bytes:
+        return measurement
+    profile = dataclasses.replace(
+        measurement.profile, metadata={**measurement.profile.metadata, "fixed_bytes": fixed_bytes}
+    )
+    return dataclasses.replace(measurement, profile=profile, fixed_bytes=fixed_bytes)
+
+
+def _shape_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TensorShape(tuple(value.shape), value.dtype, value.requires_grad)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorShape:  # (not a pytree node: tree_map leaves it whole)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _loss_probe(run_loss: Callable[[list[Any]], None], output: Any, device: torch.device) -> int:
+    """Bytes the loss needs on real tensors beyond fake ones, on an output of zeros of the model's shapes."""
+
+    def zeros(value: Any) -> Any:
+        if isinstance(value, _TensorShape):
+            return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.requires_grad)
+        return value
+
+    peaks = []
+    for fake in (False, True):
+        context = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with context:
+            holder = [tree_map(zeros, output)]
+        tracker = MemoryTracker(device=device.type, count_fake=True)
+        with context, tracker:
+            run_loss(holder)
+        peaks.append(tracker.peak_bytes)
+    return max(0, peaks[0] - peaks[1])
 
 
 def _tracked_step(

@@ -178,9 +178,11 @@ def _cut_inputs(
         if isinstance(leaf, torch.Tensor):
             wanted = next(flags, False)
             if wanted and not leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
-                leaf = leaf.detach().requires_grad_(True)
-                if stage.modifies_input:
-                    leaf = leaf.clone()  # an in-place stage cannot work on a leaf that requires grad
+                # Not a leaf itself: autocast caches its casts of leaves until its region ends,
+                # and the pass must not leave casts of activations behind. An in-place stage
+                # works on a copy (its input is the stage before's output, kept by the model).
+                cut = leaf.detach().requires_grad_(True)
+                leaf = cut.clone() if stage.modifies_input else cut.view_as(cut)
         out.append(leaf)
     return tree_unflatten(out, spec)
 
