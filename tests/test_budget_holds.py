@@ -115,3 +115,51 @@ def test_the_first_step_fits_where_a_plain_measuring_step_did_not() -> None:
     assert tracker.peak_bytes <= sized.plan.budget_bytes
     # the same sizes either way, to the byte
     assert sized.plan.schedule.profile.activation_bytes == plain.plan.schedule.profile.activation_bytes
+
+
+def test_the_step_check_reports_the_measured_and_predicted_peaks(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = remat.models.mlp_chain(depth=6, width=32)
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    wrapped = remat.Checkpointable(model, 0.5, loss_fn=lambda out: torch.nn.functional.mse_loss(out, y))
+    with caplog.at_level("INFO", logger="remat"):
+        for _ in range(2):
+            with wrapped.check_step() as check:
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            with remat.MemoryTracker() as tracker:  # the same step, tracked independently
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+    assert wrapped.plan is not None
+    assert check.predicted_peak_bytes == wrapped.plan.predicted_peak_bytes
+    assert check.budget_bytes == wrapped.plan.budget_bytes and check.within_budget
+    assert check.measured_peak_bytes == tracker.peak_bytes
+    assert check.ratio is not None and 0.95 <= check.ratio <= 1.0
+    assert sum("remat step check" in record.message for record in caplog.records) == 2
+
+
+def test_the_step_check_warns_over_the_budget() -> None:
+    torch.manual_seed(0)
+    model = remat.models.mlp_chain(depth=6, width=32)
+    x = torch.randn(16, 32)
+    wrapped = remat.Checkpointable(model, 0.5)
+    wrapped(x).sum().backward()
+    assert wrapped.plan is not None
+    with pytest.warns(RuntimeWarning, match="went over its budget"), wrapped.check_step() as check:
+        wrapped(x).sum().backward()
+        hog = torch.empty(wrapped.plan.budget_bytes // 4 + 1)  # the caller's own memory on top
+        del hog
+    assert not check.within_budget
+
+
+def test_one_instance_whose_budget_changes_between_steps_holds_each() -> None:
+    spec = CATALOGUE["resnet_small"]
+    torch.manual_seed(0)
+    inputs, target = spec.make_batch(4)
+    model = spec.factory().train()
+    wrapped = remat.Checkpointable(model, 1.0, loss_fn=lambda output: spec.loss_fn(output, target))
+    for fraction in (1.0, 0.6, 0.8, 0.55, 0.7, 1.0, 0.6):
+        wrapped.mem_limit = fraction
+        with remat.MemoryTracker() as tracker:
+            spec.loss_fn(wrapped(*inputs), target).backward()
+        model.zero_grad(set_to_none=True)
+        assert wrapped.plan is not None and wrapped.plan.budget_bytes is not None
+        assert tracker.peak_bytes <= wrapped.plan.budget_bytes, fraction

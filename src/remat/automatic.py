@@ -28,6 +28,7 @@ from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.fake import FakeRunFailed, on_fake_tensors
+from remat.plan.check import StepCheck, checked_step
 from remat.plan.profile import ChainProfile
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
@@ -313,6 +314,18 @@ class Checkpointable(nn.Module):
             yield plan
         finally:
             self._forced_plan = previous
+
+    @contextlib.contextmanager
+    def check_step(self) -> Iterator[StepCheck]:
+        """Checks the training step inside the block: its exact peak against the plan's.
+
+        ``with model.check_step() as check: loss_fn(model(x), y).backward()``; then
+        ``check.measured_peak_bytes``, ``check.predicted_peak_bytes``, ``check.within_budget``
+        (see :class:`remat.plan.check.StepCheck`). It logs one INFO line and warns if the
+        step went over its budget; the exact tracker slows the step two to three times.
+        """
+        with checked_step(lambda: self.plan, self.model.parameters()) as check:
+            yield check
 
     @property
     def plan(self) -> Plan | None:
