@@ -9,6 +9,7 @@ plan's prediction (never more than 1% above it).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,8 @@ def train_steps(
     steps: int = 2,
 ) -> tuple[list[int], remat.Checkpointable] | None:
     """Each step's exact peak (None when the budget is infeasible)."""
-    wrapped = remat.Checkpointable(model, budget, loss_fn=loss_fn)
+    # the loop drops the output once the loss is computed: output_kept=False is exact
+    wrapped = remat.Checkpointable(model, budget, loss_fn=loss_fn, output_kept=False)
     peaks = []
     for _ in range(steps):
         with remat.MemoryTracker() as tracker:
@@ -57,10 +59,24 @@ def train_steps(
     return peaks, wrapped
 
 
-def check_budget_matrix(factory: Callable[[], nn.Module], args: Any, kwargs: Any, loss_fn: Any, precision: str) -> int:
+#: The least measured / predicted peak: the prediction errs on the safe side by at most
+#: 5% in fp32; under autocast everything held outside the chain (the weight casts among
+#: it) is counted as held through the whole step (README, Known limits), which
+#: overestimates the backward by up to 17%.
+LEAST_RATIO = {"fp32": 0.95, "bf16": 0.80}
+
+
+def check_budget_matrix(
+    factory: Callable[[], nn.Module],
+    args: Any,
+    kwargs: Any,
+    loss_fn: Any,
+    precision: str,
+    fractions: tuple[float, ...] = FRACTIONS,
+) -> int:
     """Trains at every fraction; returns how many were feasible."""
     feasible = 0
-    for fraction in FRACTIONS:
+    for fraction in fractions:
         torch.manual_seed(0)
         outcome = train_steps(factory().train(), fraction, args, kwargs, loss_fn, precision)
         if outcome is None:
@@ -73,7 +89,10 @@ def check_budget_matrix(factory: Callable[[], nn.Module], args: Any, kwargs: Any
             assert peak <= plan.budget_bytes, f"{fraction}: step {step} peaked at {peak} B over {plan.budget_bytes} B"
             # (the first step measures too, which may use the whole budget)
             if step > 0:
-                assert peak <= 1.01 * plan.predicted_peak_bytes, f"{fraction}: step {step} above the prediction"
+                ratio = peak / plan.predicted_peak_bytes
+                assert LEAST_RATIO[precision] <= ratio <= 1.01, (
+                    f"{fraction}: step {step} at x{ratio:.3f} the prediction"
+                )
     return feasible
 
 
@@ -86,6 +105,32 @@ def test_the_budget_holds_on_every_step_across_the_zoo(name: str, precision: str
     inputs, target = spec.make_batch(ZOO_BATCHES[name])
     feasible = check_budget_matrix(spec.factory, inputs, {}, lambda output: spec.loss_fn(output, target), precision)
     assert feasible >= 1  # 100% always fits
+
+
+def hugging_face(name: str) -> tuple[Callable[[], nn.Module], tuple[Any, ...], dict[str, Any]]:
+    """A Hugging Face model with its default configuration (12 layers, tied embeddings)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config()
+        tokens = torch.randint(0, config.vocab_size, (2, 128))
+        return lambda: transformers.GPT2LMHeadModel(config), (tokens,), {"labels": tokens, "use_cache": False}
+    config = transformers.BertConfig()
+    tokens = torch.randint(0, config.vocab_size, (4, 128))
+    return lambda: transformers.BertForMaskedLM(config), (tokens,), {"labels": tokens}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "precision", "fractions"), [
+    ("gpt2", "fp32", (0.5, 0.7)), ("gpt2", "bf16", (0.9,)), ("bert", "fp32", (0.5,)), ("bert", "bf16", (0.9,)),
+])  # fmt: skip
+def test_the_budget_holds_for_hugging_face_default_configs(
+    name: str, precision: str, fractions: tuple[float, ...]
+) -> None:
+    # the whole matrix, 10% to 100%, is benchmarks/budget_matrix.py
+    factory, args, kwargs = hugging_face(name)
+    feasible = check_budget_matrix(factory, args, kwargs, lambda output: output.loss, precision, fractions)
+    assert feasible == len(fractions) or name == "gpt2" and feasible >= 1
 
 
 def test_a_budget_no_schedule_fits_is_refused_before_anything_runs() -> None:
@@ -163,3 +208,123 @@ def test_one_instance_whose_budget_changes_between_steps_holds_each() -> None:
         model.zero_grad(set_to_none=True)
         assert wrapped.plan is not None and wrapped.plan.budget_bytes is not None
         assert tracker.peak_bytes <= wrapped.plan.budget_bytes, fraction
+
+
+def _tracked(wrapped: remat.Checkpointable, step: Callable[[], None]) -> tuple[int, int]:
+    """The exact peak of one training step, and the budget of the plan it ran."""
+    with remat.MemoryTracker() as tracker:
+        step()
+    plan = wrapped.plan
+    assert plan is not None and plan.budget_bytes is not None
+    return tracker.peak_bytes, plan.budget_bytes
+
+
+def test_a_retained_backward_is_refused_where_the_chain_recomputes() -> None:
+    # NOTE [retained graphs]: a retained graph keeps the stored stages' activations
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.2)) for _ in range(8)))
+    x = torch.randn(32, 64)
+    wrapped = remat.Checkpointable(model, 0.4)
+    wrapped(x).sum().backward()  # measures and plans
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
+    model.zero_grad(set_to_none=True)
+    loss = wrapped(x).square().sum()
+    with pytest.raises(remat.RematError, match="retain_graph=True"):
+        loss.backward(retain_graph=True)
+    assert all(parameter.grad is None for parameter in model.parameters())  # refused before any
+    # with no recompute planned, a retained graph is plain autograd's: allowed, and exact
+    model.zero_grad(set_to_none=True)
+    plain_model = copy.deepcopy(model)
+    wrapped.mem_limit = 1.0
+    for module in (wrapped, plain_model):
+        torch.manual_seed(2)
+        loss = module(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, expected), actual in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert expected.grad is not None and torch.equal(expected.grad, actual.grad), name
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "autocast on", "autocast off", "double"])
+def test_a_change_after_a_plan_was_cached_is_planned_within_the_budget(change: str) -> None:
+    torch.manual_seed(0)
+    model = remat.models.mlp_chain(depth=8, width=64)
+    x = torch.randn(32, 64)
+    if change == "unfreeze":
+        model.requires_grad_(False)
+        model[-1].requires_grad_(True)
+    wrapped = remat.Checkpointable(model, "800KiB")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    before = autocast if change == "autocast off" else contextlib.nullcontext()
+    after = autocast if change == "autocast on" else contextlib.nullcontext()
+
+    def step(context: contextlib.AbstractContextManager[Any]) -> None:
+        with context:
+            out = wrapped(x)
+        out.float().sum().backward()
+
+    for _ in range(2):
+        peak, budget = _tracked(wrapped, lambda: step(before))
+        assert peak <= budget
+    if change == "unfreeze":
+        model.requires_grad_(True)
+    elif change == "double":
+        model.double()
+        x = x.double()
+    first = wrapped.plan
+    for _ in range(2):
+        peak, budget = _tracked(wrapped, lambda: step(after))
+        assert peak <= budget, change
+        assert wrapped.plan is not first
+        model.zero_grad(set_to_none=True)
+
+
+class MarkedBlock(nn.Module):
+    """A stage whose inner part the user marked for recompute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = remat.mark(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(self.norm(x))
+
+
+class InPlaceScale(nn.Module):
+    """In-place operations that keep nothing for their backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(0.5).add_(1.0)
+
+
+@pytest.mark.parametrize("case", ["marks inside stages", "in-place chains"])
+@pytest.mark.parametrize("budget", ["min", 0.9])
+def test_marked_regions_and_in_place_chains_are_planned(case: str, budget: Any) -> None:
+    torch.manual_seed(0)
+    width = 32
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        if case == "marks inside stages":
+            layers.append(MarkedBlock(width))
+        else:
+            layers += [nn.Linear(width, width), InPlaceScale(), InPlaceScale(), nn.ReLU(inplace=True)]
+    model = nn.Sequential(*layers)
+    plain_model = copy.deepcopy(model)
+    x, y = torch.randn(16, width), torch.randn(16, width)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, y)
+
+    wrapped = remat.Checkpointable(model, budget, loss_fn=loss_fn)
+    for step in range(2):
+        peak, limit = _tracked(wrapped, lambda: loss_fn(wrapped(x)).backward())
+        assert peak <= limit, f"step {step}"
+        plan = wrapped.plan
+        assert plan is not None
+        if step > 0:
+            assert peak <= plan.predicted_peak_bytes, f"step {step}: above the prediction"
+    loss_fn(plain_model(x)).backward()
+    loss_fn(plain_model(x)).backward()
+    for (name, expected), actual in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(expected.grad, actual.grad), name

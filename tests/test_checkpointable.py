@@ -228,7 +228,8 @@ def test_plans_are_cached_per_input_signature(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize(
-    "change", ["unfreeze", "freeze", "eval a submodule", "autocast", "autocast dtype", "double", "kwargs"]
+    "change",
+    ["unfreeze", "freeze", "eval a submodule", "autocast", "autocast dtype", "double", "kwargs", "attention kernels"],
 )
 def test_a_plan_is_made_again_when_the_costs_can_change(monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     # NOTE [what a plan depends on]: each change gives a new measurement, never a stale plan
@@ -252,7 +253,7 @@ def test_a_plan_is_made_again_when_the_costs_can_change(monkeypatch: pytest.Monk
     wrapped(x).float().sum().backward()
     first = wrapped.plan
     assert len(calls) == 1 and first is not None
-    context: Any = contextlib.nullcontext()
+    context: Any = contextlib.nullcontext
     if change == "unfreeze":
         model[0].requires_grad_(True)
     elif change == "freeze":
@@ -260,17 +261,21 @@ def test_a_plan_is_made_again_when_the_costs_can_change(monkeypatch: pytest.Monk
     elif change == "eval a submodule":
         model[1].eval()
     elif change == "autocast":
-        context = torch.autocast("cpu", dtype=torch.bfloat16)
+        context = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     elif change == "autocast dtype":
-        context = torch.autocast("cpu", dtype=torch.float16)
+        context = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
     elif change == "double":
         model.double()
         x = x.double()
-    with context:
+    elif change == "attention kernels":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        context = lambda: sdpa_kernel(SDPBackend.MATH)  # noqa: E731
+    with context():
         out = wrapped(x) if change != "kwargs" else wrapped(input=x)
     out.float().sum().backward()
     assert len(calls) == 2 and wrapped.plan is not first
-    with context:
+    with context():
         out = wrapped(x) if change != "kwargs" else wrapped(input=x)
     out.float().sum().backward()
     assert len(calls) == 2  # and then it is cached

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 import warnings
@@ -20,7 +19,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from remat.budget import MINIMUM, Budget, parse_budget
 from remat.discover.chain import Chain, discover_chain
@@ -28,8 +26,10 @@ from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.fake import FakeRunFailed, on_fake_tensors
+from remat.measure.scale import ShapeTimings
 from remat.plan.check import StepCheck, checked_step
-from remat.plan.profile import ChainProfile
+from remat.plan.key import signature, what_changed
+from remat.plan.share import Planning
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
 from remat.plan.step import BudgetSplit, Plan
@@ -60,16 +60,6 @@ class _PlanOptions(NamedTuple):
     output_kept: bool
 
 
-class _Planning(NamedTuple):
-    """A measurement made ready for the solver: the chain's profile and what the step adds."""
-
-    profile: ChainProfile
-    held_outside_bytes: int
-    loss_allowance_bytes: int
-    margin: float
-    solver: Solver
-
-
 class Checkpointable(nn.Module):
     """Wraps a model and trains it with the fastest recompute schedule that fits a budget.
 
@@ -79,9 +69,12 @@ class Checkpointable(nn.Module):
     eval mode or under ``torch.no_grad()`` it is the model's plain forward.
 
     The first training call measures the model on its inputs (unless :meth:`measure` was
-    called), solves, and caches the plan for that input signature (shapes, dtypes,
-    devices); a new signature measures and plans again. The measuring itself stays within
-    the budget (see ``measure``), so the first step fits as every later one does.
+    called), solves, and caches the plan for everything that sets its costs (the inputs'
+    shapes, dtypes and devices, which parameters require grad, their dtypes and devices,
+    training modes, autocast; NOTE [what a plan depends on]); a change measures and plans
+    again. The measuring itself stays within the budget (see ``measure``), so the first
+    step fits as every later one does. A new input shape is sized exactly on fake tensors
+    but timed only when needed (see ``timed_shapes``).
 
     Args:
         model: the model to wrap (registered as ``self.model``).
@@ -125,6 +118,15 @@ class Checkpointable(nn.Module):
             a :class:`~remat.plan.Plan` or the path of one saved with ``plan.to_json()``
             (for production runs that must not change their schedule). It must plan this
             model's chain of stage calls; ``mem_limit`` is then not used.
+        timed_shapes: with ``measure="sized"``, the most input shapes timed per setup (the
+            same model and inputs but for their sizes: a sequence length, a last short
+            batch). Every new shape is sized exactly on fake tensors, so its plan fits
+            its budget; its times are scaled from the timed shape nearest in work (its
+            flops: attention scales with the square of the sequence) unless that is more
+            than twice or less than half of its own and timings are left. The first step
+            at a scaled shape checks its forward's time and has the shape timed at the
+            next step when it is off by more than that. ``measure_counts`` says how many
+            shapes were timed and scaled.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -147,6 +149,7 @@ class Checkpointable(nn.Module):
         measure: str = "sized",
         frugal_measure: bool = False,
         plan: Plan | str | os.PathLike[str] | None = None,
+        timed_shapes: int = 3,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -163,7 +166,7 @@ class Checkpointable(nn.Module):
         self._measurements: dict[Hashable, ChainMeasurement] = {}
         self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
         self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
-        self._forced_plan: Plan | None = _pinned_plan(plan)
+        self._forced_plan: Plan | None = Plan.pinned(plan)
         self._minimums: dict[tuple[Hashable, _PlanOptions], int] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
@@ -175,6 +178,7 @@ class Checkpointable(nn.Module):
         if frugal_measure and measure != "sized":
             raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure='frugal' alone")
         self.measure_mode = "frugal" if frugal_measure else measure
+        self._shapes = ShapeTimings(timed_shapes)
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
@@ -193,10 +197,19 @@ class Checkpointable(nn.Module):
     def _measure(
         self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
     ) -> ChainMeasurement:
-        key = _signature(self.model, sample_inputs, sample_kwargs)
+        key = signature(self.model, sample_inputs, sample_kwargs)
         started = time.perf_counter()
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
         how = self.measure_mode
+        scaled: list[float] = []
+
+        def known_times(sized: ChainMeasurement) -> list[tuple[float, float]] | None:
+            found = self._shapes.known_times(key, sized) if training else None
+            if found is None:
+                return None
+            scaled.append(found[1])
+            return found[0]
+
         if how == "sized":
             try:
                 measurement = measure_chain(
@@ -207,6 +220,7 @@ class Checkpointable(nn.Module):
                     loss_fn=self._loss_fn,
                     sized=True,
                     before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
+                    known_times=known_times,
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.
@@ -221,9 +235,12 @@ class Checkpointable(nn.Module):
                 )
         else:
             measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=how == "frugal")
+        self._shapes.record(key, measurement, scaled=bool(scaled))
+        if scaled:
+            how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"
         logger.info(
             "remat measured %s (%s): %d stages (%d planned) in %.2f s, plain peak %s",
-            _what_changed(self._last_key, key),
+            what_changed(self._last_key, key),
             how,
             len(chain),
             measurement.profile.n_stages,
@@ -231,7 +248,10 @@ class Checkpointable(nn.Module):
             format_bytes(measurement.measured_peak_bytes),
         )
         self._measurements[key] = measurement
-        # the check before timing solved on the sizes alone; the measurement may add to them
+        # plans from an earlier measurement of this key (a shape timed again) are replaced;
+        # the check before timing solved on the sizes alone, the measurement may add to them
+        self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
+        self._executors = {k: v for k, v in self._executors.items() if k[0] != key}
         self._minimums = {k: v for k, v in self._minimums.items() if k[0] != key}
         self._last_key = key
         return measurement
@@ -270,6 +290,8 @@ class Checkpointable(nn.Module):
         total = self._total_bytes(key, planning, self.mem_limit)
         if training:
             self._check_feasible(key, planning, total)
+        if not needs:
+            return None  # the first call, on the sizes alone
         timed = frozenset(g for g, need in enumerate(needs) if need <= total)
         if len(timed) < len(sized.groups):
             logger.info(
@@ -339,15 +361,42 @@ class Checkpointable(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        key = _signature(self.model, args, kwargs)
+        key = signature(self.model, args, kwargs)
         if self._forced_plan is not None:
             plan = self._forced_plan
         else:
-            if key not in self._measurements:
+            if key not in self._measurements or self._shapes.must_retime(key):
                 self._measure(args, kwargs, training=True)
             self._last_key = key
             plan = self._plan(key, self.mem_limit)
-        return self._executor(key, plan, args, kwargs)(self.model, args, kwargs)
+        executor = self._executor(key, plan, args, kwargs)
+        if self._forced_plan is None and self._shapes.unverified(key):
+            return self._verified_call(key, executor, args, kwargs)
+        return executor(self.model, args, kwargs)
+
+    @property
+    def measure_counts(self) -> dict[str, int]:
+        """How many input shapes were timed, and how many had their times scaled (``timed_shapes``)."""
+        return dict(self._shapes.counts)
+
+    def _verified_call(
+        self, key: Hashable, executor: ChainExecutor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The first forward at a shape whose times were scaled: checks them against its own."""
+        synchronize = torch.cuda.synchronize if any(p.is_cuda for p in self.model.parameters()) else None
+        if synchronize is not None:
+            synchronize()
+        started = time.perf_counter()
+        out = executor(self.model, args, kwargs)
+        if synchronize is not None:
+            synchronize()
+        ratio, retime = self._shapes.verify(key, time.perf_counter() - started)
+        logger.info(
+            "remat checked the scaled times of this shape: its forward took x%.2f the estimate%s",
+            ratio,
+            "; the shape is timed at its next step" if retime else "",
+        )
+        return out
 
     @property
     def frugal_measure(self) -> bool:
@@ -434,10 +483,10 @@ class Checkpointable(nn.Module):
             self._executors[(key, plan)] = executor
         return executor
 
-    def _prepared(self, key: Hashable) -> _Planning:
+    def _prepared(self, key: Hashable) -> Planning:
         return self._prepare(key, self._measurements[key])
 
-    def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> _Planning:
+    def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> Planning:
         profile = measurement.profile
         allowance = 0
         if self._loss_fn is None:
@@ -457,38 +506,21 @@ class Checkpointable(nn.Module):
             # loop that keeps it holds it through the whole step on top (counted twice at
             # the loss itself, which errs on the safe side).
             held_outside += measurement.output_bytes
-        return _Planning(profile, held_outside, allowance, self._margin(key), self._solver(profile.n_stages))
+        after_chain = measurement.end_peak_bytes + (measurement.output_bytes if self.output_kept else 0)
+        return Planning(
+            profile, held_outside, allowance, self._margin(key), self._solver(profile.n_stages), after_chain
+        )
 
-    @staticmethod
-    def _chain_bytes(planning: _Planning, total_bytes: int) -> int:
-        # NOTE [planning margin]
-        # The plan must fit with a margin for what per-stage measurement cannot attribute
-        # (the model's own code around the chain, a real loss heavier than the default
-        # one measured): the chain is planned for (1 - margin) of the budget, less the
-        # memory held outside it. A Sequential measured with the real loss has nothing
-        # unattributed.
-        return int(total_bytes * (1.0 - planning.margin)) - planning.held_outside_bytes
-
-    def _minimum_budget_bytes(self, key: Hashable, planning: _Planning) -> int:
+    def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
         cache_key = (key, self._options(None))
         if cache_key not in self._minimums:
             self._minimums[cache_key] = self._solve_minimum_budget_bytes(planning)
         return self._minimums[cache_key]
 
-    def _solve_minimum_budget_bytes(self, planning: _Planning) -> int:
-        return self._total_for(planning, planning.solver.minimum_bytes(planning.profile))
+    def _solve_minimum_budget_bytes(self, planning: Planning) -> int:
+        return planning.total_for(planning.solver.minimum_bytes(planning.profile))
 
-    def _total_for(self, planning: _Planning, needed: int) -> int:
-        """The smallest whole-step budget whose chain share is at least `needed` bytes."""
-        minimum = math.ceil((needed + planning.held_outside_bytes) / (1.0 - planning.margin))
-        # The smallest budget whose chain share is `needed`, whatever the float rounding.
-        while self._chain_bytes(planning, minimum) < needed:
-            minimum += 1
-        while minimum > 1 and self._chain_bytes(planning, minimum - 1) >= needed:
-            minimum -= 1
-        return minimum
-
-    def _total_bytes(self, key: Hashable, planning: _Planning, mem_limit: Budget) -> int:
+    def _total_bytes(self, key: Hashable, planning: Planning, mem_limit: Budget) -> int:
         """The whole-step budget in bytes that `mem_limit` stands for."""
         if mem_limit == MINIMUM:
             return self._minimum_budget_bytes(key, planning)
@@ -496,10 +528,10 @@ class Checkpointable(nn.Module):
         # always plans no recompute.
         store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
         device = planning.profile.metadata.get("device", "cpu")
-        reference = self._total_for(planning, store_all.peak_bytes)
+        reference = planning.total_for(store_all.peak_bytes)
         return parse_budget(mem_limit, reference_bytes=reference, device=device)
 
-    def _check_feasible(self, key: Hashable, planning: _Planning, total: int) -> None:
+    def _check_feasible(self, key: Hashable, planning: Planning, total: int) -> None:
         minimum = self._minimum_budget_bytes(key, planning)
         if total < minimum:
             raise BudgetTooSmall(
@@ -518,7 +550,7 @@ class Checkpointable(nn.Module):
         measurement = self._measurements[key]
         planning = self._prepared(key)
         total = self._total_bytes(key, planning, mem_limit)
-        chain_bytes = self._chain_bytes(planning, total)
+        chain_bytes = planning.chain_bytes(total)
         self._check_feasible(key, planning, total)
         schedule = planning.solver(planning.profile, chain_bytes)
         split = BudgetSplit(
@@ -527,6 +559,11 @@ class Checkpointable(nn.Module):
             held_outside_bytes=planning.held_outside_bytes,
             loss_allowance_bytes=planning.loss_allowance_bytes,
             margin_bytes=total - int(total * (1.0 - planning.margin)),
+            after_chain_peak_bytes=planning.after_chain_peak_bytes,
+            cast_bytes=measurement.cast_bytes,
+            leftover_bytes=measurement.leftover_bytes,
+            from_loss_bytes=measurement.suffix_kept_bytes,
+            kept_output_bytes=measurement.output_bytes if self.output_kept else 0,
         )
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
@@ -539,59 +576,3 @@ class Checkpointable(nn.Module):
             len(plan.forward_counts),
         )
         return plan
-
-
-# NOTE [what a plan depends on]
-# A plan is made for the costs of one step. They change with the inputs (structure,
-# shapes, dtypes, devices, which require grad), with the model (which parameters require
-# grad and so keep activations for their gradients; their dtypes and devices, after
-# model.half() or .to(); which modules are in training mode) and with autocast (on which
-# device, to which dtype, with its cache). Each of these is part of the key a plan is
-# cached under: a change gives a new measurement and plan, never a stale one.
-def _pinned_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
-    """The ``plan=`` argument of :class:`Checkpointable`, read from its file if a path."""
-    if plan is None or isinstance(plan, Plan):
-        return plan
-    if not isinstance(plan, (str, os.PathLike)):
-        raise TypeError(f"plan must be a remat.plan.Plan or the path of a saved plan, got {type(plan).__name__}")
-    with open(plan, encoding="utf-8") as handle:
-        return Plan.from_json(handle.read())
-
-
-_KEY_PARTS = (
-    "the input structure",
-    "the parameters (requires_grad, dtype or device)",
-    "the modules' training modes",
-    "autocast",
-    "the autocast cache",
-)
-
-
-def _what_changed(previous: Hashable | None, key: Hashable) -> str:
-    """Names what differs between two plan keys (see :func:`_signature`), for the log."""
-    if not isinstance(previous, tuple) or not isinstance(key, tuple):
-        return "the first input"
-    changed = [name for name, a, b in zip(_KEY_PARTS, previous, key, strict=False) if a != b]
-    if previous[len(_KEY_PARTS) :] != key[len(_KEY_PARTS) :]:
-        changed.append("the input shapes, dtypes or devices")
-    return "a change in " + ", ".join(changed) if changed else "the same input again"
-
-
-def _signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    leaves, spec = tree_flatten((args, kwargs))
-    parts: list[Any] = [
-        str(spec),
-        tuple((p.requires_grad, p.dtype, p.device) for p in model.parameters()),
-        tuple(m.training for m in model.modules()),
-        tuple(
-            (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
-            for device in ("cpu", "cuda")
-        ),
-        torch.is_autocast_cache_enabled(),
-    ]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
-        else:
-            parts.append(repr(leaf))
-    return tuple(parts)

@@ -29,11 +29,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain, InputLink, StageLinks
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
-from remat.manual._frames import active_mode
+from remat.manual._frames import active_mode, graph_retained
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual.recompute import recompute
@@ -175,6 +176,10 @@ class _Run:
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.stage_links.returned(index, out)
+        if index == len(executor.chain) - 1 and torch.is_grad_enabled() and executor.recomputes():
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(_refuse_retained_graph)
         return out
 
     def _call_in_region(
@@ -310,6 +315,10 @@ class ChainExecutor:
                 kind = _DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind
                 self.first_forward.append((kind, step))
 
+    def recomputes(self) -> bool:
+        """Whether any stage call is recomputed (not stored by its first forward)."""
+        return any(kind is not _STORE for kind, _ in self.first_forward)
+
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs ``model(*args, **kwargs)`` with the schedule applied to its chain."""
         if active_mode() is not None:
@@ -325,3 +334,18 @@ class ChainExecutor:
                 "needs every stage to run once per forward"
             )
         return out
+
+
+def _refuse_retained_graph(grad: torch.Tensor) -> None:
+    """Raises when a backward that keeps its graph reaches a chain that recomputes."""
+    # NOTE [retained graphs] (remat.manual._frames): a recompute's tensors are dropped as
+    # backward takes them, but a stage the plan stores keeps its activations until the
+    # graph is freed, on top of the recomputes the plan counted on their place.
+    if graph_retained():
+        raise RematError(
+            "backward(retain_graph=True) reached a chain that remat recomputes: a retained graph keeps "
+            "every stored stage's activations until it is freed, beyond the planned budget. Call "
+            "backward once per forward (for several losses, backward their sum), or use "
+            "remat.recompute for the blocks you choose. Gradients of the parameters after the chain "
+            "may already have been accumulated: zero them before the next step"
+        )

@@ -20,10 +20,11 @@ optimizer state and the inputs created before the step are not activation memory
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "AllocationRecord",
@@ -50,6 +52,23 @@ _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 # Fake tensors ask their device through this operator, from above autograd: its argument
 # can look like a leaf there, and a hook registered on it would replace the tensor's own.
 _DEVICE = torch.ops.prim.device.default
+
+
+class _Recorders(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[MemoryTracker | None] = []  # None: hooks that do not note kept inputs
+
+
+_RECORDERS = _Recorders()  # the trackers whose saved-tensor hooks are in use, innermost last
+
+
+def note_kept_for_backward(tensor: torch.Tensor) -> None:
+    """Tells the tracker recording saved tensors that `tensor` is kept for backward.
+
+    For what autograd does not see saved: the inputs a recompute region keeps to run again.
+    """
+    if _RECORDERS.stack and _RECORDERS.stack[-1] is not None:
+        _RECORDERS.stack[-1]._pack(tensor)
 
 
 def _is_fake_conversion(func: Any, args: Any, out: Any) -> bool:
@@ -146,6 +165,9 @@ class MemoryTracker(TorchDispatchMode):
         count_fake: count the storages of fake tensors (``torch._subclasses.fake_tensor``)
             too, as if they were real: how remat sizes a step before running it. By default
             they are left out: they hold no memory.
+        count_flops: also add up the floating-point operations of the operators that
+            ``torch.utils.flop_counter`` knows (matrix products, convolutions, attention)
+            in :attr:`flops`: how remat scales measured times to new input shapes.
     """
 
     def __init__(
@@ -154,9 +176,12 @@ class MemoryTracker(TorchDispatchMode):
         exclude_grads_of: Any = None,
         device: str | torch.device | None = None,
         count_fake: bool = False,
+        count_flops: bool = False,
     ) -> None:
         super().__init__()
         self._count_fake = count_fake
+        self._count_flops = count_flops
+        self.flops = 0  # see count_flops
         self._lock = threading.Lock()
         self._device_type = None if device is None else torch.device(device).type
         self._allocations: dict[int, _Allocation] = {}
@@ -207,6 +232,10 @@ class MemoryTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
         out = func(*args, **kwargs)
+        if self._count_flops:
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                self.flops += int(count(*args, **kwargs, out_val=out))
         if _is_fake_conversion(func, args, out):
             return out
         cast = _is_autocast_cast(func, args)
@@ -284,13 +313,23 @@ class MemoryTracker(TorchDispatchMode):
     # id, inline. Storages are known by allocation id, not address: a saved tensor can die
     # before the next is saved, and its address be reused. The packed value is a
     # one-tuple so that the unpack hook is a C-level item getter.
-    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+    @contextlib.contextmanager
+    def saved_tensors_hooks(self, *, note_kept: bool = True) -> Iterator[None]:
         """Saved-tensor hooks that note the allocation behind every tensor saved for backward.
 
         Use them inside the tracked run (``with tracker, tracker.saved_tensors_hooks(): ...``)
         and read what was saved with :meth:`saved_allocations`. They keep each tensor as is.
+        A region marked for recompute inside saves through hooks of its own; the inputs it
+        keeps for its recompute are noted as saved too (:func:`note_kept_for_backward`),
+        unless `note_kept` is False.
         """
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+        recorder = self if note_kept else None
+        _RECORDERS.stack.append(recorder)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved):
+                yield
+        finally:
+            _RECORDERS.stack.pop()
 
     def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor]:
         if tensor.layout != torch.strided:

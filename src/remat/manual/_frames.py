@@ -25,6 +25,7 @@ from remat.errors import (
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.memory import note_kept_for_backward
 
 __all__ = ["active_mode", "recompute_with_hooks"]
 
@@ -70,12 +71,13 @@ class _StopRecompute(BaseException):
 
 
 class _Handle:
-    __slots__ = ("root", "index", "value", "__weakref__")
+    __slots__ = ("root", "index", "value", "filler", "__weakref__")
 
     def __init__(self, root: _Root, index: int) -> None:
         self.root = root
         self.index = index
         self.value: torch.Tensor | None = None
+        self.filler: _Frame | None = None  # the frame whose recompute gave `value`
 
 
 class _Span:
@@ -132,6 +134,8 @@ class _Frame:
             elif isinstance(value, torch.Tensor):
                 self.inputs.append((value.detach() if value.requires_grad else value, value.requires_grad))
                 self.versions.append(value._version)
+                if root is None:  # measured: kept until the block's backward, as if saved
+                    note_kept_for_backward(value)
             else:
                 self.inputs.append(value)
                 self.versions.append(None)
@@ -240,7 +244,7 @@ class _Frame:
         # inputs are no longer needed (the first operations hold them if they saved them),
         # unless the first forward is still running (a backward inside the block's own
         # forward filled it) and more handles will come.
-        if not self.output_recompute and root.stop is not None:
+        if not self.output_recompute and root.stop is not None and not graph_retained():
             self.release_inputs()
 
     def outputs_for_recompute(self) -> list[tuple[torch.Tensor, bool]]:
@@ -376,6 +380,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         # A tensor that does not require grad is kept as itself (often the very object the
         # original forward saved: a constant, a buffer, an input without grad).
         filled.value = tensor.detach() if tensor.requires_grad else tensor
+        filled.filler = frame
         root.owners[index] = None
     if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
         # Everything this frame must provide is there (children met on the way own the
@@ -408,7 +413,22 @@ def _unpack(handle: Any) -> torch.Tensor:
                 f"the recompute of block {owner.name!r} stopped before producing saved tensor "
                 f"#{handle.index - owner.start}; the block must run the same operations when recomputed"
             )
-    return handle.value
+    value = handle.value
+    if handle.filler is not None and graph_retained():
+        # NOTE [retained graphs]
+        # A backward that keeps its graph (retain_graph=True) would otherwise keep every
+        # recomputed tensor until the graph is freed: the memory recompute was meant to
+        # save. Each one is dropped once backward took it, its frame becomes its owner
+        # again and keeps its inputs, and the next backward recomputes it.
+        filler = handle.filler
+        handle.value = handle.filler = None
+        root.owners[handle.index] = _ROOT_OWNER if filler is root else filler
+    return value
+
+
+def graph_retained() -> bool:
+    """Whether the backward running on this thread keeps its graph (retain_graph=True)."""
+    return torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def _lazy_output(value: Any) -> _OutputOf | None:

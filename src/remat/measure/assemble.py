@@ -52,6 +52,11 @@ class ChainMeasurement:
         suffix_peak_bytes: the peak of what runs after the chain (a head, the loss, their
             backward up to the chain output's gradient) above what was live when it began.
         suffix_kept_bytes: what the suffix still holds then (counted in ``fixed_bytes``).
+        cast_bytes: per planned stage, autocast's casts of weights that it made and keeps
+            for its backward (counted in ``fixed_bytes``; NOTE [autocast casts]).
+        leftover_bytes: per planned stage, what its backward leaves alive besides its
+            input's gradient, from then on (counted in ``fixed_bytes``): the partial
+            gradient of a weight also used before it, waiting for the other use.
     """
 
     stages: list[StageMeasurement]
@@ -63,6 +68,8 @@ class ChainMeasurement:
     output_bytes: int = 0
     suffix_peak_bytes: int = 0
     suffix_kept_bytes: int = 0
+    cast_bytes: tuple[int, ...] = ()
+    leftover_bytes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -102,6 +109,7 @@ class _GroupCost(NamedTuple):
     saves_output: bool
     forward_temp_bytes: int
     backward_temp_bytes: int
+    cast_bytes: int
 
 
 def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float]] | None = None) -> ChainMeasurement:
@@ -119,7 +127,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         stage.forward_time_s, stage.backward_time_s = stage_forward_s, stage_backward_s
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
-    fixed_bytes = _bytes_held_outside_chain(chain, step)
+    fixed_bytes, leftovers = _bytes_held_outside_chain(chain, step)
     suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes = _suffix(step)
     fixed_bytes += suffix_kept_bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
@@ -131,9 +139,18 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     gradient_bytes = [stages[first].gradient_bytes_in for first, _ in groups] + [output_gradient_bytes]
     input_bytes = 0 if chain.whole_model else sum(stages[0].input_storages.values())
     # the groups' costs, one tuple per field
-    names, forward_s, backward_s, output_bytes, saved_bytes, saves_input, saves_output, forward_temp, backward_temp = (
-        zip(*costs, strict=True)
-    )
+    (
+        names,
+        forward_s,
+        backward_s,
+        output_bytes,
+        saved_bytes,
+        saves_input,
+        saves_output,
+        forward_temp,
+        backward_temp,
+        casts,
+    ) = zip(*costs, strict=True)
     profile = ChainProfile(
         names=names,
         forward_time_s=forward_s,
@@ -163,6 +180,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         output_bytes=int(step.output_bytes),
         suffix_peak_bytes=int(suffix_peak_bytes),
         suffix_kept_bytes=int(suffix_kept_bytes),
+        cast_bytes=tuple(int(c) for c in casts),
+        leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
     )
 
 
@@ -274,8 +293,9 @@ def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
     }
 
 
-def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
-    """The prefix's live bytes, escaped outputs and side effects, and backward leftovers."""
+def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int]]:
+    """The prefix's live bytes, escaped outputs and side effects, and backward leftovers
+    (all of it, and the leftovers of each stage's backward)."""
     stages, tracker = step.watch.stages, step.tracker
     fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
     fixed_bytes += _escaped_bytes(chain, step)
@@ -287,7 +307,7 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
     # they live until its backward; recomputed, they are made again. The planner counts
     # every stage's casts as held through the whole step: an upper bound at every moment
     # (each stage has at most one copy of its casts alive at a time), exact at the end of
-    # the forward.
+    # the forward. The prediction follows their lifetimes (remat.plan.casts).
     casts = {
         key: nbytes
         for stage in stages
@@ -297,11 +317,12 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> int:
     fixed_bytes += sum(casts.values())
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
-    for stage in stages:
+    leftovers = [0] * len(stages)
+    for index, stage in enumerate(stages):
         if stage.backward_window is not None:
             leftover = tracker.surviving_allocations(*stage.backward_window)
-            fixed_bytes += _sum_except(leftover, step.watch.gradient_allocations | _recomputed(step, leftover))
-    return fixed_bytes
+            leftovers[index] = _sum_except(leftover, step.watch.gradient_allocations | _recomputed(step, leftover))
+    return fixed_bytes + sum(leftovers), leftovers
 
 
 def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
@@ -399,6 +420,7 @@ def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _Grou
         saves_output=not output_storages.keys().isdisjoint(saved_all),
         forward_temp_bytes=max(0, forward_temp_bytes) + guard_bytes,
         backward_temp_bytes=_backward_temp_bytes(step, members, stop),
+        cast_bytes=cast_bytes,
     )
 
 

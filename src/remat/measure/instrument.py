@@ -57,6 +57,8 @@ class StageMeasurement:
             the stage before, after that stage returned it.
         input_requires_grad: for each tensor among its inputs (in flattening order),
             whether it required grad.
+        forward_flops: floating-point operations of its forward, where the tracker counts
+            them (matrix products, convolutions, attention; 0 otherwise).
     """
 
     name: str
@@ -72,6 +74,7 @@ class StageMeasurement:
     modifies_input: bool = False
     input_changed: bool = False
     input_requires_grad: tuple[bool, ...] = ()
+    forward_flops: int = 0
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -194,6 +197,7 @@ class StageWatch:
         start_time = time.perf_counter()
         start_event = tracker.n_events if tracker is not None else 0
         start_saved = tracker.n_saved if tracker is not None else 0
+        start_flops = tracker.flops if tracker is not None else 0
         try:
             if self._run is not None and torch.is_grad_enabled():
                 out = self._run.call(index, module, args, kwargs)
@@ -209,6 +213,7 @@ class StageWatch:
             self.stages[changed].modifies_input = True
         outputs = tensors_in(out)
         if tracker is not None:
+            stage.forward_flops = tracker.flops - start_flops
             stage.output_storages = tracker.allocations_of(outputs)
             saved_ids = tracker.saved_allocations(start_saved) + self.saved_ids[index]
             records = tracker.allocation_records(saved_ids)

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ def measure_chain(
     frugal: bool = False,
     sized: bool = False,
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None = None,
+    known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -92,7 +93,7 @@ def measure_chain(
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     if sized:
-        return _sized_measurement(model, chain, args, kwargs, loss_fn, devices, device, before_timing)
+        return _sized_measurement(model, chain, args, kwargs, loss_fn, devices, device, before_timing, known_times)
     # Each run gets copies of the inputs: the caller's are never touched, and a model that
     # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):
@@ -118,30 +119,25 @@ def _sized_measurement(
     devices: list[torch.device],
     device: torch.device,
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
+    known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None,
 ) -> ChainMeasurement:
     """Bytes from a step on fake tensors, then times from a pass of one group at a time."""
     run_loss = functools.partial(_loss_and_backward, loss_fn)
+    outputs: list[Any] = []
+
+    def shaped_loss(output: Any) -> Any:
+        outputs.append(tree_map(_shape_of, output))
+        return loss_fn(output)
+
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
-            tracked = _tracked_step(model, chain, fake_args, fake_kwargs, loss_fn=loss_fn, device=device, spans=None)
+            tracked = _tracked_step(
+                model, chain, fake_args, fake_kwargs, loss_fn=shaped_loss, device=device, spans=None
+            )
     sized = assemble(chain, tracked)
     if before_timing is not None:
         before_timing(sized, ())  # a budget no schedule fits is refused before anything real runs
-    # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
-    outputs: list[Any] = []
-
-    def rehearse_loss(holder: list[Any]) -> None:
-        outputs.append(tree_map(_shape_of, holder[0]))
-        run_loss(holder)
-
-    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
-        fake_args, fake_kwargs = fake.inputs(args, kwargs)
-        with fake.mode:
-            rehearsal = time_groups(
-                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
-                run_loss=rehearse_loss, track_all=True,
-            )  # fmt: skip
     # NOTE [suffix on real tensors]
     # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps its
     # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
@@ -149,6 +145,17 @@ def _sized_measurement(
     # fake run is held through the whole step (the safe side: it may be transient).
     loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
     sized = _with_fixed_bytes(sized, sized.fixed_bytes + loss_extra)
+    times = known_times(sized) if known_times is not None else None
+    if times is not None:
+        return with_times(sized, times)
+    # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
+    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+        fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        with fake.mode:
+            rehearsal = time_groups(
+                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
+                run_loss=run_loss, track_all=True,
+            )  # fmt: skip
     # the real pass runs on copies of the inputs, which the rehearsal did not count
     copies = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs)))
     needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
@@ -221,9 +228,11 @@ def _tracked_step(
     spans: list[tuple[int, int]] | None,
 ) -> TrackedStep:
     """Runs the step under the tracker: bytes and event windows of every stage."""
-    tracker = MemoryTracker(device=device.type, count_fake=True)  # sized steps run on fake tensors
+    # sized steps run on fake tensors; the flops scale times to new shapes
+    tracker = MemoryTracker(device=device.type, count_fake=True, count_flops=True)
     watch = StageWatch(chain, tracker, None, spans)
-    with intercept_stages(chain, watch), tracker, tracker.saved_tensors_hooks():
+    # the frugal mode's own regions keep their inputs: not what the stages save
+    with intercept_stages(chain, watch), tracker, tracker.saved_tensors_hooks(note_kept=spans is None):
         output = model(*args, **kwargs)
         _check_no_cache(output)
         # Sizes now: some of these storages die with the output, before the assembly.

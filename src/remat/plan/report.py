@@ -194,16 +194,27 @@ class PlanReport:
         total = "unlimited" if split.total_bytes is None else format_bytes(split.total_bytes)
         chain = "unlimited" if split.chain_bytes is None else format_bytes(split.chain_bytes)
         loss = f" ({format_bytes(split.loss_allowance_bytes)} of it for the loss)" if split.loss_allowance_bytes else ""
-        peak = schedule.predicted_peak_bytes + outside
-        everything = self.baseline.peak_bytes + outside
+        after = split.after_chain_peak_bytes
+        during = split.chain_phase_peak_bytes(schedule.simulation)
+        peak = max(during, after)
+        everything = max(split.chain_phase_peak_bytes(self.baseline), after)
         fraction = peak / everything if everything else 1.0
+        sum_of_parts = (
+            f"chain {format_bytes(schedule.predicted_peak_bytes)} + held outside the chain {format_bytes(outside)}"
+        )
+        if after > during:
+            # the backward of the code before the chain peaks higher, whatever the schedule
+            peak_line = (
+                f"  predicted peak:  {format_bytes(peak)} after the chain's backward, at the code before it"
+                f" (during the chain: {sum_of_parts})"
+            )
+        else:
+            peak_line = f"  predicted peak:  {format_bytes(peak)} = {sum_of_parts}"
         return [
             f"  whole step: budget {total}, predicted peak {format_bytes(peak)}",
             f"  budget:          {total} = chain {chain}{loss} + held outside the chain"
             f" {format_bytes(outside)} + margin {format_bytes(split.margin_bytes)}",
-            f"  predicted peak:  {format_bytes(peak)} = chain {format_bytes(schedule.predicted_peak_bytes)}"
-            f" + held outside the chain {format_bytes(outside)}"
-            f"  ({_percent(fraction)} of storing everything: {format_bytes(everything)})",
+            f"{peak_line}  ({_percent(fraction)} of storing everything: {format_bytes(everything)})",
         ]
 
     def __repr__(self) -> str:

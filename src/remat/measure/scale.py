@@ -1,0 +1,141 @@
+"""Times for a new input shape, from a shape that was timed.
+
+Sizing a step on fake tensors is exact for any shape, and cheap; timing it is not (it
+runs the model). For a new shape of the same model, each planned stage's time is the
+time measured on a reference shape, scaled by how much more work the stage does now:
+its floating-point operations where the tracker counts them (matrix products,
+convolutions, attention, so an attention whose cost grows with the square of the
+sequence scales that way), else the bytes it produces and keeps (elementwise stages).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+from remat.measure.assemble import ChainMeasurement
+from remat.measure.instrument import StageMeasurement
+from remat.plan.key import shape_family
+
+__all__ = ["SCALING_RANGE", "ShapeTimings", "scaled_times", "work_ratio"]
+
+
+def _work(stages: Sequence[StageMeasurement]) -> tuple[int, int]:
+    """(flops, bytes produced and kept) of these stages' forwards."""
+    flops = sum(stage.forward_flops for stage in stages)
+    produced = sum(
+        sum(stage.output_storages.values()) + sum(nbytes for nbytes, _ in stage.saved_storages.values())
+        for stage in stages
+    )
+    return flops, produced
+
+
+def _ratio(reference: Sequence[StageMeasurement], target: Sequence[StageMeasurement]) -> float:
+    (flops_a, bytes_a), (flops_b, bytes_b) = _work(reference), _work(target)
+    if flops_a > 0 and flops_b > 0:
+        return flops_b / flops_a
+    if bytes_a > 0 and bytes_b > 0:
+        return bytes_b / bytes_a
+    return 1.0
+
+
+def work_ratio(reference: ChainMeasurement, target: ChainMeasurement) -> float:
+    """How much more work the whole chain does in `target` than in `reference`."""
+    return _ratio(reference.stages, target.stages)
+
+
+def scaled_times(reference: ChainMeasurement, target: ChainMeasurement) -> list[tuple[float, float]]:
+    """Per stage of `target`, (forward, backward) seconds scaled from the timed `reference`.
+
+    Both must measure the same chain (the same stages, in the same order). Stages are
+    scaled group by group where both are grouped alike (a group's time can be measured
+    as a whole), else one by one.
+    """
+    names = [stage.name for stage in reference.stages]
+    if names != [stage.name for stage in target.stages]:
+        raise ValueError("times can only be scaled between measurements of the same chain of stages")
+    if target.groups == reference.groups:
+        units = target.groups
+    else:
+        units = [(index, index + 1) for index in range(len(names))]
+    times: list[tuple[float, float]] = []
+    for first, stop in units:
+        ratio = _ratio(reference.stages[first:stop], target.stages[first:stop])
+        times.extend(
+            (stage.forward_time_s * ratio, stage.backward_time_s * ratio) for stage in reference.stages[first:stop]
+        )
+    return times
+
+
+#: A new shape whose work is within this factor of a timed shape's is not timed itself.
+SCALING_RANGE = 2.0
+
+
+class ShapeTimings:
+    """Which input shapes of a model were timed; times for the others, scaled from them.
+
+    Shapes fall into families (:func:`remat.plan.key.shape_family`: the same model, setup
+    and inputs but for their sizes). A new shape is timed when its family has fewer than
+    `limit` timed shapes and none within ``SCALING_RANGE`` of its work; otherwise its
+    times are scaled from the timed shape nearest in work. The first step at a scaled
+    shape checks the estimate (:meth:`verify`); a forward off by more than that range
+    has its shape timed at the next step, while the family has timings left.
+
+    Args:
+        limit: the most shapes timed per family.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"timed_shapes is at least 1 (the first shape is timed), got {limit}")
+        self.limit = limit
+        self.timed: dict[Hashable, dict[Hashable, ChainMeasurement]] = {}
+        self.counts = {"timed": 0, "scaled": 0}
+        self._unverified: dict[Hashable, float] = {}  # key -> predicted forward seconds
+        self._retime: set[Hashable] = set()
+
+    def known_times(self, key: Hashable, sized: ChainMeasurement) -> tuple[list[tuple[float, float]], float] | None:
+        """Scaled times for the shape `key` sized as `sized`, and the work ratio; None to time it."""
+        if key in self._retime:
+            return None
+        timed = self.timed.get(shape_family(key), {})
+        names = [stage.name for stage in sized.stages]
+        candidates = [m for k, m in timed.items() if k != key and [s.name for s in m.stages] == names]
+        if not candidates:
+            return None
+        reference = min(candidates, key=lambda m: abs(math.log(work_ratio(m, sized) or 1.0)))
+        ratio = work_ratio(reference, sized)
+        if len(timed) < self.limit and not 1 / SCALING_RANGE <= ratio <= SCALING_RANGE:
+            return None
+        return scaled_times(reference, sized), ratio
+
+    def record(self, key: Hashable, measurement: ChainMeasurement, *, scaled: bool) -> None:
+        """Notes how the shape `key` was measured."""
+        self.counts["scaled" if scaled else "timed"] += 1
+        if scaled:
+            self._unverified[key] = sum(measurement.profile.forward_time_s)
+        else:
+            self.timed.setdefault(shape_family(key), {})[key] = measurement
+            self._retime.discard(key)
+            self._unverified.pop(key, None)
+
+    def must_retime(self, key: Hashable) -> bool:
+        """Whether the shape `key` is to be timed again (its scaled times were off)."""
+        return key in self._retime
+
+    def unverified(self, key: Hashable) -> bool:
+        """Whether the shape `key` has scaled times not yet checked by a step."""
+        return key in self._unverified
+
+    def verify(self, key: Hashable, forward_s: float) -> tuple[float, bool]:
+        """Checks the scaled times of `key` against a forward that took `forward_s` seconds.
+
+        Returns the measured-over-predicted ratio and whether the shape must be timed.
+        """
+        predicted = self._unverified.pop(key)
+        ratio = forward_s / predicted if predicted > 0 else 1.0
+        off = not 1 / SCALING_RANGE <= ratio <= SCALING_RANGE
+        retime = off and len(self.timed.get(shape_family(key), {})) < self.limit
+        if retime:
+            self._retime.add(key)
+        return ratio, retime

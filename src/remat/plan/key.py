@@ -1,0 +1,89 @@
+"""The key a plan is cached under: everything about a step that changes its costs."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["shape_family", "signature", "what_changed"]
+
+# NOTE [what a plan depends on]
+# A plan is made for the costs of one step. They change with the inputs (structure,
+# shapes, dtypes, devices, which require grad), with the model (which parameters require
+# grad and so keep activations for their gradients; their dtypes and devices, after
+# model.half() or .to(); which modules are in training mode), with autocast (on which
+# device, to which dtype, with its cache) and with the kernels allowed (attention kernels,
+# deterministic algorithms). Each of these is part of the key a plan is cached under: a
+# change gives a new measurement and plan, never a stale one.
+_KEY_PARTS = (
+    "the input structure",
+    "the parameters (requires_grad, dtype or device)",
+    "the modules' training modes",
+    "autocast",
+    "the autocast cache",
+    "the attention kernels allowed",
+    "deterministic algorithms",
+)
+
+
+def what_changed(previous: Hashable | None, key: Hashable) -> str:
+    """Names what differs between two plan keys (see :func:`signature`), for the log."""
+    if not isinstance(previous, tuple) or not isinstance(key, tuple):
+        return "the first input"
+    changed = [name for name, a, b in zip(_KEY_PARTS, previous, key, strict=False) if a != b]
+    if previous[len(_KEY_PARTS) :] != key[len(_KEY_PARTS) :]:
+        changed.append("the input shapes, dtypes or devices")
+    return "a change in " + ", ".join(changed) if changed else "the same input again"
+
+
+def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    leaves, spec = tree_flatten((args, kwargs))
+    parts: list[Any] = [
+        str(spec),
+        tuple((p.requires_grad, p.dtype, p.device) for p in model.parameters()),
+        tuple(m.training for m in model.modules()),
+        tuple(
+            (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+            for device in ("cpu", "cuda")
+        ),
+        torch.is_autocast_cache_enabled(),
+        # scaled_dot_product_attention's kernels differ in what they keep (the math one
+        # keeps the whole attention matrix), and deterministic kernels can allocate more
+        _attention_kernels(),
+        torch.are_deterministic_algorithms_enabled(),
+    ]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
+        else:
+            parts.append(repr(leaf))
+    return tuple(parts)
+
+
+def _attention_kernels() -> tuple[bool, ...]:
+    cuda = torch.backends.cuda
+    return (
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+    )
+
+
+def shape_family(key: Hashable) -> Hashable:
+    """The key with the input tensors' sizes left out (their number of dimensions kept).
+
+    Two steps of one family differ only in their inputs' sizes (a batch, a sequence
+    length): one can be planned from the other's times, scaled (:mod:`remat.measure.scale`).
+    """
+    if not isinstance(key, tuple):
+        return key
+    head, leaves = key[: len(_KEY_PARTS)], key[len(_KEY_PARTS) :]
+    return head + tuple(
+        (len(leaf[0]), *leaf[1:]) if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple) else leaf
+        for leaf in leaves
+    )
