@@ -328,3 +328,20 @@ def test_marked_regions_and_in_place_chains_are_planned(case: str, budget: Any) 
     loss_fn(plain_model(x)).backward()
     for (name, expected), actual in zip(plain_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(expected.grad, actual.grad), name
+
+
+def test_the_old_frugal_flag_measures_within_the_budget() -> None:
+    torch.manual_seed(0)
+    model = remat.models.mlp_chain(depth=8, width=64)
+    x = torch.randn(32, 64)
+    with pytest.warns(DeprecationWarning, match="frugal_measure is deprecated"):
+        wrapped = remat.Checkpointable(model, 0.3, frugal_measure=True)
+    assert wrapped.measure_mode == "sized" and wrapped.frugal_measure
+    peak, budget = _tracked(wrapped, lambda: wrapped(x).sum().backward())
+    assert peak <= budget
+    # the segment-recompute measurement it used to select is measure="frugal", whose
+    # measuring step keeps about sqrt(n) stage inputs, whatever the budget
+    model.zero_grad(set_to_none=True)
+    frugal = remat.Checkpointable(model, 0.3, measure="frugal")
+    peak, budget = _tracked(frugal, lambda: frugal(x).sum().backward())
+    assert peak > budget

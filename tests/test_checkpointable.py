@@ -551,7 +551,7 @@ def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: s
     plain_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, measure="plain")
     with remat.MemoryTracker() as plain_tracker:
         plain = plain_wrapper.measure(*inputs)
-    frugal_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, frugal_measure=True)
+    frugal_wrapper = remat.Checkpointable(copy.deepcopy(model), 0.5, measure="frugal")
     with remat.MemoryTracker() as frugal_tracker:
         frugal = frugal_wrapper.measure(*inputs)
     # the measuring step itself: well below a plain step's memory

@@ -403,7 +403,7 @@ def test_frugal_measurement_refuses_a_changed_chain_input_and_leaves_it_untouche
     before = x.clone()
     version = x._version
     with pytest.raises(remat.UnsupportedModel, match="input of its first stage .* is changed in place"):
-        remat.Checkpointable(_changes_the_chain_input(kind), "min", frugal_measure=True)(x)
+        remat.Checkpointable(_changes_the_chain_input(kind), "min", measure="frugal")(x)
     assert torch.equal(x, before) and x._version == version
 
 
@@ -690,7 +690,7 @@ def test_a_stage_changing_its_changed_input_is_pinned() -> None:
 def test_frugal_measurement_breaks_its_segments_at_changed_boundaries() -> None:
     torch.manual_seed(0)
     plain = WritesBetweenStages()
-    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min", frugal_measure=True)
+    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min", measure="frugal")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compare_training(plain, wrapped, [torch.randn(8, 16)], lambda out: out.square().sum(), steps=2)
@@ -702,7 +702,7 @@ def test_frugal_measurement_refuses_a_stage_changing_its_changed_input() -> None
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(8, 16)
     x_before = x.clone()
-    wrapped = remat.Checkpointable(model, "min", frugal_measure=True)
+    wrapped = remat.Checkpointable(model, "min", measure="frugal")
     with pytest.raises(remat.UnsupportedModel, match="'layers.3.0' modifies in place an input that the model's code"):
         wrapped(x)
     assert torch.equal(x, x_before)
@@ -970,7 +970,7 @@ class RecomputesItsBody(nn.Module):
 def test_checkpointable_leaves_the_models_own_recompute_blocks_alone(how: str, frugal: bool) -> None:
     torch.manual_seed(0)
     plain = RecomputesItsBody(how)
-    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min", frugal_measure=frugal)
+    wrapped = remat.Checkpointable(copy.deepcopy(plain), "min", measure="frugal" if frugal else "sized")
     compare_training(plain, wrapped, [torch.randn(6, 8)], lambda out: out.square().sum(), steps=2)
     assert wrapped.plan is not None
     names = [stage.name for stage in wrapped.plan.measurement.stages]

@@ -792,7 +792,11 @@ def test_checkpointable_matches_plain_autograd(
     for name, mode in marks.items():  # manual recompute inside the automatic mode's stages
         remat.mark(modules[name], **recompute_options(mode))
     wrapped = remat.Checkpointable(
-        model, budget, solver=solver, frugal_measure=frugal_measure, loss_fn=weighted if with_loss_fn else None
+        model,
+        budget,
+        solver=solver,
+        measure="frugal" if frugal_measure else "sized",
+        loss_fn=weighted if with_loss_fn else None,
     )
     x = torch.randn(BATCH, WIDTH)
     options: dict[str, Any] = {
@@ -928,7 +932,7 @@ def test_checkpointable_of_a_model_with_a_marked_body_is_exact(frugal_measure: b
     remat.mark(model.block.body)
     # the marked body's modules were taken as the chain's stages, which its own recompute
     # calls again: refused while measuring, or wrong gradients when measured frugally
-    wrapped = remat.Checkpointable(model, "min", frugal_measure=frugal_measure)
+    wrapped = remat.Checkpointable(model, "min", measure="frugal" if frugal_measure else "sized")
     assert_same_gradients(gradients_of(plain, lambda m, x: m(x)), gradients_of(model, lambda m, x: wrapped(x)))
 
 

@@ -113,7 +113,9 @@ class Checkpointable(nn.Module):
             * ``"frugal"``: the same steps with the stages recomputed in segments of about
               sqrt(n) (see NOTE [frugal measurement]); its predictions err a little more
               on the safe side.
-        frugal_measure: the same as ``measure="frugal"`` (kept for older code).
+        frugal_measure: kept for older code, where it asked for a measuring step in less
+            memory than a plain one: measuring stays within the budget now by default, so
+            True selects the default (``measure="sized"``) and warns (DeprecationWarning).
         plan: a plan to train with at every training call, without measuring or planning:
             a :class:`~remat.plan.Plan` or the path of one saved with ``plan.to_json()``
             (for production runs that must not change their schedule). It must plan this
@@ -175,9 +177,16 @@ class Checkpointable(nn.Module):
         self.output_kept = output_kept
         if measure not in _MEASURE_MODES:
             raise ValueError(f"measure is one of {', '.join(map(repr, _MEASURE_MODES))}, got {measure!r}")
-        if frugal_measure and measure != "sized":
-            raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure='frugal' alone")
-        self.measure_mode = "frugal" if frugal_measure else measure
+        if frugal_measure:
+            if measure != "sized":
+                raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure alone")
+            warnings.warn(
+                "remat: frugal_measure is deprecated: measuring stays within the budget by default "
+                "(measure='sized'); pass measure='frugal' for the measuring step with recomputed segments",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.measure_mode = measure
         self._shapes = ShapeTimings(timed_shapes)
         self._solver()  # fail now on an unknown solver name
 
@@ -400,12 +409,8 @@ class Checkpointable(nn.Module):
 
     @property
     def frugal_measure(self) -> bool:
-        """Whether stages are measured with the frugal step (``measure="frugal"``)."""
-        return self.measure_mode == "frugal"
-
-    @frugal_measure.setter
-    def frugal_measure(self, value: bool) -> None:
-        self.measure_mode = "frugal" if value else "sized"
+        """Whether measuring avoids a plain step's memory (kept for older code; see ``measure``)."""
+        return self.measure_mode != "plain"
 
     # ------------------------------------------------------------------ internals
     @property
@@ -552,8 +557,7 @@ class Checkpointable(nn.Module):
         total = self._total_bytes(key, planning, mem_limit)
         chain_bytes = planning.chain_bytes(total)
         self._check_feasible(key, planning, total)
-        schedule = planning.solver(planning.profile, chain_bytes)
-        split = BudgetSplit(
+        conservative = BudgetSplit(
             total_bytes=total,
             chain_bytes=chain_bytes,
             held_outside_bytes=planning.held_outside_bytes,
@@ -565,6 +569,7 @@ class Checkpointable(nn.Module):
             from_loss_bytes=measurement.suffix_kept_bytes,
             kept_output_bytes=measurement.output_bytes if self.output_kept else 0,
         )
+        schedule, split = planning.solve(conservative)
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
         logger.info(

@@ -194,6 +194,11 @@ class PlanReport:
         total = "unlimited" if split.total_bytes is None else format_bytes(split.total_bytes)
         chain = "unlimited" if split.chain_bytes is None else format_bytes(split.chain_bytes)
         loss = f" ({format_bytes(split.loss_allowance_bytes)} of it for the loss)" if split.loss_allowance_bytes else ""
+        # a chain share that counts what is held outside only part of the step where it lives
+        overlap = 0
+        if split.total_bytes is not None and split.chain_bytes is not None:
+            overlap = max(0, split.chain_bytes + outside + split.margin_bytes - split.total_bytes)
+        part_time = f" ({format_bytes(overlap)} more held only part of the step)" if overlap else ""
         after = split.after_chain_peak_bytes
         during = split.chain_phase_peak_bytes(schedule.simulation)
         peak = max(during, after)
@@ -213,7 +218,7 @@ class PlanReport:
         return [
             f"  whole step: budget {total}, predicted peak {format_bytes(peak)}",
             f"  budget:          {total} = chain {chain}{loss} + held outside the chain"
-            f" {format_bytes(outside)} + margin {format_bytes(split.margin_bytes)}",
+            f" {format_bytes(outside - overlap)} + margin {format_bytes(split.margin_bytes)}{part_time}",
             f"{peak_line}  ({_percent(fraction)} of storing everything: {format_bytes(everything)})",
         ]
 

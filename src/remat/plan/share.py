@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
 from remat.plan.profile import ChainProfile
+from remat.plan.schedule import Schedule
 from remat.plan.solvers import Solver
+from remat.plan.step import BudgetSplit
+
+#: At most this many more solves look for a faster plan that counts what is held only
+#: part of the step where it lives (see :meth:`Planning.solve`).
+TIGHTENINGS = 4
 
 __all__ = ["Planning"]
 
@@ -51,3 +58,32 @@ class Planning(NamedTuple):
         while minimum > max(1, after_chain) and self.chain_bytes(minimum - 1) >= needed:
             minimum -= 1
         return minimum
+
+    def solve(self, split: BudgetSplit) -> tuple[Schedule, BudgetSplit]:
+        """The fastest schedule found whose predicted whole-step peak fits the budget.
+
+        The schedule planned within ``split.chain_bytes`` fits: it counts everything held
+        outside the chain as held through the step. Part of it lives only part of the
+        step (a kept output after the loss, the partial gradient of a tied weight after
+        its backward), so a larger chain share can fit too: the solver is given the
+        share with that part added, the result is checked against the budget with
+        everything counted where it lives, and the share is lowered by the excess until
+        it fits (at most ``TIGHTENINGS`` times). The faster of the two plans is taken.
+        """
+        schedule = self.solver(self.profile, split.chain_bytes)
+        if split.total_bytes is None or split.chain_bytes is None or not split.part_time_bytes:
+            return schedule, split
+        limit = split.total_bytes - split.margin_bytes
+        share = split.chain_bytes + split.part_time_bytes
+        for _ in range(TIGHTENINGS):
+            candidate_split = dataclasses.replace(split, chain_bytes=share)
+            candidate = self.solver(self.profile, share)
+            peak = candidate_split.chain_phase_peak_bytes(candidate.simulation)
+            if peak <= limit:
+                if candidate.predicted_time_s < schedule.predicted_time_s:
+                    return candidate, candidate_split
+                break
+            share -= peak - limit
+            if share <= split.chain_bytes:
+                break
+        return schedule, split

@@ -78,6 +78,14 @@ class BudgetSplit:
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
 
+    @property
+    def part_time_bytes(self) -> int:
+        """What is held outside the chain only part of the step, where the prediction
+        follows it (0 under autocast: see :meth:`chain_phase_peak_bytes`)."""
+        if any(self.cast_bytes):
+            return 0
+        return sum(self.leftover_bytes) + self.from_loss_bytes + self.kept_output_bytes
+
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
         """The step's peak until the chain's backward is done, for a schedule simulated so."""
         if any(self.cast_bytes):
