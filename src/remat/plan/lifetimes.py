@@ -7,9 +7,9 @@ schedule for the prediction:
 
 * what a stage's backward leaves behind (the partial gradient of a weight used twice),
   from that backward on;
-* what the code after the chain (a head, the loss) still holds when the chain's
-  backward starts, from the loss on;
-* the model output a training loop keeps, once the loss is computed.
+* from the loss on: what the code after the chain (a head, the loss) still holds when
+  the chain's backward starts, and the model output a training loop keeps (measured
+  dropped once the loss was computed, it is alive through the loss's own backward).
 
 (Autocast's weight casts are not followed: see :meth:`remat.plan.step.BudgetSplit.chain_phase_peak_bytes`.)
 """
@@ -31,18 +31,16 @@ class Lifetimes:
 
     Attributes:
         leftover_bytes: per planned stage, what its backward leaves alive.
-        from_loss_bytes: alive from the loss on (what the code after the chain keeps).
-        after_loss_bytes: alive once the loss is computed (the output a loop keeps).
+        from_loss_bytes: alive from the loss on.
     """
 
     leftover_bytes: Sequence[int] = ()
     from_loss_bytes: int = 0
-    after_loss_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         """All of it (what planning counts as held through the step)."""
-        return sum(self.leftover_bytes) + self.from_loss_bytes + self.after_loss_bytes
+        return sum(self.leftover_bytes) + self.from_loss_bytes
 
 
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
@@ -55,8 +53,6 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
         if kind is OperationKind.LOSS:
             alive += lifetimes.from_loss_bytes
         peak = max(peak, entry.peak_during_bytes + alive)
-        if kind is OperationKind.LOSS:
-            alive += lifetimes.after_loss_bytes
-        elif kind is OperationKind.BACKWARD and stage is not None and leftovers:
+        if kind is OperationKind.BACKWARD and stage is not None and leftovers:
             alive += leftovers[stage]
     return peak

@@ -57,7 +57,7 @@ class BudgetSplit:
             backward;
         leftover_bytes: per planned stage, what its backward leaves alive;
         from_loss_bytes: what the code after the chain keeps from the loss on;
-        kept_output_bytes: the model output the training loop keeps, after the loss.
+        kept_output_bytes: the model output the training loop keeps, from the loss on.
             These four are counted in ``held_outside_bytes``: the plan is made as if
             they lived through the whole step. Outside autocast, the prediction follows
             the lifetimes of the last three (:mod:`remat.plan.lifetimes`).
@@ -95,7 +95,7 @@ class BudgetSplit:
             # it stays the bound the plan was made under: everything held outside the chain
             # counted through the whole step (an overestimate of up to 16% in the backward).
             return simulation.peak_bytes + self.held_outside_bytes
-        lifetimes = Lifetimes(self.leftover_bytes, self.from_loss_bytes, self.kept_output_bytes)
+        lifetimes = Lifetimes(self.leftover_bytes, self.from_loss_bytes + self.kept_output_bytes)
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
     @classmethod
