@@ -187,7 +187,10 @@ def main() -> None:
             )
     RESULTS.mkdir(exist_ok=True)
     suffix = "_quick" if options.quick else ""
-    (RESULTS / f"budget_matrix{suffix}.json").write_text(json.dumps(results, indent=2))
+    path = RESULTS / f"budget_matrix{suffix}.json"
+    if options.models and path.exists():  # a subset run updates its rows of the last full run
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=2))
     lines = [
         "| model / precision | feasible from | worst peak / budget (any step) | first step / budget "
         "| measured / predicted | measuring cost (plain steps) |",

@@ -93,8 +93,8 @@ class Checkpointable(nn.Module):
             sum and leaves room for a loss holding ``LOSS_ALLOWANCE_OUTPUTS`` (3) tensors of
             the output's size (see NOTE [loss allowance]); with it, the plan is exact.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
-            None: 0 for an ``nn.Sequential`` measured with your ``loss_fn`` outside autocast
-            (predicted to the byte), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
+            None: 0 for a model measured with your ``loss_fn`` outside autocast (predicted
+            to the byte, or above), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
         output_kept: whether the training loop keeps the model's output alive through the
             backward (``outputs = model(x); outputs.loss.backward()``, the Hugging Face
             style). True is safe either way; set False when the loss is computed in one
@@ -423,12 +423,13 @@ class Checkpointable(nn.Module):
     def _margin(self, key: Hashable) -> float:
         if self._margin_option is not None:
             return self._margin_option
-        # An nn.Sequential measured with the real loss is predicted to the byte; anything
-        # with parts outside the chain, measured with the default loss, or run under
-        # autocast (whose cache of casts lives across the step on its own terms, NOTE
-        # [autocast casts]) keeps a margin.
+        # A model measured with the real loss is predicted to the byte or above it: its
+        # own code around the chain is sized with the rest, and what runs after the chain
+        # is checked on real tensors (NOTE [suffix on real tensors]). One measured with the
+        # default loss, or run under autocast (whose cache of casts lives across the step
+        # on its own terms, NOTE [autocast casts]), keeps a margin.
         autocast = isinstance(key, tuple) and len(key) > 3 and any(key[3])
-        exact = self._chains[key].whole_model and self._loss_fn is not None and not autocast
+        exact = self._loss_fn is not None and not autocast
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
     def _options(self, mem_limit: Budget) -> _PlanOptions:
@@ -512,9 +513,20 @@ class Checkpointable(nn.Module):
             # the loss itself, which errs on the safe side).
             held_outside += measurement.output_bytes
         after_chain = measurement.end_peak_bytes + (measurement.output_bytes if self.output_kept else 0)
-        return Planning(
-            profile, held_outside, allowance, self._margin(key), self._solver(profile.n_stages), after_chain
+        outside = BudgetSplit(
+            total_bytes=None,
+            chain_bytes=None,
+            held_outside_bytes=held_outside,
+            loss_allowance_bytes=allowance,
+            after_chain_peak_bytes=after_chain,
+            cast_bytes=measurement.cast_bytes,
+            leftover_bytes=measurement.leftover_bytes,
+            from_loss_bytes=measurement.suffix_kept_bytes,
+            kept_output_bytes=measurement.output_bytes if self.output_kept else 0,
+            loss_only_bytes=measurement.suffix_transient_bytes,
         )
+        margin = self._margin(key)
+        return Planning(profile, held_outside, allowance, margin, self._solver(profile.n_stages), after_chain, outside)
 
     def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
         cache_key = (key, self._options(None))
@@ -523,7 +535,7 @@ class Checkpointable(nn.Module):
         return self._minimums[cache_key]
 
     def _solve_minimum_budget_bytes(self, planning: Planning) -> int:
-        return planning.total_for(planning.solver.minimum_bytes(planning.profile))
+        return planning.minimum_total_bytes()
 
     def _total_bytes(self, key: Hashable, planning: Planning, mem_limit: Budget) -> int:
         """The whole-step budget in bytes that `mem_limit` stands for."""
@@ -555,21 +567,8 @@ class Checkpointable(nn.Module):
         measurement = self._measurements[key]
         planning = self._prepared(key)
         total = self._total_bytes(key, planning, mem_limit)
-        chain_bytes = planning.chain_bytes(total)
         self._check_feasible(key, planning, total)
-        conservative = BudgetSplit(
-            total_bytes=total,
-            chain_bytes=chain_bytes,
-            held_outside_bytes=planning.held_outside_bytes,
-            loss_allowance_bytes=planning.loss_allowance_bytes,
-            margin_bytes=total - int(total * (1.0 - planning.margin)),
-            after_chain_peak_bytes=planning.after_chain_peak_bytes,
-            cast_bytes=measurement.cast_bytes,
-            leftover_bytes=measurement.leftover_bytes,
-            from_loss_bytes=measurement.suffix_kept_bytes,
-            kept_output_bytes=measurement.output_bytes if self.output_kept else 0,
-        )
-        schedule, split = planning.solve(conservative)
+        schedule, split = planning.solve(planning.split(total))
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
         logger.info(

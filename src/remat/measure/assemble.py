@@ -57,6 +57,9 @@ class ChainMeasurement:
         leftover_bytes: per planned stage, what its backward leaves alive besides its
             input's gradient, from then on (counted in ``fixed_bytes``): the partial
             gradient of a weight also used before it, waiting for the other use.
+        suffix_transient_bytes: what the chain output's gradient in the profile charges
+            for the suffix's own peak (a head's logits and their gradient) beyond the
+            gradient itself: it lives during the loss only.
     """
 
     stages: list[StageMeasurement]
@@ -70,6 +73,7 @@ class ChainMeasurement:
     suffix_kept_bytes: int = 0
     cast_bytes: tuple[int, ...] = ()
     leftover_bytes: tuple[int, ...] = ()
+    suffix_transient_bytes: int = 0
 
 
 @dataclass
@@ -128,7 +132,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
     fixed_bytes, leftovers = _bytes_held_outside_chain(chain, step)
-    suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes = _suffix(step)
+    suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = _suffix(step)
     fixed_bytes += suffix_kept_bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
@@ -182,6 +186,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         suffix_kept_bytes=int(suffix_kept_bytes),
         cast_bytes=tuple(int(c) for c in casts),
         leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
+        suffix_transient_bytes=int(suffix_transient_bytes),
     )
 
 
@@ -355,8 +360,9 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     return sum(escaped.values())
 
 
-def _suffix(step: TrackedStep) -> tuple[int, int, int]:
-    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain output, its peak).
+def _suffix(step: TrackedStep) -> tuple[int, int, int, int]:
+    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain
+    output, its peak, and how much of that gradient is the suffix's transient).
 
     The chain output's gradient appears with the loss; whatever runs after the chain (a
     head, the loss) is charged at that moment, as extra bytes of that gradient.
@@ -377,7 +383,7 @@ def _suffix(step: TrackedStep) -> tuple[int, int, int]:
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         kept_bytes = _sum_except(held, excluded | _recomputed(step, held))
     gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - suffix.before_bytes - kept_bytes)
-    return kept_bytes, gradient_bytes, suffix.peak_bytes - suffix.before_bytes
+    return kept_bytes, gradient_bytes, suffix.peak_bytes - suffix.before_bytes, gradient_bytes - watch.output_grad_bytes
 
 
 def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _GroupCost:

@@ -11,6 +11,11 @@ schedule for the prediction:
   the chain's backward starts, and the model output a training loop keeps (measured
   dropped once the loss was computed, it is alive through the loss's own backward).
 
+* the profile charges the chain output's gradient with the peak of the code after the
+  chain (``gradient_bytes[-1]``: a head's logits and their gradient, the loss's own),
+  from the loss to the last stage's backward; beyond the gradient itself, that lives
+  during the loss only, and is taken off afterwards.
+
 (Autocast's weight casts are not followed: see :meth:`remat.plan.step.BudgetSplit.chain_phase_peak_bytes`.)
 """
 
@@ -32,10 +37,13 @@ class Lifetimes:
     Attributes:
         leftover_bytes: per planned stage, what its backward leaves alive.
         from_loss_bytes: alive from the loss on.
+        loss_only_bytes: counted by the simulator from the loss to the last stage's
+            backward, but alive during the loss only.
     """
 
     leftover_bytes: Sequence[int] = ()
     from_loss_bytes: int = 0
+    loss_only_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -46,6 +54,7 @@ class Lifetimes:
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
     """The chain's simulated peak with what `lifetimes` describes added while it lives."""
     leftovers = lifetimes.leftover_bytes
+    last = len(simulation.forward_counts) - 1
     alive = 0
     peak = 0
     for entry in simulation.timeline:
@@ -53,6 +62,11 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
         if kind is OperationKind.LOSS:
             alive += lifetimes.from_loss_bytes
         peak = max(peak, entry.peak_during_bytes + alive)
-        if kind is OperationKind.BACKWARD and stage is not None and leftovers:
-            alive += leftovers[stage]
+        if kind is OperationKind.LOSS:
+            alive -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
+        elif kind is OperationKind.BACKWARD and stage is not None:
+            if stage == last:
+                alive += lifetimes.loss_only_bytes
+            if leftovers:
+                alive += leftovers[stage]
     return peak

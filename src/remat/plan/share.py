@@ -28,6 +28,8 @@ class Planning(NamedTuple):
         margin: the fraction of the budget kept free (NOTE [planning margin]).
         solver: the solver to plan with.
         after_chain_peak_bytes: the step's peak after the chain's backward (any schedule).
+        outside: what is held outside the chain and when (a :class:`BudgetSplit` with no
+            budget yet: :meth:`split` gives the one of a budget).
     """
 
     profile: ChainProfile
@@ -36,6 +38,34 @@ class Planning(NamedTuple):
     margin: float
     solver: Solver
     after_chain_peak_bytes: int
+    outside: BudgetSplit
+
+    def split(self, total_bytes: int) -> BudgetSplit:
+        """How a whole-step budget of `total_bytes` is shared out, as planning starts."""
+        return dataclasses.replace(
+            self.outside,
+            total_bytes=total_bytes,
+            chain_bytes=self.chain_bytes(total_bytes),
+            margin_bytes=total_bytes - int(total_bytes * (1.0 - self.margin)),
+        )
+
+    def minimum_total_bytes(self) -> int:
+        """The smallest whole-step budget :meth:`solve` plans within.
+
+        With everything held outside counted through the step, it is the one whose chain
+        share is the solver's minimum; with what lives only part of the step counted where
+        it lives, the least-memory schedule may fit a smaller one.
+        """
+        minimum_chain = self.solver.minimum_bytes(self.profile)
+        conservative = self.total_for(minimum_chain)
+        if not self.outside.part_time_bytes:
+            return conservative
+        least = self.solver(self.profile, minimum_chain)
+        needed = max(self.outside.chain_phase_peak_bytes(least.simulation), self.after_chain_peak_bytes)
+        total = math.ceil(needed / (1.0 - self.margin))
+        while int(total * (1.0 - self.margin)) < needed:
+            total += 1
+        return min(conservative, total)
 
     def chain_bytes(self, total_bytes: int) -> int:
         """The chain's share of a whole-step budget of `total_bytes`."""
@@ -64,26 +94,36 @@ class Planning(NamedTuple):
 
         The schedule planned within ``split.chain_bytes`` fits: it counts everything held
         outside the chain as held through the step. Part of it lives only part of the
-        step (a kept output after the loss, the partial gradient of a tied weight after
+        step (a kept output from the loss on, the partial gradient of a tied weight after
         its backward), so a larger chain share can fit too: the solver is given the
         share with that part added, the result is checked against the budget with
         everything counted where it lives, and the share is lowered by the excess until
-        it fits (at most ``TIGHTENINGS`` times). The faster of the two plans is taken.
+        it fits (at most ``TIGHTENINGS`` times, then the solver's minimum is tried). The
+        faster of the two plans is taken. The budget must be at least
+        :meth:`minimum_total_bytes`.
         """
-        schedule = self.solver(self.profile, split.chain_bytes)
-        if split.total_bytes is None or split.chain_bytes is None or not split.part_time_bytes:
+        assert split.total_bytes is not None and split.chain_bytes is not None
+        minimum = self.solver.minimum_bytes(self.profile)
+        schedule = self.solver(self.profile, split.chain_bytes) if split.chain_bytes >= minimum else None
+        if not split.part_time_bytes:
+            if schedule is None:
+                raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
             return schedule, split
         limit = split.total_bytes - split.margin_bytes
         share = split.chain_bytes + split.part_time_bytes
-        for _ in range(TIGHTENINGS):
+        for attempt in range(TIGHTENINGS + 1):
+            if attempt == TIGHTENINGS or share < minimum:
+                share = minimum  # the last try: the least memory the solver can plan in
             candidate_split = dataclasses.replace(split, chain_bytes=share)
             candidate = self.solver(self.profile, share)
             peak = candidate_split.chain_phase_peak_bytes(candidate.simulation)
             if peak <= limit:
-                if candidate.predicted_time_s < schedule.predicted_time_s:
+                if schedule is None or candidate.predicted_time_s < schedule.predicted_time_s:
                     return candidate, candidate_split
                 break
-            share -= peak - limit
-            if share <= split.chain_bytes:
+            if share == minimum or schedule is not None and share <= split.chain_bytes:
                 break
+            share -= peak - limit
+        if schedule is None:
+            raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
         return schedule, split

@@ -58,6 +58,9 @@ class BudgetSplit:
         leftover_bytes: per planned stage, what its backward leaves alive;
         from_loss_bytes: what the code after the chain keeps from the loss on;
         kept_output_bytes: the model output the training loop keeps, from the loss on.
+        loss_only_bytes: of the chain output's gradient in the profile, what is the peak
+            of the code after the chain: planned from the loss to the last stage's
+            backward, alive during the loss only.
             These four are counted in ``held_outside_bytes``: the plan is made as if
             they lived through the whole step. Outside autocast, the prediction follows
             the lifetimes of the last three (:mod:`remat.plan.lifetimes`).
@@ -73,6 +76,7 @@ class BudgetSplit:
     leftover_bytes: tuple[int, ...] = ()
     from_loss_bytes: int = 0
     kept_output_bytes: int = 0
+    loss_only_bytes: int = 0
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
@@ -84,7 +88,7 @@ class BudgetSplit:
         follows it (0 under autocast: see :meth:`chain_phase_peak_bytes`)."""
         if any(self.cast_bytes):
             return 0
-        return sum(self.leftover_bytes) + self.from_loss_bytes + self.kept_output_bytes
+        return sum(self.leftover_bytes) + self.from_loss_bytes + self.kept_output_bytes + self.loss_only_bytes
 
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
         """The step's peak until the chain's backward is done, for a schedule simulated so."""
@@ -95,7 +99,7 @@ class BudgetSplit:
             # it stays the bound the plan was made under: everything held outside the chain
             # counted through the whole step (an overestimate of up to 16% in the backward).
             return simulation.peak_bytes + self.held_outside_bytes
-        lifetimes = Lifetimes(self.leftover_bytes, self.from_loss_bytes + self.kept_output_bytes)
+        lifetimes = Lifetimes(self.leftover_bytes, self.from_loss_bytes + self.kept_output_bytes, self.loss_only_bytes)
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
     @classmethod
