@@ -506,36 +506,29 @@ class Checkpointable(nn.Module):
             gradients = list(profile.gradient_bytes)
             gradients[-1] += allowance
             profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
-        held_outside = measurement.fixed_bytes
-        if self.output_kept:
-            # The loss was measured with the output dropped once the loss is computed; a
-            # loop that keeps it holds it through the whole step on top (counted twice at
-            # the loss itself, which errs on the safe side).
-            held_outside += measurement.output_bytes
-        after_chain = measurement.end_peak_bytes + (measurement.output_bytes if self.output_kept else 0)
+        # The loss was measured with the output dropped once the loss is computed; a loop
+        # that keeps it holds it from the loss on (planned as held through the whole step,
+        # predicted where it lives: remat.plan.lifetimes).
+        kept_output = measurement.output_bytes if self.output_kept else 0
         outside = BudgetSplit(
             total_bytes=None,
             chain_bytes=None,
-            held_outside_bytes=held_outside,
+            held_outside_bytes=measurement.fixed_bytes + kept_output,
             loss_allowance_bytes=allowance,
-            after_chain_peak_bytes=after_chain,
+            after_chain_peak_bytes=measurement.end_peak_bytes + kept_output,
             cast_bytes=measurement.cast_bytes,
             leftover_bytes=measurement.leftover_bytes,
             from_loss_bytes=measurement.suffix_kept_bytes,
-            kept_output_bytes=measurement.output_bytes if self.output_kept else 0,
+            kept_output_bytes=kept_output,
             loss_only_bytes=measurement.suffix_transient_bytes,
         )
-        margin = self._margin(key)
-        return Planning(profile, held_outside, allowance, margin, self._solver(profile.n_stages), after_chain, outside)
+        return Planning(profile, self._margin(key), self._solver(profile.n_stages), outside)
 
     def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
         cache_key = (key, self._options(None))
         if cache_key not in self._minimums:
-            self._minimums[cache_key] = self._solve_minimum_budget_bytes(planning)
+            self._minimums[cache_key] = planning.minimum_total_bytes()
         return self._minimums[cache_key]
-
-    def _solve_minimum_budget_bytes(self, planning: Planning) -> int:
-        return planning.minimum_total_bytes()
 
     def _total_bytes(self, key: Hashable, planning: Planning, mem_limit: Budget) -> int:
         """The whole-step budget in bytes that `mem_limit` stands for."""

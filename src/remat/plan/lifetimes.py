@@ -9,8 +9,7 @@ schedule for the prediction:
   from that backward on;
 * from the loss on: what the code after the chain (a head, the loss) still holds when
   the chain's backward starts, and the model output a training loop keeps (measured
-  dropped once the loss was computed, it is alive through the loss's own backward).
-
+  dropped once the loss was computed, it is alive through the loss's own backward);
 * the profile charges the chain output's gradient with the peak of the code after the
   chain (``gradient_bytes[-1]``: a head's logits and their gradient, the loss's own),
   from the loss to the last stage's backward; beyond the gradient itself, that lives
@@ -32,7 +31,7 @@ __all__ = ["Lifetimes", "peak_with_lifetimes"]
 
 @dataclass(frozen=True)
 class Lifetimes:
-    """Bytes held outside the chain that live only part of the step.
+    """Bytes planned as living longer than they do.
 
     Attributes:
         leftover_bytes: per planned stage, what its backward leaves alive.

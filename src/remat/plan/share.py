@@ -23,22 +23,27 @@ class Planning(NamedTuple):
 
     Attributes:
         profile: the chain's profile (the loss allowance included).
-        held_outside_bytes: held through the step outside the chain's schedule.
-        loss_allowance_bytes: room kept for a loss that was not measured.
         margin: the fraction of the budget kept free (NOTE [planning margin]).
         solver: the solver to plan with.
-        after_chain_peak_bytes: the step's peak after the chain's backward (any schedule).
-        outside: what is held outside the chain and when (a :class:`BudgetSplit` with no
-            budget yet: :meth:`split` gives the one of a budget).
+        outside: what is held outside the chain and when, the loss allowance and the peak
+            after the chain's backward (a :class:`BudgetSplit` with no budget yet:
+            :meth:`split` gives the one of a budget).
     """
 
     profile: ChainProfile
-    held_outside_bytes: int
-    loss_allowance_bytes: int
     margin: float
     solver: Solver
-    after_chain_peak_bytes: int
     outside: BudgetSplit
+
+    @property
+    def held_outside_bytes(self) -> int:
+        """Held through the step outside the chain's schedule (as planning counts it)."""
+        return self.outside.held_outside_bytes
+
+    @property
+    def after_chain_peak_bytes(self) -> int:
+        """The step's peak after the chain's backward, whatever the schedule."""
+        return self.outside.after_chain_peak_bytes
 
     def split(self, total_bytes: int) -> BudgetSplit:
         """How a whole-step budget of `total_bytes` is shared out, as planning starts."""
@@ -71,10 +76,10 @@ class Planning(NamedTuple):
         """The chain's share of a whole-step budget of `total_bytes`."""
         # NOTE [planning margin]
         # The plan must fit with a margin for what per-stage measurement cannot attribute
-        # (the model's own code around the chain, a real loss heavier than the default
-        # one measured): the chain is planned for (1 - margin) of the budget, less the
-        # memory held outside it. A Sequential measured with the real loss has nothing
-        # unattributed.
+        # (a real loss heavier than the default one measured, autocast's casts): the
+        # chain is planned for (1 - margin) of the budget, less the memory held outside
+        # it. A model measured with the real loss outside autocast has nothing
+        # unattributed (Checkpointable._margin).
         return int(total_bytes * (1.0 - self.margin)) - self.held_outside_bytes
 
     def total_for(self, needed: int) -> int:

@@ -61,9 +61,10 @@ class BudgetSplit:
         loss_only_bytes: of the chain output's gradient in the profile, what is the peak
             of the code after the chain: planned from the loss to the last stage's
             backward, alive during the loss only.
-            These four are counted in ``held_outside_bytes``: the plan is made as if
-            they lived through the whole step. Outside autocast, the prediction follows
-            the lifetimes of the last three (:mod:`remat.plan.lifetimes`).
+            The first four of these are counted in ``held_outside_bytes``, and the last
+            in the profile: the plan is made as if they lived that long. Outside
+            autocast, the prediction follows the lifetimes of all but the casts
+            (:mod:`remat.plan.lifetimes`).
     """
 
     total_bytes: int | None
