@@ -211,12 +211,14 @@ class Checkpointable(nn.Module):
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
         how = self.measure_mode
         scaled: list[float] = []
+        references: list[ChainMeasurement] = []
 
         def known_times(sized: ChainMeasurement) -> list[tuple[float, float]] | None:
             found = self._shapes.known_times(key, sized) if training else None
             if found is None:
                 return None
             scaled.append(found[1])
+            references.append(found[2])
             return found[0]
 
         if how == "sized":
@@ -244,6 +246,8 @@ class Checkpointable(nn.Module):
                 )
         else:
             measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=how == "frugal")
+        if references:  # the same model code holds the same inputs at every shape
+            measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
         self._shapes.record(key, measurement, scaled=bool(scaled))
         if scaled:
             how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"
@@ -521,6 +525,8 @@ class Checkpointable(nn.Module):
             from_loss_bytes=measurement.suffix_kept_bytes,
             kept_output_bytes=kept_output,
             loss_only_bytes=measurement.suffix_transient_bytes,
+            held_inputs=measurement.held_inputs(),
+            suffix_backward_excess_bytes=measurement.suffix_backward_excess_bytes,
         )
         return Planning(profile, self._margin(key), self._solver(profile.n_stages), outside)
 

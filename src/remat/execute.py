@@ -22,6 +22,7 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import active_mode, graph_retained
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat.manual._state import is_recomputing
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 from remat.units import format_bytes
@@ -176,10 +178,17 @@ class _Run:
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.stage_links.returned(index, out)
-        if index == len(executor.chain) - 1 and torch.is_grad_enabled() and executor.recomputes():
+        if index == len(executor.chain) - 1 and torch.is_grad_enabled():
+            hooks = []
+            if executor.recomputes():
+                hooks.append(_refuse_retained_graph)
+            device_types = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            if any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
+                hooks.append(functools.partial(_warn_backward_under_autocast, frozenset(device_types)))
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(_refuse_retained_graph)
+                    for hook in hooks:
+                        tensor.register_hook(hook)
         return out
 
     def _call_in_region(
@@ -334,6 +343,21 @@ class ChainExecutor:
                 "needs every stage to run once per forward"
             )
         return out
+
+
+def _warn_backward_under_autocast(device_types: frozenset[str], grad: torch.Tensor) -> None:
+    """Warns when the backward runs inside the autocast region of the forward."""
+    # NOTE [autocast casts] (remat.measure.assemble): the plan counts autocast's cache of
+    # weight casts as emptied when the autocast region ends, before the backward, as in
+    # the training loop PyTorch recommends. A backward inside the region keeps it.
+    if not is_recomputing() and any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
+        warnings.warn(
+            "remat: backward runs inside torch.autocast; its cache keeps every weight cast of the "
+            "forward through the backward, which the plan does not count (it may go over the budget). "
+            "Leave the autocast region before calling backward, as PyTorch recommends",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _refuse_retained_graph(grad: torch.Tensor) -> None:

@@ -387,6 +387,15 @@ class MemoryTracker(TorchDispatchMode):
                     out[allocation_id] = self._allocations[allocation_id].nbytes
         return out
 
+    def allocation_freed_events(self, allocation_ids: Iterable[int]) -> dict[int, tuple[int, int | None]]:
+        """Allocation id -> (the event that allocated it, the event that freed it or None)."""
+        with self._lock:
+            return {
+                a: (self._allocations[a].allocated_at, self._allocations[a].freed_at)
+                for a in allocation_ids
+                if a in self._allocations
+            }
+
     def allocation_records(self, allocation_ids: Iterable[int]) -> dict[int, AllocationRecord]:
         """Allocation id -> (bytes when last seen, allocation event), for these ids."""
         with self._lock:

@@ -27,6 +27,7 @@ from remat.discover.chain import Chain
 from remat.manual._state import snapshot_bytes
 from remat.measure.instrument import StageMeasurement, StageWatch
 from remat.memory import AllocationRecord, MemoryTracker
+from remat.plan.lifetimes import HeldInput
 from remat.plan.profile import ChainProfile
 from remat.units import format_bytes
 
@@ -60,6 +61,12 @@ class ChainMeasurement:
         suffix_transient_bytes: what the chain output's gradient in the profile charges
             for the suffix's own peak (a head's logits and their gradient) beyond the
             gradient itself: it lives during the loss only.
+        suffix_backward_excess_bytes: how much the chain output's gradient in the
+            profile exceeds the peak of the suffix's forward part (until the loss is
+            computed; autocast's region ends there in a training loop).
+        input_held_until: per stage call, the last stage call whose forward runs while
+            the model's own code still holds the stage's input (NOTE [inputs the model
+            holds] in ``remat.measure.timing``); empty when not measured.
     """
 
     stages: list[StageMeasurement]
@@ -74,6 +81,25 @@ class ChainMeasurement:
     cast_bytes: tuple[int, ...] = ()
     leftover_bytes: tuple[int, ...] = ()
     suffix_transient_bytes: int = 0
+    input_held_until: tuple[int, ...] = ()
+    suffix_backward_excess_bytes: int = 0
+
+    def held_inputs(self) -> tuple[HeldInput, ...]:
+        """The planned stages' inputs the model holds beyond their stage (see ``input_held_until``)."""
+        group_of = [g for g, (first, stop) in enumerate(self.groups) for _ in range(first, stop)]
+        out = []
+        for index, until in enumerate(self.input_held_until):
+            start, end = group_of[index], group_of[until]
+            if index == 0 or end == start:
+                continue
+            nbytes = sum(self.stages[index].input_storages.values())
+            if index == self.groups[start][0]:
+                profile = self.profile
+                kept_before = start > 0 and profile.saves_output[start - 1]
+                out.append(HeldInput(start, end, nbytes, True, profile.saves_input[start], kept_before))
+            else:
+                out.append(HeldInput(start, end, nbytes, False))
+        return tuple(out)
 
 
 @dataclass
@@ -91,6 +117,8 @@ class TrackedStep:
             when the forward returned (state that remat replays, not a side effect).
         cast_allocations: the allocations of autocast's casts of weights (see
             :meth:`remat.memory.MemoryTracker.cast_allocations`).
+        loss_event: the event at which the loss was computed, before its backward (None:
+            the loss function ran the backward itself).
     """
 
     watch: StageWatch
@@ -101,6 +129,7 @@ class TrackedStep:
     device: str
     state_allocations: set[int] = field(default_factory=set)
     cast_allocations: set[int] = field(default_factory=set)
+    loss_event: int | None = None
 
 
 class _GroupCost(NamedTuple):
@@ -132,7 +161,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
     fixed_bytes, leftovers = _bytes_held_outside_chain(chain, step)
-    suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = _suffix(step)
+    suffix = _suffix(step)
+    suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = suffix[:4]
     fixed_bytes += suffix_kept_bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
@@ -187,6 +217,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         cast_bytes=tuple(int(c) for c in casts),
         leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
         suffix_transient_bytes=int(suffix_transient_bytes),
+        suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
     )
 
 
@@ -360,9 +391,10 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     return sum(escaped.values())
 
 
-def _suffix(step: TrackedStep) -> tuple[int, int, int, int]:
-    """(bytes the suffix keeps through the chain's backward, gradient bytes of the chain
-    output, its peak, and how much of that gradient is the suffix's transient).
+def _suffix(step: TrackedStep) -> _Suffix:
+    """Bytes the suffix keeps through the chain's backward, gradient bytes of the chain
+    output, its peak, how much of that gradient is the suffix's transient, and how much
+    it exceeds the peak of the suffix's forward (until the loss is computed).
 
     The chain output's gradient appears with the loss; whatever runs after the chain (a
     head, the loss) is charged at that moment, as extra bytes of that gradient.
@@ -382,8 +414,39 @@ def _suffix(step: TrackedStep) -> tuple[int, int, int, int]:
         held = tracker.surviving_allocations(last_forward_end, last_backward[1])
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         kept_bytes = _sum_except(held, excluded | _recomputed(step, held))
-    gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - suffix.before_bytes - kept_bytes)
-    return kept_bytes, gradient_bytes, suffix.peak_bytes - suffix.before_bytes, gradient_bytes - watch.output_grad_bytes
+    # A stage input that no stage saved (an autocast stage saves its cast) but the model's
+    # code still held when the last stage returned (NOTE [inputs the model holds]) is
+    # gone for the schedule, but counted in the window's start: the suffix adds that much
+    # more to what the schedule holds.
+    saved = {key for stage in watch.stages for key in stage.saved_storages}
+    inputs = {key: n for stage in watch.stages for key, n in stage.input_storages.items()}
+    held_then = tracker.allocation_freed_events(set(inputs) - saved - step.output_allocations)
+    uncounted = sum(
+        inputs[key]
+        for key, (allocated, freed) in held_then.items()
+        if allocated < last_forward_end and freed is not None and last_forward_end <= freed < suffix_stop
+    )
+    before_bytes = suffix.before_bytes - uncounted
+    gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - before_bytes - kept_bytes)
+    # the suffix's forward (a head, the loss itself) ends where the loss is computed
+    forward_end = step.loss_event if step.loss_event is not None else suffix_stop
+    forward = tracker.window(last_forward_end, max(last_forward_end, forward_end))
+    forward_bytes = max(0, forward.peak_bytes - before_bytes - kept_bytes)
+    return _Suffix(
+        kept_bytes,
+        gradient_bytes,
+        suffix.peak_bytes - before_bytes,
+        gradient_bytes - watch.output_grad_bytes,
+        gradient_bytes - forward_bytes,
+    )
+
+
+class _Suffix(NamedTuple):
+    kept_bytes: int
+    gradient_bytes: int
+    peak_bytes: int
+    transient_bytes: int
+    backward_excess_bytes: int
 
 
 def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _GroupCost:

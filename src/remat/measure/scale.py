@@ -94,8 +94,11 @@ class ShapeTimings:
         self._unverified: dict[Hashable, float] = {}  # key -> predicted forward seconds
         self._retime: set[Hashable] = set()
 
-    def known_times(self, key: Hashable, sized: ChainMeasurement) -> tuple[list[tuple[float, float]], float] | None:
-        """Scaled times for the shape `key` sized as `sized`, and the work ratio; None to time it."""
+    def known_times(
+        self, key: Hashable, sized: ChainMeasurement
+    ) -> tuple[list[tuple[float, float]], float, ChainMeasurement] | None:
+        """Scaled times for the shape `key` sized as `sized`, the work ratio and the timed
+        measurement they come from; None to time it."""
         if key in self._retime:
             return None
         timed = self.timed.get(shape_family(key), {})
@@ -107,7 +110,7 @@ class ShapeTimings:
         ratio = work_ratio(reference, sized)
         if len(timed) < self.limit and not 1 / SCALING_RANGE <= ratio <= SCALING_RANGE:
             return None
-        return scaled_times(reference, sized), ratio
+        return scaled_times(reference, sized), ratio, reference
 
     def record(self, key: Hashable, measurement: ChainMeasurement, *, scaled: bool) -> None:
         """Notes how the shape `key` was measured."""

@@ -165,7 +165,7 @@ def _sized_measurement(
         timing = time_groups(
             model, chain, sized.stages, sized.groups, args, kwargs, device, backward_groups, run_loss=run_loss
         )
-    measurement = with_times(sized, timing.times)
+    measurement = dataclasses.replace(with_times(sized, timing.times), input_held_until=rehearsal.input_held_until)
     if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
         # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
         # (a kernel of the model's own head); found after the pass, it counts from now on
@@ -247,7 +247,8 @@ def _tracked_step(
         state_allocations = set(tracker.allocations_of(state))
         holder = [output]
         del output
-        _loss_and_backward(loss_fn, holder)
+        loss_events: list[int] = []
+        _loss_and_backward(loss_fn, holder, lambda: loss_events.append(tracker.n_events))
     if watch.next_stage != len(chain):
         raise UnsupportedModel(
             f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
@@ -262,6 +263,7 @@ def _tracked_step(
         device=str(device),
         state_allocations=state_allocations,
         cast_allocations=tracker.cast_allocations(),
+        loss_event=loss_events[0] if loss_events else None,
     )
 
 
@@ -338,18 +340,27 @@ def _default_loss(output: Any) -> torch.Tensor:
     return torch.stack([t.sum() for t in tensors]).sum()
 
 
-def _loss_and_backward(loss_fn: Callable[[Any], Any], output: list[Any]) -> None:
+def _loss_and_backward(
+    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[], None] | None = None
+) -> None:
     """Computes the loss, drops the output (as a training loop does), then runs backward.
 
-    `output` is a one-element list so that this function holds the only reference.
+    `output` is a one-element list so that this function holds the only reference;
+    `on_loss` is called once the loss is computed, before its backward.
     """
     loss = loss_fn(output.pop())
+    if on_loss is not None:
+        on_loss()
     if loss is None:  # the loss function ran the backward itself
         return
     if not isinstance(loss, torch.Tensor):
         raise RematError(f"loss_fn must return the loss tensor (or None), got {type(loss).__name__}")
     if loss.numel() != 1:
         loss = loss.sum()
+    # A training loop leaves the autocast region before its backward, which empties the
+    # cache of weight casts: measured so, the casts the backward still needs are those the
+    # stages saved (the executor warns about a backward inside the region).
+    torch.clear_autocast_cache()
     loss.backward()
 
 

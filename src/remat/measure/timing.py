@@ -5,8 +5,8 @@ group (see :func:`remat.measure.assemble.group_stages`), grad is switched on, on
 cut from the pass (those that required grad in the sized step require grad again); at
 the group's last stage call, its backward runs at once from gradients of ones, and the
 group's outputs go on, detached, to the rest of the forward. Only one group's
-activations and gradients are alive at a time, on top of what the model holds between
-stages: the pass fits in any budget that a schedule of the chain fits in
+activations, gradients and autocast casts are alive at a time, on top of what the model
+holds between stages: the pass fits in any budget that a schedule of the chain fits in
 (:func:`timing_need_bytes` gives the bound before the pass runs).
 
 Each stage's forward is timed alone (on a GPU, with the device synchronised around it),
@@ -17,6 +17,7 @@ would not fit in the budget runs its forward without grad and its backward is es
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections.abc import Callable
@@ -49,11 +50,15 @@ class TimingPass(NamedTuple):
             began; None when not measured.
         group_peak_bytes: with ``track_all``, the pass's peak while each group ran (the
             last one with the suffix), counting everything allocated since it began.
+        input_held_until: with ``track_all``, for each stage call, the last stage call
+            whose forward runs while the model itself still holds the stage's input (NOTE
+            [inputs the model holds]); the stage's own index when nothing does.
     """
 
     times: list[tuple[float, float]]
     suffix_peak_bytes: int | None
     group_peak_bytes: tuple[int, ...] = ()
+    input_held_until: tuple[int, ...] = ()
 
 
 class _GroupTimer:
@@ -93,6 +98,8 @@ class _GroupTimer:
         self.everything = MemoryTracker(device=device_type, count_fake=True) if track_all else None
         self.track_all = track_all
         self.group_windows: list[tuple[int, int]] = []
+        self.stage_starts: list[int] = []  # with track_all: the event each stage call began at
+        self.input_allocations: list[dict[int, int]] = []  # and what it took from before it
         self._group_start = 0
         self.suffix_start_event = 0
         self.gradient_event: int | None = None
@@ -115,6 +122,9 @@ class _GroupTimer:
         suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
         if self.track_all and index in self.first_stages:
             self._group_start = self._event()
+        if self.everything is not None:
+            self.stage_starts.append(self._event())
+            self.input_allocations.append(self.everything.allocations_of(tensors_in((args, kwargs))))
         if index in self.first:
             self._grad_mode = torch.is_grad_enabled()
             torch.set_grad_enabled(True)
@@ -136,8 +146,13 @@ class _GroupTimer:
                 backward_s = self._now() - started
             torch.set_grad_enabled(self._grad_mode)
             out = _detached(out)
-        if self.track_all and index in self.last_stages and not suffix_follows:
-            self.group_windows.append((self._group_start, self._event()))
+        if index in self.last_stages and not suffix_follows:
+            # Autocast's cache would keep every group's casts of weights to the end of the
+            # pass; emptied, only one group's are alive at a time (a weight used again later
+            # is cast again, to the same values).
+            torch.clear_autocast_cache()
+            if self.track_all:
+                self.group_windows.append((self._group_start, self._event()))
         self.times[index] = (forward_s, backward_s)
         return out
 
@@ -245,13 +260,41 @@ def time_groups(
                 timer.tracker.__exit__(None, None, None)
     times = timer.estimated()
     peaks: tuple[int, ...] = ()
+    held: tuple[int, ...] = ()
     if timer.everything is not None:
         timer.group_windows.append((timer._group_start, timer.everything.n_events))
         peaks = tuple(timer.everything.window(start, stop).peak_bytes for start, stop in timer.group_windows)
+        held = _input_held_until(timer.everything, timer.stage_starts, timer.input_allocations)
     if timer.tracker is None or timer.gradient_event is None:
-        return TimingPass(times, None, peaks)
+        return TimingPass(times, None, peaks, held)
     # the last group's backward: from its output's gradient to the end of the step
     last = len(chain) - 1
     times[last] = (times[last][0], ended - timer.gradient_time)
     suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
-    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held)
+
+
+# NOTE [inputs the model holds]
+# A stage's input can outlive the stage in the model's own code: the input of a container
+# (an nn.Sequential of blocks, a ResNet layer) stays referenced by its call until the last
+# of its blocks returns, and a forward may keep an early output in a variable. A schedule
+# that discards that input after the stage does not free it then. The timing pass runs
+# without grad, each group's graph gone at its end, so what keeps a stage's input alive
+# there is the model alone: the stage call during which its storage is freed is the last
+# one it is held through (to the end of the forward when it outlives the pass).
+def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[dict[int, int]]) -> tuple[int, ...]:
+    if not starts:
+        return ()
+    records = tracker.allocation_freed_events([a for taken in inputs for a in taken])
+    held = []
+    for index, taken in enumerate(inputs):
+        until = index
+        for allocation in taken:
+            allocated, freed = records[allocation]
+            if allocated < starts[0]:
+                continue  # held before the chain began (its input, the prefix): not the chain's
+            # the last stage call that began before the storage was freed
+            last = len(starts) - 1 if freed is None else bisect.bisect_left(starts, freed) - 1
+            until = max(until, last)
+        held.append(until)
+    return tuple(held)

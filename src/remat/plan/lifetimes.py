@@ -15,18 +15,51 @@ schedule for the prediction:
   from the loss to the last stage's backward; beyond the gradient itself, that lives
   during the loss only, and is taken off afterwards.
 
-(Autocast's weight casts are not followed: see :meth:`remat.plan.step.BudgetSplit.chain_phase_peak_bytes`.)
+* a stage's input that the model's own code holds beyond the stage (the input of a
+  container of blocks, until its last block returns: NOTE [inputs the model holds] in
+  ``remat.measure.timing``), through the first forward, where the schedule would have
+  freed it;
+* autocast's casts of a stage's weights (NOTE [autocast casts] in
+  ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
+  autocast region ends, once the loss is computed (before its backward, as in a training
+  loop; the executor warns about a backward inside the region); from then on the casts of a stage that
+  stored its activations live until its backward. A stage run again in the backward
+  makes its casts again: kept until its backward when it stores; when it does not, until
+  the replay it is part of ends, at the next backward (each replay leaves autocast, which
+  empties the cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from remat.plan.operations import OperationKind
 from remat.plan.simulate import SimulationResult
 
-__all__ = ["Lifetimes", "peak_with_lifetimes"]
+__all__ = ["HeldInput", "Lifetimes", "peak_with_lifetimes"]
+
+
+class HeldInput(NamedTuple):
+    """An input the model's own code holds beyond its stage, in the first forward.
+
+    Attributes:
+        stage: the planned stage it goes into (or inside, when not its input).
+        until: the last planned stage whose forward runs while it is held.
+        nbytes: its size.
+        is_stage_input: whether it is the planned stage's input ``x_stage`` (the schedule
+            may keep it anyway); otherwise it passes between two stage calls inside it.
+        kept_by_stage: whether the stage saves its input for its backward.
+        kept_by_previous: whether the stage before saves its output for its backward.
+    """
+
+    stage: int
+    until: int
+    nbytes: int
+    is_stage_input: bool
+    kept_by_stage: bool = False
+    kept_by_previous: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,34 +71,110 @@ class Lifetimes:
         from_loss_bytes: alive from the loss on.
         loss_only_bytes: counted by the simulator from the loss to the last stage's
             backward, but alive during the loss only.
+        cast_bytes: per planned stage, autocast's casts of its weights that it keeps
+            for its backward.
+        held_inputs: inputs the model holds beyond their stage (not counted by planning
+            at all: the prediction adds them where they live).
+        suffix_backward_excess_bytes: how much the loss's peak in the simulation exceeds
+            the peak of the code after the chain until the loss is computed.
     """
 
     leftover_bytes: Sequence[int] = ()
     from_loss_bytes: int = 0
     loss_only_bytes: int = 0
+    cast_bytes: Sequence[int] = ()
+    held_inputs: Sequence[HeldInput] = ()
+    suffix_backward_excess_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        """All of it (what planning counts as held through the step)."""
-        return sum(self.leftover_bytes) + self.from_loss_bytes
+        """All of it held outside the chain (what planning counts as held through the step)."""
+        return sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes)
 
 
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
     """The chain's simulated peak with what `lifetimes` describes added while it lives."""
-    leftovers = lifetimes.leftover_bytes
-    last = len(simulation.forward_counts) - 1
-    alive = 0
+    alive = _Alive(lifetimes, len(simulation.forward_counts))
     peak = 0
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
         if kind is OperationKind.LOSS:
-            alive += lifetimes.from_loss_bytes
-        peak = max(peak, entry.peak_during_bytes + alive)
+            # until the loss is computed every cast is alive; then the autocast region
+            # ends and takes those of the stages that did not store with it
+            alive.bytes += lifetimes.from_loss_bytes
+            peak = max(peak, entry.peak_during_bytes - lifetimes.suffix_backward_excess_bytes + alive.bytes)
+            alive.end_of_forward()
+        elif stage is not None and kind.is_forward:
+            alive.forward_starts(kind, stage)
+        peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed)
         if kind is OperationKind.LOSS:
-            alive -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
-        elif kind is OperationKind.BACKWARD and stage is not None:
-            if stage == last:
-                alive += lifetimes.loss_only_bytes
-            if leftovers:
-                alive += leftovers[stage]
+            alive.bytes -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
+        elif stage is not None and kind.is_forward:
+            alive.forward_ends(kind, stage)
+        elif stage is not None:
+            alive.backward_ends(stage)
     return peak
+
+
+class _Alive:
+    """What `Lifetimes` describes that is alive, along a schedule."""
+
+    def __init__(self, lifetimes: Lifetimes, n_stages: int) -> None:
+        self.lifetimes = lifetimes
+        self.casts = lifetimes.cast_bytes or (0,) * n_stages
+        self.last = n_stages - 1
+        self.bytes = 0
+        self.replayed = 0  # casts of stages replayed without storing, until their replay ends
+        self.in_backward = False
+        self.cast_alive: set[int] = set()  # stages whose casts are alive
+        self.stored: set[int] = set()  # stages whose activations are kept until their backward
+        self.first_kinds: dict[int, OperationKind] = {}  # each stage's kind in the first forward
+        self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
+
+    def forward_starts(self, kind: OperationKind, stage: int) -> None:
+        if kind is OperationKind.FORWARD_STORE:
+            self.stored.add(stage)
+        if stage in self.cast_alive:
+            return
+        if kind is OperationKind.FORWARD_STORE or not self.in_backward:
+            self.cast_alive.add(stage)  # kept by the cache (forward) or for the backward
+            self.bytes += self.casts[stage]
+        else:
+            self.replayed += self.casts[stage]
+
+    def forward_ends(self, kind: OperationKind, stage: int) -> None:
+        if self.in_backward:
+            return
+        self.first_kinds[stage] = kind
+        self.bytes -= self.model_held.pop(stage, 0)
+        for held in self.lifetimes.held_inputs:
+            if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
+                self.bytes += held.nbytes
+                self.model_held[held.until] = self.model_held.get(held.until, 0) + held.nbytes
+
+    def end_of_forward(self) -> None:
+        self.in_backward = True
+        for dropped in self.cast_alive - self.stored:
+            self.bytes -= self.casts[dropped]
+        self.cast_alive &= self.stored
+
+    def backward_ends(self, stage: int) -> None:
+        self.replayed = 0
+        if stage == self.last:
+            self.bytes += self.lifetimes.loss_only_bytes
+        if self.lifetimes.leftover_bytes:
+            self.bytes += self.lifetimes.leftover_bytes[stage]
+        if stage in self.cast_alive:
+            self.cast_alive.discard(stage)
+            self.stored.discard(stage)
+            self.bytes -= self.casts[stage]
+
+
+def _schedule_keeps(held: HeldInput, first_kinds: dict[int, OperationKind]) -> bool:
+    """Whether the schedule itself keeps a held stage input after its stage's first forward."""
+    if not held.is_stage_input:
+        return False
+    kind = first_kinds[held.stage]
+    if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and held.kept_by_stage:
+        return True
+    return held.kept_by_previous and first_kinds.get(held.stage - 1) is OperationKind.FORWARD_STORE

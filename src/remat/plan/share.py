@@ -57,20 +57,17 @@ class Planning(NamedTuple):
     def minimum_total_bytes(self) -> int:
         """The smallest whole-step budget :meth:`solve` plans within.
 
-        With everything held outside counted through the step, it is the one whose chain
-        share is the solver's minimum; with what lives only part of the step counted where
-        it lives, the least-memory schedule may fit a smaller one.
+        It is the one the solver's least-memory schedule fits, with everything counted
+        where it lives (:meth:`BudgetSplit.chain_phase_peak_bytes`), and the peak after
+        the chain's backward.
         """
         minimum_chain = self.solver.minimum_bytes(self.profile)
-        conservative = self.total_for(minimum_chain)
-        if not self.outside.part_time_bytes:
-            return conservative
         least = self.solver(self.profile, minimum_chain)
         needed = max(self.outside.chain_phase_peak_bytes(least.simulation), self.after_chain_peak_bytes)
         total = math.ceil(needed / (1.0 - self.margin))
         while int(total * (1.0 - self.margin)) < needed:
             total += 1
-        return min(conservative, total)
+        return total
 
     def chain_bytes(self, total_bytes: int) -> int:
         """The chain's share of a whole-step budget of `total_bytes`."""
@@ -97,38 +94,47 @@ class Planning(NamedTuple):
     def solve(self, split: BudgetSplit) -> tuple[Schedule, BudgetSplit]:
         """The fastest schedule found whose predicted whole-step peak fits the budget.
 
-        The schedule planned within ``split.chain_bytes`` fits: it counts everything held
-        outside the chain as held through the step. Part of it lives only part of the
-        step (a kept output from the loss on, the partial gradient of a tied weight after
-        its backward), so a larger chain share can fit too: the solver is given the
-        share with that part added, the result is checked against the budget with
-        everything counted where it lives, and the share is lowered by the excess until
-        it fits (at most ``TIGHTENINGS`` times, then the solver's minimum is tried). The
-        faster of the two plans is taken. The budget must be at least
-        :meth:`minimum_total_bytes`.
+        Planning counts everything held outside the chain as held through the step, and
+        so the schedule planned within ``split.chain_bytes`` leaves room for it. Part of
+        it lives only part of the step (a kept output from the loss on, a tied weight's
+        partial gradient after its backward, autocast's casts), and the model may hold a
+        stage's input longer than the schedule would: each candidate is checked against
+        the budget with everything counted where it lives. The solver is first given
+        the larger share that counts the part-time bytes where they live, and the
+        share is lowered by the excess until the schedule fits (at most ``TIGHTENINGS``
+        times, then the solver's minimum is tried); the schedule planned within
+        ``split.chain_bytes`` is a candidate too. The fastest one that fits is taken.
+        The budget must be at least :meth:`minimum_total_bytes`.
         """
         assert split.total_bytes is not None and split.chain_bytes is not None
         minimum = self.solver.minimum_bytes(self.profile)
-        schedule = self.solver(self.profile, split.chain_bytes) if split.chain_bytes >= minimum else None
-        if not split.part_time_bytes:
-            if schedule is None:
-                raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
-            return schedule, split
         limit = split.total_bytes - split.margin_bytes
-        share = split.chain_bytes + split.part_time_bytes
-        for attempt in range(TIGHTENINGS + 1):
-            if attempt == TIGHTENINGS or share < minimum:
-                share = minimum  # the last try: the least memory the solver can plan in
+        best: tuple[Schedule, BudgetSplit] | None = None
+        tried: dict[int, int] = {}  # share -> excess
+
+        def attempt(share: int) -> int:
+            """The excess of the schedule planned within `share` over the budget (<= 0: it fits)."""
+            nonlocal best
+            if share in tried:
+                return tried[share]
             candidate_split = dataclasses.replace(split, chain_bytes=share)
             candidate = self.solver(self.profile, share)
-            peak = candidate_split.chain_phase_peak_bytes(candidate.simulation)
-            if peak <= limit:
-                if schedule is None or candidate.predicted_time_s < schedule.predicted_time_s:
-                    return candidate, candidate_split
+            excess = candidate_split.chain_phase_peak_bytes(candidate.simulation) - limit
+            if excess <= 0 and (best is None or candidate.predicted_time_s < best[0].predicted_time_s):
+                best = candidate, candidate_split
+            tried[share] = excess
+            return excess
+
+        if split.chain_bytes >= minimum:
+            attempt(split.chain_bytes)  # first: the plain split is kept unless a faster one fits
+        share = split.chain_bytes + split.part_time_bytes
+        for step in range(TIGHTENINGS + 1):
+            if step == TIGHTENINGS or share < minimum:
+                share = minimum  # the last try: the least memory the solver can plan in
+            excess = attempt(share)
+            if excess <= 0 or share == minimum:
                 break
-            if share == minimum or schedule is not None and share <= split.chain_bytes:
-                break
-            share -= peak - limit
-        if schedule is None:
+            share -= excess
+        if best is None:
             raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
-        return schedule, split
+        return best

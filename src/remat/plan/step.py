@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from remat.plan.lifetimes import Lifetimes, peak_with_lifetimes
+from remat.plan.lifetimes import HeldInput, Lifetimes, peak_with_lifetimes
 from remat.plan.operations import InvalidPlan, plan_from_data
 from remat.plan.profile import ChainProfile
 from remat.plan.report import PlanReport
@@ -62,9 +62,14 @@ class BudgetSplit:
             of the code after the chain: planned from the loss to the last stage's
             backward, alive during the loss only.
             The first four of these are counted in ``held_outside_bytes``, and the last
-            in the profile: the plan is made as if they lived that long. Outside
-            autocast, the prediction follows the lifetimes of all but the casts
-            (:mod:`remat.plan.lifetimes`).
+            in the profile: the plan is made as if they lived that long. The prediction
+            follows them where they live (:mod:`remat.plan.lifetimes`).
+        suffix_backward_excess_bytes: how much the peak charged at the loss (the chain
+            output's gradient in the profile) exceeds the peak of the code after the
+            chain until the loss is computed, where a training loop leaves autocast.
+        held_inputs: stage inputs the model's own code holds beyond their stage in the
+            first forward, where the schedule would free them: not in the figures
+            above; the prediction counts them where they live.
     """
 
     total_bytes: int | None
@@ -78,29 +83,36 @@ class BudgetSplit:
     from_loss_bytes: int = 0
     kept_output_bytes: int = 0
     loss_only_bytes: int = 0
+    held_inputs: tuple[HeldInput, ...] = ()
+    suffix_backward_excess_bytes: int = 0
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
+        object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
 
     @property
     def part_time_bytes(self) -> int:
         """What is held outside the chain only part of the step, where the prediction
-        follows it (0 under autocast: see :meth:`chain_phase_peak_bytes`)."""
-        if any(self.cast_bytes):
-            return 0
-        return sum(self.leftover_bytes) + self.from_loss_bytes + self.kept_output_bytes + self.loss_only_bytes
+        follows it."""
+        return (
+            sum(self.leftover_bytes)
+            + self.from_loss_bytes
+            + self.kept_output_bytes
+            + self.loss_only_bytes
+            + sum(self.cast_bytes)
+        )
 
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
         """The step's peak until the chain's backward is done, for a schedule simulated so."""
-        if any(self.cast_bytes):
-            # Under autocast the step's figures around the loss and the backward differ from
-            # the measured ones by a few hundred KiB either way (casts of gradients): followed
-            # lifetime by lifetime, the prediction fell up to 2% below the measured peak. So
-            # it stays the bound the plan was made under: everything held outside the chain
-            # counted through the whole step (an overestimate of up to 16% in the backward).
-            return simulation.peak_bytes + self.held_outside_bytes
-        lifetimes = Lifetimes(self.leftover_bytes, self.from_loss_bytes + self.kept_output_bytes, self.loss_only_bytes)
+        lifetimes = Lifetimes(
+            self.leftover_bytes,
+            self.from_loss_bytes + self.kept_output_bytes,
+            self.loss_only_bytes,
+            self.cast_bytes,
+            self.held_inputs,
+            self.suffix_backward_excess_bytes,
+        )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
     @classmethod
@@ -192,7 +204,7 @@ class Plan:
             "version": PLAN_VERSION,
             "solver": self.schedule.solver_name,
             "budget_bytes": self.budget_bytes,
-            "budget": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.budget).items()},
+            "budget": {k: _as_json(v) for k, v in asdict(self.budget).items()},
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_time_s": self.predicted_time_s,
             "predicted_overhead": report.overhead_fraction,
@@ -265,3 +277,10 @@ class Plan:
             raise TypeError(f"plan must be a remat.plan.Plan or the path of a saved plan, got {type(plan).__name__}")
         with open(plan, encoding="utf-8") as handle:
             return cls.from_json(handle.read())
+
+
+def _as_json(value: Any) -> Any:
+    """Tuples (named ones too) as lists, at any depth: what JSON reads back."""
+    if isinstance(value, tuple):
+        return [_as_json(v) for v in value]
+    return value
