@@ -521,6 +521,7 @@ class Checkpointable(nn.Module):
             loss_allowance_bytes=allowance,
             after_chain_peak_bytes=measurement.end_peak_bytes + kept_output,
             cast_bytes=measurement.cast_bytes,
+            cached_cast_bytes=measurement.cached_cast_bytes,
             leftover_bytes=measurement.leftover_bytes,
             from_loss_bytes=measurement.suffix_kept_bytes,
             kept_output_bytes=kept_output,

@@ -61,6 +61,9 @@ class ChainMeasurement:
         suffix_transient_bytes: what the chain output's gradient in the profile charges
             for the suffix's own peak (a head's logits and their gradient) beyond the
             gradient itself: it lives during the loss only.
+        cached_cast_bytes: per planned stage, autocast's casts that it made and that no
+            stage keeps for its backward, held by autocast's cache until its region ends
+            (counted in ``fixed_bytes``).
         suffix_backward_excess_bytes: how much the chain output's gradient in the
             profile exceeds the peak of the suffix's forward part (until the loss is
             computed; autocast's region ends there in a training loop).
@@ -81,6 +84,7 @@ class ChainMeasurement:
     cast_bytes: tuple[int, ...] = ()
     leftover_bytes: tuple[int, ...] = ()
     suffix_transient_bytes: int = 0
+    cached_cast_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
     suffix_backward_excess_bytes: int = 0
 
@@ -164,6 +168,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     suffix = _suffix(step)
     suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = suffix[:4]
     fixed_bytes += suffix_kept_bytes
+    cached_casts = _cached_casts(step, groups)
+    fixed_bytes += sum(cached_casts)
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
     measured_peak_bytes = tracker.window().peak_bytes
@@ -215,6 +221,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         suffix_peak_bytes=int(suffix_peak_bytes),
         suffix_kept_bytes=int(suffix_kept_bytes),
         cast_bytes=tuple(int(c) for c in casts),
+        cached_cast_bytes=tuple(cached_casts),
         leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
@@ -343,7 +350,7 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
     # they live until its backward; recomputed, they are made again. The planner counts
     # every stage's casts as held through the whole step: an upper bound at every moment
     # (each stage has at most one copy of its casts alive at a time), exact at the end of
-    # the forward. The prediction follows their lifetimes (remat.plan.casts).
+    # the forward. The prediction follows their lifetimes (remat.plan.lifetimes).
     casts = {
         key: nbytes
         for stage in stages
@@ -361,6 +368,22 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
     return fixed_bytes + sum(leftovers), leftovers
 
 
+def _cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:
+    """Per group, autocast's casts that it made and no stage saved, alive when the forward
+    returned: the cache holds them until the autocast region ends (NOTE [autocast casts])."""
+    stages = step.watch.stages
+    saved = {key for stage in stages for key in stage.saved_storages}
+    cached = [0] * len(groups)
+    for key, record in step.alive_after_forward.items():
+        if key not in step.cast_allocations or key in saved:
+            continue
+        for index, (first, stop) in enumerate(groups):
+            if stages[first].forward_window[0] <= record.allocated_event < stages[stop - 1].forward_window[1]:
+                cached[index] += record.nbytes
+                break
+    return cached
+
+
 def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     """Bytes allocated by the stages that the model holds through the backward on its own."""
     stages, alive = step.watch.stages, step.alive_after_forward
@@ -370,7 +393,9 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     # Likewise for what a stage allocates and something else than autograd keeps (a
     # cache object filled in place): alive after the forward, neither saved for
     # backward nor passed on to the next stage.
-    accounted = set(escaped)
+    # Autocast's cache holds casts that no stage saved (a bias's, a weight's whose input
+    # needs no gradient) until its region ends: planned apart (_cached_casts).
+    accounted = set(escaped) | step.cast_allocations
     for stage in stages:
         accounted.update(stage.saved_storages)
         accounted.update(stage.output_storages)
@@ -382,8 +407,8 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
             start, stop = stage.forward_window
             if start <= record.allocated_event < stop:
                 escaped[key] = record.nbytes
-                # module state is replayed, and autocast's cache holds its casts: no side effects
-                if key not in step.state_allocations and key not in step.cast_allocations:
+                # module state is replayed: no side effect
+                if key not in step.state_allocations:
                     side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
                 break
     if side_effects:

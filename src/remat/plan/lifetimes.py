@@ -77,6 +77,9 @@ class Lifetimes:
             at all: the prediction adds them where they live).
         suffix_backward_excess_bytes: how much the loss's peak in the simulation exceeds
             the peak of the code after the chain until the loss is computed.
+        cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
+            its backward: its cache holds them until the loss is computed, and a replay
+            makes them again until it ends.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -85,11 +88,12 @@ class Lifetimes:
     cast_bytes: Sequence[int] = ()
     held_inputs: Sequence[HeldInput] = ()
     suffix_backward_excess_bytes: int = 0
+    cached_cast_bytes: Sequence[int] = ()
 
     @property
     def total_bytes(self) -> int:
         """All of it held outside the chain (what planning counts as held through the step)."""
-        return sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes)
+        return sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes) + sum(self.cached_cast_bytes)
 
 
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
@@ -122,6 +126,7 @@ class _Alive:
     def __init__(self, lifetimes: Lifetimes, n_stages: int) -> None:
         self.lifetimes = lifetimes
         self.casts = lifetimes.cast_bytes or (0,) * n_stages
+        self.cached = lifetimes.cached_cast_bytes or (0,) * n_stages
         self.last = n_stages - 1
         self.bytes = 0
         self.replayed = 0  # casts of stages replayed without storing, until their replay ends
@@ -132,6 +137,10 @@ class _Alive:
         self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
+        if self.in_backward:
+            self.replayed += self.cached[stage]
+        elif stage not in self.first_kinds:
+            self.bytes += self.cached[stage]
         if kind is OperationKind.FORWARD_STORE:
             self.stored.add(stage)
         if stage in self.cast_alive:
@@ -154,6 +163,7 @@ class _Alive:
 
     def end_of_forward(self) -> None:
         self.in_backward = True
+        self.bytes -= sum(self.cached[stage] for stage in self.first_kinds)
         for dropped in self.cast_alive - self.stored:
             self.bytes -= self.casts[dropped]
         self.cast_alive &= self.stored

@@ -55,13 +55,15 @@ class BudgetSplit:
             the output layer forms a second whole gradient there), whatever the schedule.
         cast_bytes: per planned stage, autocast's casts of weights it keeps for its
             backward;
+        cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
+            its backward, which its cache holds until its region ends;
         leftover_bytes: per planned stage, what its backward leaves alive;
         from_loss_bytes: what the code after the chain keeps from the loss on;
         kept_output_bytes: the model output the training loop keeps, from the loss on.
         loss_only_bytes: of the chain output's gradient in the profile, what is the peak
             of the code after the chain: planned from the loss to the last stage's
             backward, alive during the loss only.
-            The first four of these are counted in ``held_outside_bytes``, and the last
+            The first five of these are counted in ``held_outside_bytes``, and the last
             in the profile: the plan is made as if they lived that long. The prediction
             follows them where they live (:mod:`remat.plan.lifetimes`).
         suffix_backward_excess_bytes: how much the peak charged at the loss (the chain
@@ -85,9 +87,11 @@ class BudgetSplit:
     loss_only_bytes: int = 0
     held_inputs: tuple[HeldInput, ...] = ()
     suffix_backward_excess_bytes: int = 0
+    cached_cast_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
+        object.__setattr__(self, "cached_cast_bytes", tuple(int(c) for c in self.cached_cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
         object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
 
@@ -101,6 +105,7 @@ class BudgetSplit:
             + self.kept_output_bytes
             + self.loss_only_bytes
             + sum(self.cast_bytes)
+            + sum(self.cached_cast_bytes)
         )
 
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
@@ -112,6 +117,7 @@ class BudgetSplit:
             self.cast_bytes,
             self.held_inputs,
             self.suffix_backward_excess_bytes,
+            self.cached_cast_bytes,
         )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
