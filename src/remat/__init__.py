@@ -4,6 +4,7 @@ from remat import models as models
 from remat import plan as plan
 from remat.automatic import Checkpointable
 from remat.budget import parse_budget
+from remat.enable import controller, disable, enable, is_enabled
 from remat.errors import (
     BudgetTooSmall,
     InvalidBudget,
@@ -36,8 +37,12 @@ __all__ = [
     "SavedTensor",
     "UnsupportedModel",
     "apply",
+    "controller",
+    "disable",
+    "enable",
     "format_bytes",
     "format_saved_residuals",
+    "is_enabled",
     "is_marked",
     "is_recomputing",
     "mark",

@@ -34,6 +34,7 @@ from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, get_solver, numba_available
 from remat.plan.step import BudgetSplit, Plan
 from remat.units import format_bytes
+from remat.wrapper import ModelStandIn, stand_for_model
 
 __all__ = ["DEFAULT_PLANNING_MARGIN", "LOSS_ALLOWANCE_OUTPUTS", "Checkpointable"]
 
@@ -60,7 +61,7 @@ class _PlanOptions(NamedTuple):
     output_kept: bool
 
 
-class Checkpointable(nn.Module):
+class Checkpointable(ModelStandIn):
     """Wraps a model and trains it with the fastest recompute schedule that fits a budget.
 
     The model is an ``nn.Sequential`` (nested Sequentials are flattened into one chain)
@@ -75,6 +76,12 @@ class Checkpointable(nn.Module):
     again. The measuring itself stays within the budget (see ``measure``), so the first
     step fits as every later one does. A new input shape is sized exactly on fake tensors
     but timed only when needed (see ``timed_shapes``).
+
+    The wrapper stands for the model: an attribute it does not have itself is the model's
+    (``.config``, ``.generate``, ``.device``), and its ``state_dict`` has the model's keys,
+    with no ``model.`` prefix, so checkpoints load into the model with or without the
+    wrapper (``load_state_dict`` takes either form). To keep the model itself, use
+    :func:`remat.enable` instead.
 
     Args:
         model: the model to wrap (registered as ``self.model``).
@@ -157,6 +164,7 @@ class Checkpointable(nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Checkpointable wraps an nn.Module, got {type(model).__name__}")
         self.model = model
+        stand_for_model(self)
         if mem_limit != MINIMUM:
             parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
         self.mem_limit = mem_limit
@@ -372,7 +380,8 @@ class Checkpointable(nn.Module):
         return self._plans.get((self._last_key, self._options(self.mem_limit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+        # the model's own mode: it may be switched on the model itself (remat.enable)
+        if not (self.model.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
         key = signature(self.model, args, kwargs)
         if self._forced_plan is not None:

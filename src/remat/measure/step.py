@@ -142,10 +142,9 @@ def _sized_measurement(
     # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps its
     # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
     # shaped like the model's output before anything else runs; what it needs beyond its
-    # fake run is charged to the loss and the chain's last backward (the probe's run ends
-    # with it freed).
+    # fake run is held through the whole step (the safe side: it may be transient).
     loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
-    sized = _with_suffix_extra(sized, loss_extra)
+    sized = _with_fixed_bytes(sized, loss_extra)
     times = known_times(sized) if known_times is not None else None
     if times is not None:
         return with_times(sized, times)
@@ -171,23 +170,21 @@ def _sized_measurement(
         # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
         # (a kernel of the model's own head); found after the pass, it counts from now on
         extra = timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes - loss_extra
-        measurement = _with_suffix_extra(measurement, extra)
+        measurement = _with_fixed_bytes(measurement, extra)
     return measurement
 
 
-def _with_suffix_extra(measurement: ChainMeasurement, extra: int) -> ChainMeasurement:
-    """The measurement with `extra` more bytes at the suffix's peak (a kernel holding more
-    on real tensors than on fake ones), charged to the chain output's gradient: alive
-    from the loss to the last stage's backward (the safe side: it may go sooner)."""
+def _with_fixed_bytes(measurement: ChainMeasurement, extra: int) -> ChainMeasurement:
+    """The measurement with `extra` more bytes held through the whole step (a kernel that
+    holds more on real tensors than on fake ones: the safe side, as where it lives is not
+    known)."""
     if extra <= 0:
         return measurement
-    profile = measurement.profile
-    gradients = (*profile.gradient_bytes[:-1], profile.gradient_bytes[-1] + extra)
-    return dataclasses.replace(
-        measurement,
-        profile=dataclasses.replace(profile, gradient_bytes=gradients),
-        suffix_peak_bytes=measurement.suffix_peak_bytes + extra,
+    fixed_bytes = measurement.fixed_bytes + extra
+    profile = dataclasses.replace(
+        measurement.profile, metadata={**measurement.profile.metadata, "fixed_bytes": fixed_bytes}
     )
+    return dataclasses.replace(measurement, profile=profile, fixed_bytes=fixed_bytes)
 
 
 def _shape_of(value: Any) -> Any:

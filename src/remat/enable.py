@@ -1,0 +1,121 @@
+"""The automatic mode on a model in place: ``remat.enable(model, budget)``.
+
+The model stays what it was: its type, attributes and methods, its parameters (the same
+objects, so an optimizer built before or after keeps working), its ``state_dict`` keys and
+its hooks. Only its call changes: ``model(x)`` in training runs the step a
+:class:`~remat.Checkpointable` would run, measured, planned and executed within the
+budget; in eval mode or without grad it is the model's own call.
+
+How: the model's instance gets its own ``_call_impl`` (what ``nn.Module.__call__``
+dispatches to, the one hook point remat uses for stages too, see
+:mod:`remat.discover.intercept`). It holds a :class:`~remat.Checkpointable` over the model,
+which is not a submodule of it: nothing is added to ``modules()``, ``parameters()`` or the
+``state_dict``. While that runs, the instance's ``_call_impl`` is put aside, so the model's
+own calls (hooks included) run once, as they do in a plain call. ``remat.disable(model)``
+removes it. ``copy.deepcopy`` gives a copy enabled with the same options (plans are made
+again for it), and ``torch.save``/``torch.load`` of the whole model keep it enabled (the
+options are saved, not the plans).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from remat.automatic import Checkpointable
+from remat.budget import Budget
+from remat.errors import RematError
+
+__all__ = ["controller", "disable", "enable", "is_enabled"]
+
+_SLOT = "_call_impl"
+
+
+def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkpointable:
+    """Trains `model` within `mem_limit` from its next call on, in place.
+
+    Args:
+        model: any ``nn.Module``; it keeps its type, attributes, parameters and
+            ``state_dict`` keys.
+        mem_limit: the budget, in any form :func:`remat.parse_budget` reads (``"4GiB"``,
+            a fraction of the step without recompute such as ``0.5``, ``"min"``).
+        **options: the keyword options of :class:`remat.Checkpointable` (``loss_fn``,
+            ``solver``, ``measure``, ``plan``, ...).
+
+    Returns:
+        The controller: ``.plan``, ``.plan_for(budget)``, ``.check_step()``,
+        ``.minimum_budget_bytes()`` and the rest of :class:`~remat.Checkpointable`'s
+        interface. Calling the model is what trains; the controller need not be kept.
+
+    Raises:
+        RematError: `model` is enabled already (``remat.disable`` it first, or change the
+            budget with ``remat.controller(model).mem_limit = ...``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.enable takes an nn.Module, got {type(model).__name__}")
+    if is_enabled(model):
+        raise RematError(
+            f"{type(model).__name__} is enabled already; call remat.disable(model) first, or set "
+            "remat.controller(model).mem_limit to change its budget"
+        )
+    enabled = _EnabledCall(Checkpointable(model, mem_limit, **options), options)
+    model.__dict__[_SLOT] = enabled
+    return enabled.controller
+
+
+def disable(model: nn.Module) -> None:
+    """Undoes :func:`enable`: the model's call is its own again (nothing to do if not enabled)."""
+    if is_enabled(model):
+        del model.__dict__[_SLOT]
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable` was applied to `model` (and not undone)."""
+    return isinstance(model.__dict__.get(_SLOT), _EnabledCall)
+
+
+def controller(model: nn.Module) -> Checkpointable:
+    """The controller of an enabled model (its plan, budget and checks).
+
+    Raises:
+        RematError: the model is not enabled.
+    """
+    enabled = model.__dict__.get(_SLOT)
+    if not isinstance(enabled, _EnabledCall):
+        raise RematError(f"{type(model).__name__} is not enabled; call remat.enable(model, budget) first")
+    return enabled.controller
+
+
+class _EnabledCall:
+    """Stands in the model's ``_call_impl`` while it is enabled."""
+
+    def __init__(self, controller: Checkpointable, options: dict[str, Any]) -> None:
+        self.controller = controller
+        self.options = options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.controller.model
+        own = model.__dict__.pop(_SLOT)
+        try:
+            return self.controller(*args, **kwargs)
+        finally:
+            model.__dict__[_SLOT] = own
+
+    # A copy of the model is enabled with the same options; its plans are made again.
+    def __deepcopy__(self, memo: dict[int, Any]) -> _EnabledCall:
+        import copy
+
+        model = memo.get(id(self.controller.model))
+        if model is None:
+            raise RematError("an enabled model's call can only be copied with its model (copy.deepcopy(model))")
+        options = copy.deepcopy(self.options, memo)
+        return _EnabledCall(Checkpointable(model, self.controller.mem_limit, **options), options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restored, (self.controller.model, self.controller.mem_limit, self.options)
+
+
+def _restored(model: nn.Module, mem_limit: Budget, options: dict[str, Any]) -> _EnabledCall:
+    """An enabled call read back by pickle (the model's state is set after it)."""
+    return _EnabledCall(Checkpointable(model, mem_limit, **options), options)
