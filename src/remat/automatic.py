@@ -31,10 +31,10 @@ from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
 from remat.plan.share import Planning
 from remat.plan.simulate import simulate
-from remat.plan.solvers import Solver, get_solver, numba_available
-from remat.plan.step import BudgetSplit, Plan
+from remat.plan.solvers import Solver, default_slots, get_solver
+from remat.plan.step import Plan
 from remat.units import format_bytes
-from remat.wrapper import ModelStandIn, stand_for_model
+from remat.wrapper import CACHE_TURNED_OFF, ModelStandIn, model_own_call, stand_for_model, without_cache
 
 __all__ = ["DEFAULT_PLANNING_MARGIN", "LOSS_ALLOWANCE_OUTPUTS", "Checkpointable"]
 
@@ -196,6 +196,8 @@ class Checkpointable(ModelStandIn):
             )
         self.measure_mode = measure
         self._shapes = ShapeTimings(timed_shapes)
+        self._cache_warned = False
+        self._default_budget_warned = False
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
@@ -209,12 +211,22 @@ class Checkpointable(ModelStandIn):
         training call with a budget no schedule fits raises :class:`~remat.BudgetTooSmall`
         before anything runs on the device.)
         """
-        return self._measure(sample_inputs, sample_kwargs, training=False)
+        with model_own_call(self.model):
+            return self._measure(sample_inputs, self._training_kwargs(sample_kwargs), training=False)
+
+    def _training_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A training call's kwargs: a Hugging Face key/value cache turned off, once said."""
+        kwargs, turned_off = without_cache(self.model, kwargs)
+        if turned_off and not self._cache_warned:
+            self._cache_warned = True
+            warnings.warn(CACHE_TURNED_OFF, UserWarning, stacklevel=5)
+        return kwargs
 
     def _measure(
         self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
     ) -> ChainMeasurement:
         key = signature(self.model, sample_inputs, sample_kwargs)
+        logger.info("remat is measuring the model (%s); its first step takes longer", what_changed(self._last_key, key))
         started = time.perf_counter()
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
         how = self.measure_mode
@@ -380,9 +392,14 @@ class Checkpointable(ModelStandIn):
         return self._plans.get((self._last_key, self._options(self.mem_limit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with model_own_call(self.model):
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # the model's own mode: it may be switched on the model itself (remat.enable)
         if not (self.model.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
+        kwargs = self._training_kwargs(kwargs)
         key = signature(self.model, args, kwargs)
         if self._forced_plan is not None:
             plan = self._forced_plan
@@ -429,20 +446,20 @@ class Checkpointable(ModelStandIn):
     @property
     def margin(self) -> float:
         """The planning margin in use for the last measured input (see ``margin`` above)."""
-        if self._last_key is None or self._last_key not in self._chains:
+        if self._last_key is None or self._last_key not in self._measurements:
             return self._margin_option if self._margin_option is not None else DEFAULT_PLANNING_MARGIN
-        return self._margin(self._last_key)
+        return self._margin(self._last_key, self._measurements[self._last_key])
 
-    def _margin(self, key: Hashable) -> float:
+    def _margin(self, key: Hashable, measurement: ChainMeasurement) -> float:
         if self._margin_option is not None:
             return self._margin_option
         # A model measured with the real loss is predicted to the byte or above it: its
         # own code around the chain is sized with the rest, and what runs after the chain
         # is checked on real tensors (NOTE [suffix on real tensors]). One measured with the
-        # default loss, or run under autocast (whose cache of casts lives across the step
+        # default loss (the sum of the outputs), or run under autocast (whose cache of casts lives across the step
         # on its own terms, NOTE [autocast casts]), keeps a margin.
         autocast = isinstance(key, tuple) and len(key) > 3 and any(key[3])
-        exact = self._loss_fn is not None and not autocast
+        exact = (self._loss_fn is not None or measurement.loss_from_output) and not autocast
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
     def _options(self, mem_limit: Budget) -> _PlanOptions:
@@ -457,17 +474,8 @@ class Checkpointable(ModelStandIn):
 
     def _solver(self, n_stages: int = 1) -> Solver:
         if self.solver_name in ("optimal", "auto"):
-            return get_solver(self.solver_name, slots=self._slots_for(n_stages))
+            return get_solver(self.solver_name, slots=self.slots or default_slots(n_stages))
         return get_solver(self.solver_name)
-
-    def _slots_for(self, n_stages: int) -> int:
-        if self.slots is not None:
-            return self.slots
-        if not numba_available():
-            return 500
-        # The dynamic program costs about n^3 * slots; 200 stages x 500 slots solve in a
-        # fraction of a second, so shorter chains can afford finer memory.
-        return int(min(20000, max(500, 200**3 * 500 // max(1, n_stages) ** 3)))
 
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
@@ -508,7 +516,7 @@ class Checkpointable(ModelStandIn):
     def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> Planning:
         profile = measurement.profile
         allowance = 0
-        if self._loss_fn is None:
+        if self._loss_fn is None and not measurement.loss_from_output:
             # NOTE [loss allowance]
             # Measured with the cheapest loss (a sum), the plan would not leave room for a
             # real one: a cross entropy or a mean squared error holds about three tensors
@@ -523,22 +531,8 @@ class Checkpointable(ModelStandIn):
         # that keeps it holds it from the loss on (planned as held through the whole step,
         # predicted where it lives: remat.plan.lifetimes).
         kept_output = measurement.output_bytes if self.output_kept else 0
-        outside = BudgetSplit(
-            total_bytes=None,
-            chain_bytes=None,
-            held_outside_bytes=measurement.fixed_bytes + kept_output,
-            loss_allowance_bytes=allowance,
-            after_chain_peak_bytes=measurement.end_peak_bytes + kept_output,
-            cast_bytes=measurement.cast_bytes,
-            cached_cast_bytes=measurement.cached_cast_bytes,
-            leftover_bytes=measurement.leftover_bytes,
-            from_loss_bytes=measurement.suffix_kept_bytes,
-            kept_output_bytes=kept_output,
-            loss_only_bytes=measurement.suffix_transient_bytes,
-            held_inputs=measurement.held_inputs(),
-            suffix_backward_excess_bytes=measurement.suffix_backward_excess_bytes,
-        )
-        return Planning(profile, self._margin(key), self._solver(profile.n_stages), outside)
+        outside = measurement.outside_split(kept_output, allowance)
+        return Planning(profile, self._margin(key, measurement), self._solver(profile.n_stages), outside)
 
     def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
         cache_key = (key, self._options(None))
@@ -555,7 +549,19 @@ class Checkpointable(ModelStandIn):
         store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
         device = planning.profile.metadata.get("device", "cpu")
         reference = planning.total_for(store_all.peak_bytes)
-        return parse_budget(mem_limit, reference_bytes=reference, device=device)
+        total = parse_budget(mem_limit, reference_bytes=reference, device=device)
+        if mem_limit is None and str(device) == "cpu" and not self._default_budget_warned:
+            # An honest default: on the CPU, None is the host's available memory.
+            self._default_budget_warned = True
+            warnings.warn(
+                f"remat: no budget given (mem_limit=None): on the CPU that is the available host memory, "
+                f"{format_bytes(total)}, against {format_bytes(reference)} for this step without recompute"
+                f"{': nothing is recomputed' if total >= reference else ''}. Pass mem_limit (bytes, '4GiB', "
+                "or a fraction such as 0.5) to train in less",
+                UserWarning,
+                stacklevel=5,
+            )
+        return total
 
     def _check_feasible(self, key: Hashable, planning: Planning, total: int) -> None:
         minimum = self._minimum_budget_bytes(key, planning)

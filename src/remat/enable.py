@@ -10,8 +10,9 @@ How: the model's instance gets its own ``_call_impl`` (what ``nn.Module.__call__
 dispatches to, the one hook point remat uses for stages too, see
 :mod:`remat.discover.intercept`). It holds a :class:`~remat.Checkpointable` over the model,
 which is not a submodule of it: nothing is added to ``modules()``, ``parameters()`` or the
-``state_dict``. While that runs, the instance's ``_call_impl`` is put aside, so the model's
-own calls (hooks included) run once, as they do in a plain call. ``remat.disable(model)``
+``state_dict``. While the controller runs (a training call, or its ``measure``), the
+instance's ``_call_impl`` is put aside, so the model's own calls (hooks included) run as
+they do in a plain call. ``remat.disable(model)``
 removes it. ``copy.deepcopy`` gives a copy enabled with the same options (plans are made
 again for it), and ``torch.save``/``torch.load`` of the whole model keep it enabled (the
 options are saved, not the plans).
@@ -26,10 +27,9 @@ from torch import nn
 from remat.automatic import Checkpointable
 from remat.budget import Budget
 from remat.errors import RematError
+from remat.wrapper import CALL_SLOT as _SLOT
 
 __all__ = ["controller", "disable", "enable", "is_enabled"]
-
-_SLOT = "_call_impl"
 
 
 def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkpointable:
@@ -95,12 +95,7 @@ class _EnabledCall:
         self.options = options
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.controller.model
-        own = model.__dict__.pop(_SLOT)
-        try:
-            return self.controller(*args, **kwargs)
-        finally:
-            model.__dict__[_SLOT] = own
+        return self.controller(*args, **kwargs)  # which puts this stand-in aside meanwhile
 
     # A copy of the model is enabled with the same options; its plans are made again.
     def __deepcopy__(self, memo: dict[int, Any]) -> _EnabledCall:

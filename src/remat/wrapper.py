@@ -1,12 +1,56 @@
-"""A wrapper that stands for the model it wraps: its attributes and its state_dict keys."""
+"""A wrapper that stands for the model it wraps: its attributes, its state_dict keys, and
+the conventions of the models it wraps (a Hugging Face key/value cache)."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["ModelStandIn", "stand_for_model"]
+__all__ = ["CACHE_TURNED_OFF", "ModelStandIn", "model_own_call", "stand_for_model", "without_cache"]
+
+CACHE_TURNED_OFF = (
+    "remat: use_cache=True is incompatible with recompute in training (a key/value cache would be "
+    "filled again by every recomputed block); training calls run with use_cache=False, eval and "
+    "generation keep the cache"
+)
+
+
+#: The instance attribute through which ``nn.Module.__call__`` reaches a module's call: an
+#: enabled model's stand-in (``remat.enable``) lives there.
+CALL_SLOT = "_call_impl"
+
+
+@contextlib.contextmanager
+def model_own_call(model: nn.Module) -> Iterator[None]:
+    """Runs the body with the model's own call: a stand-in on the instance (an enabled
+    model's, see :mod:`remat.enable`) is put aside, and back on exit, whatever happens."""
+    own = model.__dict__.pop(CALL_SLOT, None)
+    try:
+        yield
+    finally:
+        if own is not None:
+            model.__dict__[CALL_SLOT] = own
+
+
+def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A training call's kwargs with ``use_cache=False`` for a model whose config turns a
+    key/value cache on (NOTE [key/value caches] in ``remat.measure.step``), unless the
+    caller chose; and whether it was added. Hugging Face's gradient checkpointing does
+    the same."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or getattr(config, "use_cache", False) is not True:
+        return kwargs, False
+    try:
+        accepted = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs, False
+    if not accepted:
+        return kwargs, False
+    return {**kwargs, "use_cache": False}, True
 
 
 class ModelStandIn(nn.Module):

@@ -29,6 +29,7 @@ from remat.measure.instrument import StageMeasurement, StageWatch
 from remat.memory import AllocationRecord, MemoryTracker
 from remat.plan.lifetimes import HeldInput
 from remat.plan.profile import ChainProfile
+from remat.plan.step import BudgetSplit
 from remat.units import format_bytes
 
 __all__ = ["ChainMeasurement", "TrackedStep", "assemble", "group_stages", "watched_times", "with_times"]
@@ -67,6 +68,8 @@ class ChainMeasurement:
         suffix_backward_excess_bytes: how much the chain output's gradient in the
             profile exceeds the peak of the suffix's forward part (until the loss is
             computed; autocast's region ends there in a training loop).
+        loss_from_output: measured without a ``loss_fn``, the loss was the one the
+            model's output carries (a Hugging Face ``ModelOutput`` with ``labels``).
         input_held_until: per stage call, the last stage call whose forward runs while
             the model's own code still holds the stage's input (NOTE [inputs the model
             holds] in ``remat.measure.timing``); empty when not measured.
@@ -87,6 +90,27 @@ class ChainMeasurement:
     cached_cast_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
     suffix_backward_excess_bytes: int = 0
+    loss_from_output: bool = False
+
+    def outside_split(self, kept_output_bytes: int, loss_allowance_bytes: int) -> BudgetSplit:
+        """What the step holds outside the chain, as planning shares a budget out (no
+        budget yet): with the model output a training loop keeps (from the loss on), and
+        the room kept for a loss that was not measured."""
+        return BudgetSplit(
+            total_bytes=None,
+            chain_bytes=None,
+            held_outside_bytes=self.fixed_bytes + kept_output_bytes,
+            loss_allowance_bytes=loss_allowance_bytes,
+            after_chain_peak_bytes=self.end_peak_bytes + kept_output_bytes,
+            cast_bytes=self.cast_bytes,
+            cached_cast_bytes=self.cached_cast_bytes,
+            leftover_bytes=self.leftover_bytes,
+            from_loss_bytes=self.suffix_kept_bytes,
+            kept_output_bytes=kept_output_bytes,
+            loss_only_bytes=self.suffix_transient_bytes,
+            held_inputs=self.held_inputs(),
+            suffix_backward_excess_bytes=self.suffix_backward_excess_bytes,
+        )
 
     def held_inputs(self) -> tuple[HeldInput, ...]:
         """The planned stages' inputs the model holds beyond their stage (see ``input_held_until``)."""

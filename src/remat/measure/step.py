@@ -72,9 +72,11 @@ def measure_chain(
         chain: the stages.
         args: sample positional inputs.
         kwargs: sample keyword inputs.
-        loss_fn: ``loss_fn(output) -> loss`` (default: the sum of the outputs). The output
-            is dropped once the loss is computed, as in a training loop; a loss function
-            that runs the backward itself may return None.
+        loss_fn: ``loss_fn(output) -> loss``. The output is dropped once the loss is
+            computed, as in a training loop; a loss function that runs the backward
+            itself may return None. Default: the loss the output carries (a Hugging Face
+            ``ModelOutput`` computed with ``labels``: ``loss_from_output`` is then set in
+            the measurement), else the sum of the outputs.
         frugal: measure with every stage recomputed, in about the memory of keeping only
             the stages' inputs, instead of a plain step (see NOTE [frugal measurement]).
         sized: take the bytes from a step on fake tensors (no device memory; see
@@ -89,7 +91,25 @@ def measure_chain(
             there (a budget below the feasible minimum). It is called first with no needs,
             before anything runs on the device, then again before the timing pass.
     """
-    loss_fn = loss_fn or _default_loss
+    default = _DefaultLoss()
+    chosen: Callable[[Any], Any] = loss_fn if loss_fn is not None else default
+    measurement = _measure_chain(model, chain, args, kwargs, chosen, frugal, sized, before_timing, known_times)
+    if default.from_output:
+        measurement = dataclasses.replace(measurement, loss_from_output=True)
+    return measurement
+
+
+def _measure_chain(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], Any],
+    frugal: bool,
+    sized: bool,
+    before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
+    known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None,
+) -> ChainMeasurement:
     devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     if sized:
@@ -326,6 +346,29 @@ def _in_place_spans(
         else:
             spans.append((index, index + 1))
     return spans
+
+
+class _DefaultLoss:
+    """The loss of a step measured without a ``loss_fn``: the one the output carries, if any."""
+
+    def __init__(self) -> None:
+        self.from_output = False
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        carried = output_loss(output)
+        if carried is not None:
+            self.from_output = True
+            return carried
+        return _default_loss(output)
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model's output carries (``output.loss`` or ``output["loss"]``, a scalar
+    that requires grad: a Hugging Face model called with ``labels``), or None."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return loss
+    return None
 
 
 def _default_loss(output: Any) -> torch.Tensor:

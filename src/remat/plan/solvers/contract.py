@@ -119,6 +119,16 @@ def solve(
     return instance(profile, budget_bytes)
 
 
+def default_slots(n_stages: int) -> int:
+    """Memory slots of the dynamic program for a chain of `n_stages`: as many as keep the
+    solve well under a second."""
+    if not numba_available():
+        return 500
+    # The dynamic program costs about n^3 * slots; 200 stages x 500 slots solve in a
+    # fraction of a second, so shorter chains can afford finer memory.
+    return int(min(20000, max(500, 200**3 * 500 // max(1, n_stages) ** 3)))
+
+
 def numba_available() -> bool:
     """Whether numba can be imported (the fast implementation of the dynamic program)."""
     try:

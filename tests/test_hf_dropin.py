@@ -1,0 +1,216 @@
+"""remat.enable on real Hugging Face architectures with their default settings.
+
+Each model is built from a small config with random weights (no download), with every
+setting left at its default (``use_cache=True`` for the causal LMs, dropout on). An
+ordinary training loop (AdamW, ``zero_grad``, several steps, the loss the model computes
+from ``labels``) runs on a plain copy and on the enabled model: losses, gradients,
+parameters and buffers must be equal bit for bit, and every step's exact peak within the
+budget. The model keeps its type, its attributes and its ``state_dict`` keys; the causal
+LMs still generate. Where 0.5 is infeasible, remat's refusal names the minimum, and the
+same checks run at that minimum.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+
+Case = tuple[Callable[[], nn.Module], dict[str, Any]]
+
+
+def _tokens(batch: int = 2, length: int = 32, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _causal_lm(name: str) -> Case:
+    families = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"num_key_value_heads": 2}),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {"num_key_value_heads": 2}),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {"num_key_value_heads": 2}),
+        "gpt_neox": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig, {}),
+    }
+    model_class, config_class, extra = families[name]
+    config = config_class(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
+    tokens = _tokens()
+    return lambda: model_class(config), {"input_ids": tokens, "labels": tokens}
+
+
+def _bert() -> Case:
+    config = transformers.BertConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4
+    )
+    tokens = _tokens()
+    mask = torch.ones_like(tokens)
+    mask[:, -4:] = 0
+    return lambda: transformers.BertForMaskedLM(config), {"input_ids": tokens, "attention_mask": mask, "labels": tokens}
+
+
+def _t5() -> Case:
+    config = transformers.T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_ff=128,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        d_kv=16,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    kwargs = {"input_ids": _tokens(), "labels": _tokens(length=16)}
+    return lambda: transformers.T5ForConditionalGeneration(config), kwargs
+
+
+def _images(size: int) -> torch.Tensor:
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))
+
+
+def _vit() -> Case:
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_labels=3,
+    )
+    return lambda: transformers.ViTForImageClassification(config), {
+        "pixel_values": _images(32),
+        "labels": torch.tensor([0, 2]),
+    }
+
+
+def _resnet() -> Case:
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3)
+    return lambda: transformers.ResNetForImageClassification(config), {
+        "pixel_values": _images(64),
+        "labels": torch.tensor([0, 2]),
+    }
+
+
+def _convnext() -> Case:
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3)
+    return lambda: transformers.ConvNextForImageClassification(config), {
+        "pixel_values": _images(64),
+        "labels": torch.tensor([0, 2]),
+    }
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "llama": lambda: _causal_lm("llama"),
+    "qwen2": lambda: _causal_lm("qwen2"),
+    "mistral": lambda: _causal_lm("mistral"),
+    "gpt_neox": lambda: _causal_lm("gpt_neox"),
+    "bert": _bert,
+    "t5": _t5,
+    "vit": _vit,
+    "resnet": _resnet,
+    "convnext": _convnext,
+}
+CAUSAL = {"llama", "qwen2", "mistral", "gpt_neox"}
+
+
+def _loop(
+    model: nn.Module, kwargs: dict[str, Any], steps: int, track: bool
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """An ordinary training loop; returns each step's loss and gradients, and (tracked) its peak."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses: list[list[torch.Tensor]] = []
+    peaks: list[int] = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with remat.MemoryTracker() if track else _Untracked() as tracker:
+            output = model(**kwargs)
+            output.loss.backward()
+            loss = output.loss.detach()
+            del output
+        if track:
+            peaks.append(tracker.peak_bytes)
+        losses.append([loss, *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
+        optimizer.step()
+    return losses, peaks
+
+
+class _Untracked:
+    def __enter__(self) -> _Untracked:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_enable_trains_hugging_face_models_with_default_settings(name: str) -> None:
+    factory, kwargs = CASES[name]()
+    torch.manual_seed(0)
+    plain = factory().train()
+    model = copy.deepcopy(plain)
+    keys, attributes = list(model.state_dict()), sorted(vars(model))
+    control = remat.enable(model, 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            control.measure(**kwargs)
+            control.plan_for()
+        except remat.BudgetTooSmall as error:
+            # the message names the minimum in bytes; the same checks run there
+            assert error.minimum_bytes > error.budget_bytes and str(error.minimum_bytes) in str(error)
+            control.mem_limit = "min"
+        torch.manual_seed(1)
+        found, peaks = _loop(model, kwargs, steps=3, track=True)
+    torch.manual_seed(1)
+    expected, _ = _loop(plain, kwargs, steps=3, track=False)
+    for step, (a, b) in enumerate(zip(expected, found, strict=True)):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
+    for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key  # parameters after the updates, and buffers
+    plan = control.plan
+    assert plan is not None and plan.budget_bytes is not None
+    assert max(peaks) <= plan.budget_bytes
+    assert sum(count > 1 for count in plan.forward_counts) > 0, "the plan recomputes nothing"
+    assert type(model) is type(plain) and list(model.state_dict()) == keys
+    assert sorted(k for k in vars(model) if k != "_call_impl") == attributes
+    cache_warnings = [w for w in caught if "use_cache" in str(w.message)]
+    # said once, for the models whose forward takes use_cache and whose config turns it on
+    assert len(cache_warnings) == (1 if name in CAUSAL | {"t5"} else 0)
+    if name in CAUSAL:
+        model.eval()
+        prompt = kwargs["input_ids"][:, :5]
+        with torch.no_grad():
+            generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
+        assert generated.shape == (2, 8)
+        assert model.config.use_cache  # the cache stays on outside training
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_the_loss_the_output_carries_is_the_measured_loss(name: str) -> None:
+    factory, kwargs = CASES[name]()
+    torch.manual_seed(0)
+    model = factory().train()
+    control = remat.enable(model, 0.6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the use_cache note
+        model(**kwargs).loss.backward()
+    plan = control.plan
+    assert plan is not None and plan.measurement is not None and plan.measurement.loss_from_output
+    assert plan.budget.loss_allowance_bytes == 0 and control.margin == 0.0
