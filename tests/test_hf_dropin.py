@@ -100,7 +100,9 @@ def _vit() -> Case:
 
 
 def _resnet() -> Case:
-    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3)
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3
+    )
     return lambda: transformers.ResNetForImageClassification(config), {
         "pixel_values": _images(64),
         "labels": torch.tensor([0, 2]),
