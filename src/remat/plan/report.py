@@ -198,15 +198,32 @@ class PlanReport:
         overlap = 0
         if split.total_bytes is not None and split.chain_bytes is not None:
             overlap = max(0, split.chain_bytes + outside + split.margin_bytes - split.total_bytes)
-        part_time = f" ({format_bytes(overlap)} more held only part of the step)" if overlap else ""
+        margin = format_bytes(split.margin_bytes)
+        if overlap:
+            budget_line = (
+                f"  budget:          {total}: held outside the chain {format_bytes(outside)} + margin {margin}, "
+                f"the rest for the chain; it was planned in {chain}{loss}, what lives only part of the step "
+                "counted where it lives"
+            )
+        else:
+            budget_line = (
+                f"  budget:          {total} = chain {chain}{loss} + held outside the chain"
+                f" {format_bytes(outside)} + margin {margin}"
+            )
         after = split.after_chain_peak_bytes
         during = split.chain_phase_peak_bytes(schedule.simulation)
         peak = max(during, after)
         everything = max(split.chain_phase_peak_bytes(self.baseline), after)
         fraction = peak / everything if everything else 1.0
+        parts = schedule.predicted_peak_bytes + outside
         sum_of_parts = (
             f"chain {format_bytes(schedule.predicted_peak_bytes)} + held outside the chain {format_bytes(outside)}"
         )
+        if parts != during:
+            # what lives only part of the step is not all alive at the chain's peak (or the
+            # model holds a stage input a while longer than the schedule does)
+            change = "less" if parts > during else "more"
+            sum_of_parts += f", {change} {format_bytes(abs(parts - during))} by when each lives"
         if after > during:
             # the backward of the code before the chain peaks higher, whatever the schedule
             peak_line = (
@@ -217,8 +234,7 @@ class PlanReport:
             peak_line = f"  predicted peak:  {format_bytes(peak)} = {sum_of_parts}"
         return [
             f"  whole step: budget {total}, predicted peak {format_bytes(peak)}",
-            f"  budget:          {total} = chain {chain}{loss} + held outside the chain"
-            f" {format_bytes(outside - overlap)} + margin {format_bytes(split.margin_bytes)}{part_time}",
+            budget_line,
             f"{peak_line}  ({_percent(fraction)} of storing everything: {format_bytes(everything)})",
         ]
 
