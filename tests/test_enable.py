@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -191,3 +192,40 @@ def test_the_wrapper_stands_for_the_model() -> None:
     outer.load_state_dict(outer.state_dict())
     with pytest.raises(AttributeError):
         wrapped.not_an_attribute  # noqa: B018
+
+
+class ResidualLoop(nn.Module):
+    """Blocks whose outputs the forward adds to their inputs: no chain of blocks to find."""
+
+    def __init__(self, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_chain_that_holds_little_of_the_step_is_said_once() -> None:
+    torch.manual_seed(0)
+    model = ResidualLoop()
+    control = remat.enable(model, 0.9)
+    x = torch.randn(64, 32, 32)
+    with pytest.warns(UserWarning, match=r"holds \d+% of the step's activation memory") as caught:
+        model(x).sum().backward()
+    message = next(str(w.message) for w in caught if "activation memory" in str(w.message))
+    assert "remat.mark" in message and "blocks.0." in message
+    plan = control.plan
+    assert plan is not None and plan.measurement is not None and plan.measurement.coverage < 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # said once
+    torch.manual_seed(0)
+    covered = remat.enable(Net(), 0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        covered.model(torch.randn(16, 32)).sum().backward()

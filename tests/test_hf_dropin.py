@@ -117,7 +117,14 @@ def _convnext() -> Case:
     }
 
 
+def _gpt2() -> Case:
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    tokens = _tokens()
+    return lambda: transformers.GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens}
+
+
 CASES: dict[str, Callable[[], Case]] = {
+    "gpt2": _gpt2,
     "llama": lambda: _causal_lm("llama"),
     "qwen2": lambda: _causal_lm("qwen2"),
     "mistral": lambda: _causal_lm("mistral"),
@@ -128,7 +135,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "resnet": _resnet,
     "convnext": _convnext,
 }
-CAUSAL = {"llama", "qwen2", "mistral", "gpt_neox"}
+CAUSAL = {"gpt2", "llama", "qwen2", "mistral", "gpt_neox"}
 
 
 def _loop(
@@ -168,6 +175,10 @@ def test_enable_trains_hugging_face_models_with_default_settings(name: str) -> N
     plain = factory().train()
     model = copy.deepcopy(plain)
     keys, attributes = list(model.state_dict()), sorted(vars(model))
+    # the reference trains without a key/value cache, as remat's training calls do (and
+    # Hugging Face's own checkpointing): some models' kernels differ in the last bits with it
+    if getattr(plain.config, "use_cache", False):
+        plain.config.use_cache = False
     control = remat.enable(model, 0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -201,7 +212,7 @@ def test_enable_trains_hugging_face_models_with_default_settings(name: str) -> N
         with torch.no_grad():
             generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
         assert generated.shape == (2, 8)
-        assert model.config.use_cache  # the cache stays on outside training
+        assert model.config.use_cache  # the model's own setting is left alone
 
 
 @pytest.mark.parametrize("name", ["llama", "bert"])

@@ -39,7 +39,7 @@ def test_a_kept_output_counted_from_the_loss_on_buys_faster_plans_that_still_fit
         assert plan.predicted_time_s <= conservative.predicted_time_s
         faster += plan.predicted_time_s < conservative.predicted_time_s
         if split.chain_bytes > held_through:
-            assert "held only part of the step" in str(plan)
+            assert "what lives only part of the step counted where it lives" in str(plan)
     assert faster >= 1
 
 

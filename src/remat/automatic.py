@@ -34,7 +34,15 @@ from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, default_slots, get_solver
 from remat.plan.step import Plan
 from remat.units import format_bytes
-from remat.wrapper import CACHE_TURNED_OFF, ModelStandIn, model_own_call, stand_for_model, without_cache
+from remat.wrapper import (
+    CACHE_TURNED_OFF,
+    ModelStandIn,
+    is_partial,
+    model_own_call,
+    partial_coverage,
+    stand_for_model,
+    without_cache,
+)
 
 __all__ = ["DEFAULT_PLANNING_MARGIN", "LOSS_ALLOWANCE_OUTPUTS", "Checkpointable"]
 
@@ -198,6 +206,7 @@ class Checkpointable(ModelStandIn):
         self._shapes = ShapeTimings(timed_shapes)
         self._cache_warned = False
         self._default_budget_warned = False
+        self._coverage_warned = False
         self._solver()  # fail now on an unknown solver name
 
     # ------------------------------------------------------------------ public
@@ -281,6 +290,9 @@ class Checkpointable(ModelStandIn):
             format_bytes(measurement.measured_peak_bytes),
         )
         self._measurements[key] = measurement
+        if is_partial(measurement) and not self._coverage_warned:
+            self._coverage_warned = True
+            warnings.warn(partial_coverage(chain, measurement), UserWarning, stacklevel=4)
         # plans from an earlier measurement of this key (a shape timed again) are replaced;
         # the check before timing solved on the sizes alone, the measurement may add to them
         self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
@@ -410,32 +422,13 @@ class Checkpointable(ModelStandIn):
             plan = self._plan(key, self.mem_limit)
         executor = self._executor(key, plan, args, kwargs)
         if self._forced_plan is None and self._shapes.unverified(key):
-            return self._verified_call(key, executor, args, kwargs)
+            return self._shapes.verified_call(key, lambda: executor(self.model, args, kwargs), self.model)
         return executor(self.model, args, kwargs)
 
     @property
     def measure_counts(self) -> dict[str, int]:
         """How many input shapes were timed, and how many had their times scaled (``timed_shapes``)."""
         return dict(self._shapes.counts)
-
-    def _verified_call(
-        self, key: Hashable, executor: ChainExecutor, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The first forward at a shape whose times were scaled: checks them against its own."""
-        synchronize = torch.cuda.synchronize if any(p.is_cuda for p in self.model.parameters()) else None
-        if synchronize is not None:
-            synchronize()
-        started = time.perf_counter()
-        out = executor(self.model, args, kwargs)
-        if synchronize is not None:
-            synchronize()
-        ratio, retime = self._shapes.verify(key, time.perf_counter() - started)
-        logger.info(
-            "remat checked the scaled times of this shape: its forward took x%.2f the estimate%s",
-            ratio,
-            "; the shape is timed at its next step" if retime else "",
-        )
-        return out
 
     @property
     def frugal_measure(self) -> bool:

@@ -10,7 +10,48 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CACHE_TURNED_OFF", "ModelStandIn", "model_own_call", "stand_for_model", "without_cache"]
+__all__ = [
+    "CACHE_TURNED_OFF",
+    "PARTIAL_COVERAGE",
+    "PARTIAL_COVERAGE_BYTES",
+    "is_partial",
+    "ModelStandIn",
+    "model_own_call",
+    "partial_coverage",
+    "stand_for_model",
+    "without_cache",
+]
+
+#: Below this share of the step's activation memory in the chain found, remat says so,
+PARTIAL_COVERAGE = 0.75
+#: when what is outside the chain is at least this many bytes (a toy model's loss may
+#: outweigh its few layers, with nothing to gain).
+PARTIAL_COVERAGE_BYTES = 1 << 20
+
+
+def is_partial(measurement: Any) -> bool:
+    """Whether the chain found holds too little of the step's activation memory (see
+    :attr:`remat.measure.ChainMeasurement.coverage`) for a plan to matter much."""
+    outside = measurement.fixed_bytes + measurement.profile.gradient_bytes[-1]
+    return bool(measurement.coverage < PARTIAL_COVERAGE and outside >= PARTIAL_COVERAGE_BYTES)
+
+
+def partial_coverage(chain: Any, measurement: Any) -> str:
+    """What to tell a user whose model's chain holds little of its activation memory."""
+    from remat.units import format_bytes
+
+    names = chain.names
+    found = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return (
+        f"remat: the chain of stages found in the model's forward ({found}, {len(names)} stage calls) "
+        f"holds {measurement.coverage:.0%} of the step's activation memory "
+        f"({format_bytes(measurement.chain_activation_bytes)}); the rest ({format_bytes(measurement.fixed_bytes)} "
+        f"held by the code before or around it, {format_bytes(measurement.profile.gradient_bytes[-1])} at the "
+        "peak of the code after it, the loss included) is outside any plan, so no budget goes much below "
+        "that. A forward that adds each block's output to its input (x = x + block(x)) hides its blocks: "
+        "mark them with remat.mark(block) or remat.apply(model, BlockClass) to recompute them yourself"
+    )
+
 
 CACHE_TURNED_OFF = (
     "remat: use_cache=True is incompatible with recompute in training (a key/value cache would be "

@@ -92,6 +92,20 @@ class ChainMeasurement:
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
 
+    @property
+    def chain_activation_bytes(self) -> int:
+        """What the chain's stages keep for backward and pass on, storing everything."""
+        profile = self.profile
+        return sum(profile.saved_bytes) + sum(profile.activation_bytes[1:])
+
+    @property
+    def coverage(self) -> float:
+        """The share of the step's activation memory in the chain's stages (what a plan can
+        recompute), against what is held outside it and what the code after it peaks at."""
+        chain = self.chain_activation_bytes
+        total = chain + self.fixed_bytes + self.profile.gradient_bytes[-1]
+        return chain / total if total else 1.0
+
     def outside_split(self, kept_output_bytes: int, loss_allowance_bytes: int) -> BudgetSplit:
         """What the step holds outside the chain, as planning shares a budget out (no
         budget yet): with the model output a training loop keeps (from the loss on), and

@@ -10,12 +10,20 @@ sequence scales that way), else the bytes it produces and keeps (elementwise sta
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
 
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.instrument import StageMeasurement
 from remat.plan.key import shape_family
+
+logger = logging.getLogger("remat")
 
 __all__ = ["SCALING_RANGE", "ShapeTimings", "scaled_times", "work_ratio"]
 
@@ -121,6 +129,24 @@ class ShapeTimings:
             self.timed.setdefault(shape_family(key), {})[key] = measurement
             self._retime.discard(key)
             self._unverified.pop(key, None)
+
+    def verified_call(self, key: Hashable, forward: Callable[[], Any], model: nn.Module) -> Any:
+        """Runs `forward`, the first forward at the shape `key` whose times were scaled, and
+        checks them against its own (:meth:`verify`); returns its output."""
+        synchronize = torch.cuda.synchronize if any(p.is_cuda for p in model.parameters()) else None
+        if synchronize is not None:
+            synchronize()
+        started = time.perf_counter()
+        out = forward()
+        if synchronize is not None:
+            synchronize()
+        ratio, retime = self.verify(key, time.perf_counter() - started)
+        logger.info(
+            "remat checked the scaled times of this shape: its forward took x%.2f the estimate%s",
+            ratio,
+            "; the shape is timed at its next step" if retime else "",
+        )
+        return out
 
     def must_retime(self, key: Hashable) -> bool:
         """Whether the shape `key` is to be timed again (its scaled times were off)."""
