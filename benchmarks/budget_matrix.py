@@ -151,11 +151,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="zoo models only, budgets 0.1, 0.5, 1.0")
     parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="time the measuring again, per model, and update those figures of the last run",
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
     fractions = (0.1, 0.5, 1.0) if options.quick else FRACTIONS
     names = options.models or [n for n in MODELS if not (options.quick and n.startswith("Hugging"))]
     results: dict[str, Any] = {}
+    if options.cost_only:
+        results = json.loads((RESULTS / "budget_matrix.json").read_text())
+        for name in names:
+            factory, args, kwargs, loss_fn = MODELS[name]()
+            for precision in ("fp32", "bf16"):
+                row = results[f"{name} / {precision}"]
+                row["plain_step_s"] = plain_step_seconds(factory, args, kwargs, loss_fn, precision)
+                row["measuring_s"] = measuring_seconds(factory, args, kwargs, loss_fn, precision)
+                row["measuring_cost_steps"] = row["measuring_s"] / row["plain_step_s"]
+                print(f"{name} / {precision}: measuring {row['measuring_cost_steps']:.2f} steps", flush=True)
+        write_results(results, "")
+        return
     for name in names:
         factory, args, kwargs, loss_fn = MODELS[name]()
         for precision in ("fp32", "bf16"):
@@ -190,7 +207,12 @@ def main() -> None:
     path = RESULTS / f"budget_matrix{suffix}.json"
     if options.models and path.exists():  # a subset run updates its rows of the last full run
         results = {**json.loads(path.read_text()), **results}
-    path.write_text(json.dumps(results, indent=2))
+    write_results(results, suffix)
+
+
+def write_results(results: dict[str, Any], suffix: str) -> None:
+    """Writes the JSON and the Markdown table of a run."""
+    (RESULTS / f"budget_matrix{suffix}.json").write_text(json.dumps(results, indent=2))
     lines = [
         "| model / precision | feasible from | worst peak / budget (any step) | first step / budget "
         "| measured / predicted | measuring cost (plain steps) |",

@@ -32,7 +32,7 @@ PARTIAL_COVERAGE_BYTES = 1 << 20
 def is_partial(measurement: Any) -> bool:
     """Whether the chain found holds too little of the step's activation memory (see
     :attr:`remat.measure.ChainMeasurement.coverage`) for a plan to matter much."""
-    outside = measurement.fixed_bytes + measurement.profile.gradient_bytes[-1]
+    outside = measurement.outside_activation_bytes
     return bool(measurement.coverage < PARTIAL_COVERAGE and outside >= PARTIAL_COVERAGE_BYTES)
 
 
@@ -45,11 +45,12 @@ def partial_coverage(chain: Any, measurement: Any) -> str:
     return (
         f"remat: the chain of stages found in the model's forward ({found}, {len(names)} stage calls) "
         f"holds {measurement.coverage:.0%} of the step's activation memory "
-        f"({format_bytes(measurement.chain_activation_bytes)}); the rest ({format_bytes(measurement.fixed_bytes)} "
-        f"held by the code before or around it, {format_bytes(measurement.profile.gradient_bytes[-1])} at the "
-        "peak of the code after it, the loss included) is outside any plan, so no budget goes much below "
-        "that. A forward that adds each block's output to its input (x = x + block(x)) hides its blocks: "
-        "mark them with remat.mark(block) or remat.apply(model, BlockClass) to recompute them yourself"
+        f"({format_bytes(measurement.chain_activation_bytes)}); the rest "
+        f"({format_bytes(measurement.outside_activation_bytes)}: what the code before or around it holds, "
+        "and the peak of the code after it, the loss included) is outside any plan, so no budget goes much "
+        "below that. If the model's blocks are outside the chain (a forward that adds each block's output "
+        "to its input, x = x + block(x), hides them), mark them with remat.mark(block) or "
+        "remat.apply(model, BlockClass) to recompute them yourself"
     )
 
 

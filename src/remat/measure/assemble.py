@@ -99,11 +99,17 @@ class ChainMeasurement:
         return sum(profile.saved_bytes) + sum(profile.activation_bytes[1:])
 
     @property
+    def outside_activation_bytes(self) -> int:
+        """Activation memory outside the chain: what the code before or around it holds
+        (not the partial gradients a backward leaves), and the peak of the code after it."""
+        return self.fixed_bytes - sum(self.leftover_bytes) + self.profile.gradient_bytes[-1]
+
+    @property
     def coverage(self) -> float:
-        """The share of the step's activation memory in the chain's stages (what a plan can
-        recompute), against what is held outside it and what the code after it peaks at."""
+        """The share of the step's activation memory in the chain's stages: what a plan can
+        recompute."""
         chain = self.chain_activation_bytes
-        total = chain + self.fixed_bytes + self.profile.gradient_bytes[-1]
+        total = chain + self.outside_activation_bytes
         return chain / total if total else 1.0
 
     def outside_split(self, kept_output_bytes: int, loss_allowance_bytes: int) -> BudgetSplit:
