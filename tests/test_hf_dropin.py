@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,120 +21,13 @@ import torch
 from torch import nn
 
 import remat
+from remat.models import CAUSAL_LMS, hugging_face_architectures
 
 transformers = pytest.importorskip("transformers")
 
-Case = tuple[Callable[[], nn.Module], dict[str, Any]]
 
-
-def _tokens(batch: int = 2, length: int = 32, vocab: int = 256) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
-
-
-def _causal_lm(name: str) -> Case:
-    families = {
-        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"num_key_value_heads": 2}),
-        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {"num_key_value_heads": 2}),
-        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {"num_key_value_heads": 2}),
-        "gpt_neox": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig, {}),
-    }
-    model_class, config_class, extra = families[name]
-    config = config_class(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        **extra,
-    )
-    tokens = _tokens()
-    return lambda: model_class(config), {"input_ids": tokens, "labels": tokens}
-
-
-def _bert() -> Case:
-    config = transformers.BertConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4
-    )
-    tokens = _tokens()
-    mask = torch.ones_like(tokens)
-    mask[:, -4:] = 0
-    return lambda: transformers.BertForMaskedLM(config), {"input_ids": tokens, "attention_mask": mask, "labels": tokens}
-
-
-def _t5() -> Case:
-    config = transformers.T5Config(
-        vocab_size=256,
-        d_model=64,
-        d_ff=128,
-        num_layers=3,
-        num_decoder_layers=3,
-        num_heads=4,
-        d_kv=16,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    kwargs = {"input_ids": _tokens(), "labels": _tokens(length=16)}
-    return lambda: transformers.T5ForConditionalGeneration(config), kwargs
-
-
-def _images(size: int) -> torch.Tensor:
-    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))
-
-
-def _vit() -> Case:
-    config = transformers.ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_labels=3,
-    )
-    return lambda: transformers.ViTForImageClassification(config), {
-        "pixel_values": _images(32),
-        "labels": torch.tensor([0, 2]),
-    }
-
-
-def _resnet() -> Case:
-    config = transformers.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3
-    )
-    return lambda: transformers.ResNetForImageClassification(config), {
-        "pixel_values": _images(64),
-        "labels": torch.tensor([0, 2]),
-    }
-
-
-def _convnext() -> Case:
-    config = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_labels=3)
-    return lambda: transformers.ConvNextForImageClassification(config), {
-        "pixel_values": _images(64),
-        "labels": torch.tensor([0, 2]),
-    }
-
-
-def _gpt2() -> Case:
-    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-    tokens = _tokens()
-    return lambda: transformers.GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens}
-
-
-CASES: dict[str, Callable[[], Case]] = {
-    "gpt2": _gpt2,
-    "llama": lambda: _causal_lm("llama"),
-    "qwen2": lambda: _causal_lm("qwen2"),
-    "mistral": lambda: _causal_lm("mistral"),
-    "gpt_neox": lambda: _causal_lm("gpt_neox"),
-    "bert": _bert,
-    "t5": _t5,
-    "vit": _vit,
-    "resnet": _resnet,
-    "convnext": _convnext,
-}
-CAUSAL = {"gpt2", "llama", "qwen2", "mistral", "gpt_neox"}
+CASES = hugging_face_architectures()
+CAUSAL = CAUSAL_LMS
 
 
 def _loop(

@@ -79,12 +79,12 @@ def model_own_call(model: nn.Module) -> Iterator[None]:
 
 
 def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """A training call's kwargs with ``use_cache=False`` for a model whose config turns a
-    key/value cache on (NOTE [key/value caches] in ``remat.measure.step``), unless the
-    caller chose; and whether it was added. Hugging Face's gradient checkpointing does
-    the same."""
-    config = getattr(model, "config", None)
-    if "use_cache" in kwargs or getattr(config, "use_cache", False) is not True:
+    """A training call's kwargs with ``use_cache=False`` for a model whose forward takes
+    it (NOTE [key/value caches] in ``remat.measure.step``), unless the caller chose; and
+    whether that turned off a cache the model's config turns on (Hugging Face's gradient
+    checkpointing does the same). It is passed even when the config says False: some
+    models build a cache for a sub-stack whose own config says True (T5's decoder)."""
+    if "use_cache" in kwargs:
         return kwargs, False
     try:
         accepted = "use_cache" in inspect.signature(model.forward).parameters
@@ -92,7 +92,8 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
         return kwargs, False
     if not accepted:
         return kwargs, False
-    return {**kwargs, "use_cache": False}, True
+    config = getattr(model, "config", None)
+    return {**kwargs, "use_cache": False}, getattr(config, "use_cache", False) is True
 
 
 class ModelStandIn(nn.Module):
