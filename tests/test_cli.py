@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import subprocess
@@ -345,6 +346,32 @@ def test_bench_cannot_write_output(tiny_catalogue: str, tmp_path, capsys: pytest
     )
     assert code == cli.EXIT_CANNOT_WRITE
     assert "cannot write" in assert_one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("option", "name", "message"),
+    [("--plot", "figure.txt", "its suffix must be one of"), ("--json", "file/x.json", "is not a directory")],
+)
+def test_bench_checks_its_outputs_before_any_work(
+    option: str, name: str, message: str, tiny_catalogue: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    (tmp_path / "file").write_text("")
+    ran = []
+    monkeypatch.setattr(importlib.import_module("remat.cli.main"), "_run_bench", lambda *a, **k: ran.append(1))
+    code, out, err = run(["bench", tiny_catalogue, "--steps", "1", option, str(tmp_path / name)], capsys)
+    assert code == cli.EXIT_CANNOT_WRITE and not ran and not out.strip()
+    assert message in assert_one_error_line(err)
+
+
+def test_plan_takes_min_and_debug_after_the_subcommand(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", tiny_catalogue, "--budget", "min", "--json", "--debug"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    assert document["requested_budget"] == "min"
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"]
+    # --debug lets the error through with its traceback, wherever it stands on the line
+    with pytest.raises(Exception, match="minimum feasible budget"):
+        cli.main(["plan", tiny_catalogue, "--budget", "1kB", "--debug"])
 
 
 def test_python_dash_m_runs_the_command() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,11 @@ def _solver_names() -> tuple[str, ...]:
     return available_solvers()
 
 
+def _add_global_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that may come anywhere on the line, before or after the subcommand."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of errors")
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a name from `remat models`, or package.module:function")
     parser.add_argument(
@@ -152,13 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    commands.add_parser(
+    models = commands.add_parser(
         "models",
         help="list the ready-made models",
         description="List the ready-made models with their parameter counts.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+    _add_global_arguments(models)
 
     plan = commands.add_parser(
         "plan",
@@ -167,12 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_global_arguments(plan)
     _add_model_arguments(plan)
     plan.add_argument(
         "--budget",
         default=None,
         metavar="B",
-        help=f"activation memory budget of a training step: {BUDGET_FORMS} (default: free device memory)",
+        help=f"activation memory budget of a training step: {BUDGET_FORMS}; or min for the smallest "
+        "feasible one (default: free device memory)",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
 
@@ -186,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_global_arguments(bench)
     _add_model_arguments(bench)
     _add_bench_arguments(bench, budgets=_DEMO_BUDGETS, steps=5)
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="write the two-panel figure")
@@ -202,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_global_arguments(demo)
     demo.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help="where to write the files (default .)")
     demo.add_argument(
         "--steps", type=_positive_int, default=5, metavar="N", help="timed steps per strategy (default 5)"
@@ -293,7 +305,7 @@ def _minimum_message(error: BudgetTooSmall, name: str) -> str:
 
 
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
-    budget = None if args.budget is None else _budget(args.budget, allow_minimum=False)
+    budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     device = resolve_device(args.device)
     workload = load_workload(args.model, batch=args.batch, input_shape=args.input_shape, device=device)
     wrapper, inputs = _measure(workload, args.solver, output)
@@ -368,6 +380,28 @@ def _run_bench(
             )
 
 
+#: The figure formats ``--plot`` writes (matplotlib's, by the file's suffix).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_output(path: Path, what: str, suffixes: tuple[str, ...] | None) -> None:
+    """Fails before any work on an output path that cannot be written as `what`."""
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        fail(
+            EXIT_CANNOT_WRITE,
+            f"cannot write {what} {str(path)!r}: its suffix must be one of {', '.join(suffixes)}",
+        )
+    if path.is_dir():
+        fail(EXIT_CANNOT_WRITE, f"cannot write {what} {str(path)!r}: it is a directory")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        fail(EXIT_CANNOT_WRITE, f"cannot write {what} {str(path)!r}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK):
+        fail(EXIT_CANNOT_WRITE, f"cannot write {what} {str(path)!r}: {str(parent)!r} is not writable")
+
+
 def _write(path: Path, write: Callable[[Path], Any], output: Output, what: str) -> None:
     try:
         if path.parent and not path.parent.exists():
@@ -400,6 +434,10 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
     budgets = _parse_budgets(args.budgets)
     if args.plot is not None:
         require_matplotlib()
+        _check_output(args.plot, "the figure", PLOT_SUFFIXES)
+    for path, what in ((args.json, "the JSON result"), (args.markdown, "the Markdown table")):
+        if path is not None:
+            _check_output(path, what, None)
     device = resolve_device(args.device)
     workload = load_workload(args.model, batch=args.batch, input_shape=args.input_shape, device=device)
     result = _run_bench(
