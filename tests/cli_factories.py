@@ -23,9 +23,27 @@ def tiny_mlp_with_input() -> tuple[nn.Sequential, torch.Tensor]:
     return mlp_chain(depth=4, width=WIDTH), torch.randn(8, WIDTH)
 
 
-def not_sequential() -> nn.Module:
-    """A module that is not an ``nn.Sequential``."""
-    return nn.Linear(WIDTH, WIDTH)
+def not_a_module() -> object:
+    """A factory that returns no module."""
+    return "a model"
+
+
+class Blocks(nn.Module):
+    """A model with its own forward looping over blocks (not an ``nn.Sequential``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def blocks_with_input() -> tuple[nn.Module, torch.Tensor]:
+    """A looping model with a sample input of batch 64."""
+    return Blocks(), torch.randn(64, WIDTH)
 
 
 def raises() -> nn.Sequential:

@@ -136,7 +136,15 @@ def test_plan_of_a_factory_with_a_sample_input(capsys: pytest.CaptureFixture[str
     assert code == cli.EXIT_OK
     document = json.loads(out)
     assert document["input_shapes"] == [[8, WIDTH]]
-    assert document["loss"] == "sum of the output"
+    assert document["loss"] == "the output's own loss, else its sum"
+
+
+def test_plan_of_any_module(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "cli_factories:blocks_with_input", "--budget", "0.5", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"]
+    assert max(document["forward_counts"]) > 1
 
 
 def test_plan_of_a_factory_with_an_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -180,7 +188,7 @@ def test_unreadable_budget_lists_the_accepted_forms(
         ("no_such_module_for_remat:factory", "cannot import"),
         ("cli_factories:missing", "no attribute"),
         ("cli_factories:NOT_CALLABLE", "not a function"),
-        ("cli_factories:not_sequential", "nn.Sequential"),
+        ("cli_factories:not_a_module", "must return an nn.Module"),
         ("cli_factories:raises", "ValueError: boom"),
     ],
 )

@@ -28,7 +28,7 @@ Subcommands::
     remat demo [--out DIR]            a bench of resnet_small on the CPU, with a PNG
 
 MODEL is a name from ``remat models``, or ``package.module:function``: a function with no
-arguments that returns an ``nn.Sequential``, or a tuple ``(model, sample_input)``. A
+arguments that returns an ``nn.Module``, or a tuple ``(model, sample_input)``. A
 model without a sample input needs ``--input-shape C,H,W``: the input is then a random
 float tensor of shape ``(batch, C, H, W)``. Catalogue models train on synthetic data with
 their own loss; a user's model trains on its input with the sum of its output as the loss.

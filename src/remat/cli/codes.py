@@ -26,7 +26,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ExitCode(
         5,
         "EXIT_BAD_MODEL",
-        "the model factory cannot be imported or called, does not return an ``nn.Sequential``, "
+        "the model factory cannot be imported or called, does not return an ``nn.Module``, "
         "or the model fails on its input",
     ),
     ExitCode(6, "EXIT_OUT_OF_MEMORY", "out of memory on the device while building or running the model"),

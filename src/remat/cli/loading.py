@@ -38,7 +38,7 @@ class Workload:
 
     Attributes:
         name: the model's name (a catalogue name or the factory's ``module:function``).
-        model: the chain, on its device, in training mode.
+        model: the model, on its device, in training mode.
         make_batch: ``() -> (inputs, target)``; the same batch at every call.
         loss_fn: ``(output, target) -> loss``.
         loss_description: the loss in words, for reports.
@@ -46,7 +46,7 @@ class Workload:
     """
 
     name: str
-    model: nn.Sequential
+    model: nn.Module
     make_batch: Callable[[], tuple[tuple[Any, ...], Any]]
     loss_fn: Callable[[Any, Any], Tensor]
     loss_description: str
@@ -58,7 +58,13 @@ class Workload:
 
 
 def _sum_loss(output: Any, target: Any) -> Tensor:
-    """The default loss of a user's model: the sum of every floating-point output."""
+    """The default loss of a user's model: the loss its output carries (``output.loss``, a
+    Hugging Face model's), else the sum of every floating-point output."""
+    from remat.measure.step import output_loss
+
+    carried = output_loss(output)
+    if carried is not None:
+        return carried
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
     if not tensors:
         fail(EXIT_BAD_MODEL, "the model's output has no floating-point tensor to train on")
@@ -150,7 +156,7 @@ def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device) -> Wo
     return Workload(spec.name, built, make_batch, spec.loss_fn, f"{spec.name}'s own loss on synthetic data", device)
 
 
-def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Sequential:
+def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Module:
     try:
         built = factory()
         if isinstance(built, nn.Module):
@@ -181,7 +187,7 @@ def _load_factory(
     except AttributeError:
         fail(EXIT_BAD_MODEL, f"module {module_name!r} has no attribute {attribute!r}")
     if not callable(factory):
-        fail(EXIT_BAD_MODEL, f"{text} is a {type(factory).__name__}, not a function returning an nn.Sequential")
+        fail(EXIT_BAD_MODEL, f"{text} is a {type(factory).__name__}, not a function returning an nn.Module")
     try:
         torch.manual_seed(0)
         result = factory()
@@ -194,16 +200,18 @@ def _load_factory(
     sample: Any = None
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         result, sample = result
-    if not isinstance(result, nn.Sequential):
+    if not isinstance(result, nn.Module):
         fail(
             EXIT_BAD_MODEL,
-            f"{text}() returned {type(result).__name__}; it must return an nn.Sequential or a "
-            "tuple (nn.Sequential, sample_input)",
+            f"{text}() returned {type(result).__name__}; it must return an nn.Module or a "
+            "tuple (nn.Module, sample_input)",
         )
     model = _build(lambda: result, text, device)
     inputs = _factory_inputs(text, sample, batch=batch, input_shape=input_shape, device=device)
     fixed_inputs = inputs
-    return Workload(text, model, lambda: (fixed_inputs, None), _sum_loss, "sum of the output", device)
+    return Workload(
+        text, model, lambda: (fixed_inputs, None), _sum_loss, "the output's own loss, else its sum", device
+    )
 
 
 def _factory_inputs(

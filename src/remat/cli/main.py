@@ -57,7 +57,7 @@ _EPILOG = (
     "exit codes:\n"
     + exit_code_table(markup=False)
     + "\n\nMODEL is a name from `remat models` or package.module:function (a function with no\n"
-    "arguments returning an nn.Sequential, or a tuple (model, sample_input)).\n"
+    "arguments returning an nn.Module, or a tuple (model, sample_input)).\n"
 )
 
 _DEMO_MODEL = "resnet_small"
