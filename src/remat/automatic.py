@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -299,6 +300,10 @@ class Checkpointable(ModelStandIn):
         self._executors = {k: v for k, v in self._executors.items() if k[0] != key}
         self._minimums = {k: v for k, v in self._minimums.items() if k[0] != key}
         self._last_key = key
+        # The measuring runs leave reference cycles (autograd hooks, frames) that hold
+        # tensors until the garbage collector runs: collected now, they cannot add to the
+        # step that follows.
+        gc.collect(1)
         return measurement
 
     def _measure_on_device(

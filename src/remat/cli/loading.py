@@ -209,9 +209,7 @@ def _load_factory(
     model = _build(lambda: result, text, device)
     inputs = _factory_inputs(text, sample, batch=batch, input_shape=input_shape, device=device)
     fixed_inputs = inputs
-    return Workload(
-        text, model, lambda: (fixed_inputs, None), _sum_loss, "the output's own loss, else its sum", device
-    )
+    return Workload(text, model, lambda: (fixed_inputs, None), _sum_loss, "the output's own loss, else its sum", device)
 
 
 def _factory_inputs(

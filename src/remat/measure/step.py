@@ -27,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -151,10 +153,19 @@ def _sized_measurement(
 
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        versions = [
+            t._version if isinstance(t, torch.Tensor) else None for t in tree_flatten((fake_args, fake_kwargs))[0]
+        ]
         with fake.mode:
             tracked = _tracked_step(
                 model, chain, fake_args, fake_kwargs, loss_fn=shaped_loss, device=device, spans=None
             )
+        # the inputs the model changes in place: the timing pass copies those alone
+        changed = {
+            position
+            for position, (leaf, version) in enumerate(zip(tree_flatten((fake_args, fake_kwargs))[0], versions))
+            if isinstance(leaf, torch.Tensor) and leaf._version != version
+        }
     sized = assemble(chain, tracked)
     if before_timing is not None:
         before_timing(sized, ())  # a budget no schedule fits is refused before anything real runs
@@ -164,6 +175,9 @@ def _sized_measurement(
     # shaped like the model's output before anything else runs; what it needs beyond its
     # fake run is held through the whole step (the safe side: it may be transient).
     loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
+    # A FakeTensorMode left in a reference cycle by the probe can hold real memory: freed
+    # now, not during the timing pass.
+    gc.collect()
     sized = _with_fixed_bytes(sized, loss_extra)
     times = known_times(sized) if known_times is not None else None
     if times is not None:
@@ -176,12 +190,14 @@ def _sized_measurement(
                 model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
                 run_loss=run_loss, track_all=True,
             )  # fmt: skip
-    # the real pass runs on copies of the inputs, which the rehearsal did not count
-    copies = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs)))
+    # the real pass runs on copies of the inputs the model changes in place (on aliases
+    # of the others), which the rehearsal did not count
+    leaves = tree_flatten((args, kwargs))[0]
+    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed)
     needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
     backward_groups = before_timing(sized, needs) if before_timing is not None else None
     with preserved_model_state(model, devices), learning_state():
-        args, kwargs = isolated_inputs(args, kwargs)
+        args, kwargs = isolated_inputs(args, kwargs, copied=changed)
         timing = time_groups(
             model, chain, sized.stages, sized.groups, args, kwargs, device, backward_groups, run_loss=run_loss
         )
@@ -453,19 +469,33 @@ def _restored(name: str) -> bool:
     return name == "training" or is_state_attribute(name)
 
 
-def isolated_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Copies of the inputs for remat's own runs: the caller's tensors are never touched.
+def isolated_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, copied: AbstractSet[int] | None = None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Inputs for remat's own runs: the caller's tensors are never touched.
 
     The measured steps run backward: on the caller's tensors that would accumulate
     gradients into them (and into whatever they were computed from) and free the
     caller's graph before its own backward; and a model that works in place on its input
     would change the caller's tensor before remat could refuse it. Each tensor is
     replaced by a copy with the same values and flags (one that requires grad gets a
-    graph of its own).
+    graph of its own). With `copied` (the positions, among the flattened inputs, of the
+    tensors the model changes in place), the other tensors are detached aliases instead:
+    no memory, and still no gradient or graph of the caller's.
     """
     leaves, spec = tree_flatten((args, kwargs))
-    leaves = [_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    leaves = [
+        (_copy(leaf) if copied is None or position in copied else _alias(leaf))
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        for position, leaf in enumerate(leaves)
+    ]
     return tree_unflatten(leaves, spec)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    alias = tensor.detach()
+    return alias.requires_grad_(True) if tensor.requires_grad else alias
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
