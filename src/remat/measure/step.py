@@ -163,7 +163,9 @@ def _sized_measurement(
         # the inputs the model changes in place: the timing pass copies those alone
         changed = {
             position
-            for position, (leaf, version) in enumerate(zip(tree_flatten((fake_args, fake_kwargs))[0], versions))
+            for position, (leaf, version) in enumerate(
+                zip(tree_flatten((fake_args, fake_kwargs))[0], versions, strict=True)
+            )
             if isinstance(leaf, torch.Tensor) and leaf._version != version
         }
     sized = assemble(chain, tracked)
