@@ -415,3 +415,19 @@ def test_a_backward_inside_autocast_is_warned_about() -> None:
         loss = wrapped(x).float().sum()
         with pytest.warns(RuntimeWarning, match="backward runs inside torch.autocast"):
             loss.backward()
+
+
+def test_measuring_fits_the_smallest_budget() -> None:
+    """The timing pass runs on aliases of inputs the model leaves alone (a copy costs an
+    input's bytes), after what the loss probe left in reference cycles is collected."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)))
+    x = torch.randn(64, 16)
+    wrapped = remat.Checkpointable(model, "min", loss_fn=lambda out: out.square().mean(), output_kept=False)
+    with remat.MemoryTracker() as tracker:
+        wrapped.measure(x)
+    assert tracker.peak_bytes <= wrapped.minimum_budget_bytes()
+    for _ in range(2):
+        peak, limit = _tracked(wrapped, lambda: wrapped(x).square().mean().backward())
+        assert peak <= limit
+        model.zero_grad(set_to_none=True)
