@@ -60,6 +60,10 @@ def bytes_and_mib(n_bytes: int) -> str:
     return f"{n_bytes} bytes ({n_bytes / MIB:.2f} MiB)"
 
 
+#: The columns of names, which may fold in a narrow terminal (every other column keeps its line).
+_NAME_COLUMNS = frozenset({"stage", "strategy", "name", "description"})
+
+
 def _table(
     title: str,
     headers: tuple[str, ...],
@@ -70,10 +74,18 @@ def _table(
     """A rich table with a left-justified title; columns right-aligned unless named."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    # figures never wrap: in a narrow terminal the text columns (names) give way first
+    table = Table(title=title, title_justify="left", pad_edge=False)
     for header in headers:
         justify = "left" if header in left_aligned else "center" if header in centred else "right"
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+        name = header in _NAME_COLUMNS
+        table.add_column(
+            header,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=not name,
+            overflow="fold" if name else "ellipsis",
+            min_width=min(len(header), 8) if name else None,
+        )
     return table
 
 
@@ -82,7 +94,7 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
     report = plan.report()
     table = _table(
         f"recompute plan of {workload['model']} ({len(report.rows)} planned stages)",
-        ("#", "stage", "forward", "backward", "output", "saved", "plan", "forward runs"),
+        ("#", "stage", "forward", "backward", "output", "saved", "plan", "runs"),
         left_aligned={"stage", "plan"},
     )
     for row in report.rows:
@@ -114,43 +126,50 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
         output.text(line)
 
 
-def print_bench(result: BenchmarkResult, output: Output) -> None:
-    """Prints the benchmark's rows as a rich table, with each row's error below it."""
+def _bench_table(title: str, columns: tuple[tuple[str, str], ...], result: BenchmarkResult) -> Any:
+    """The benchmark's table with these (header, cell) columns."""
     from remat.bench import format_row
 
-    meta = result.metadata
-    table = _table(
-        f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
-        f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
-        f"median of {meta['steps']} steps",
-        (
-            "strategy",
-            "budget",
-            "measured peak",
-            "predicted peak",
-            "fits",
-            "median step",
-            "overhead",
-            "predicted overhead",
-        ),
-        left_aligned={"strategy"},
-        centred=("fits",),
-    )
+    table = _table(title, tuple(header for header, _ in columns), left_aligned={"strategy"}, centred=("fits",))
     for row in result.rows:
         cells = format_row(row)
-        fits = cells["fits"]
         if row.fits_budget is False or row.error is not None:
-            fits = f"[red]{fits}[/red]"
-        table.add_row(
-            cells["strategy"],
-            cells["budget"],
-            cells["measured_peak"],
-            cells["predicted_peak"],
-            fits,
-            cells["median_step"],
-            cells["overhead"],
-            cells["predicted_overhead"],
+            cells["fits"] = f"[red]{cells['fits']}[/red]"
+        table.add_row(*(cells[key] for _, key in columns))
+    return table
+
+
+def print_bench(result: BenchmarkResult, output: Output) -> None:
+    """Prints the benchmark's rows as a rich table, with each row's error below it."""
+    meta = result.metadata
+    title = (
+        f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
+        f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
+        f"median of {meta['steps']} steps"
+    )
+    columns = (
+        ("strategy", "strategy"),
+        ("budget", "budget"),
+        ("measured peak", "measured_peak"),
+        ("predicted peak", "predicted_peak"),
+        ("fits", "fits"),
+        ("median step", "median_step"),
+        ("overhead", "overhead"),
+        ("predicted overhead", "predicted_overhead"),
+    )
+    table = _bench_table(title, columns, result)
+    console = output.out
+    if console.measure(table, options=console.options.update(max_width=1 << 16)).maximum > console.width:
+        # a narrow terminal: the measured figures only, under short headers
+        narrow: tuple[tuple[str, str], ...] = (
+            ("strategy", "strategy"),
+            ("budget", "budget"),
+            ("peak", "measured_peak"),
+            ("fits", "fits"),
+            ("step", "median_step"),
+            ("overhead", "overhead"),
         )
+        table = _bench_table(title, narrow, result)
     output.out.print(table)
     for row in result.rows:
         if row.error is not None:
