@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from remat.units import format_bytes
+
 __all__ = [
     "CACHE_TURNED_OFF",
     "PARTIAL_COVERAGE",
@@ -38,8 +40,6 @@ def is_partial(measurement: Any) -> bool:
 
 def partial_coverage(chain: Any, measurement: Any) -> str:
     """What to tell a user whose model's chain holds little of its activation memory."""
-    from remat.units import format_bytes
-
     names = chain.names
     found = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
     return (

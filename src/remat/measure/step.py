@@ -95,27 +95,30 @@ def measure_chain(
     """
     default = _DefaultLoss()
     chosen: Callable[[Any], Any] = loss_fn if loss_fn is not None else default
-    measurement = _measure_chain(model, chain, args, kwargs, chosen, frugal, sized, before_timing, known_times)
+    devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
+    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    if sized:
+        measurement = _sized_measurement(
+            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times
+        )
+    else:
+        measurement = _plain_measurement(model, chain, args, kwargs, chosen, devices, device, frugal)
     if default.from_output:
         measurement = dataclasses.replace(measurement, loss_from_output=True)
     return measurement
 
 
-def _measure_chain(
+def _plain_measurement(
     model: nn.Module,
     chain: Chain,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], Any],
+    devices: list[torch.device],
+    device: torch.device,
     frugal: bool,
-    sized: bool,
-    before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
-    known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None,
 ) -> ChainMeasurement:
-    devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
-    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    if sized:
-        return _sized_measurement(model, chain, args, kwargs, loss_fn, devices, device, before_timing, known_times)
+    """Bytes from a real step (plain, or with recomputed segments), times from another."""
     # Each run gets copies of the inputs: the caller's are never touched, and a model that
     # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):

@@ -93,6 +93,12 @@ def _images(scale: int, size: int) -> torch.Tensor:
     return torch.randn(2 * scale, 3, size * scale, size * scale, generator=torch.Generator().manual_seed(2))
 
 
+def _image_classifier(model_class: str, config: Any, scale: int, size: int) -> Case:
+    """A Hugging Face image classifier of 3 labels, with a batch of images of `size`."""
+    inputs = {"pixel_values": _images(scale, size), "labels": torch.arange(2 * scale) % 3}
+    return lambda: getattr(_transformers(), model_class)(config), inputs
+
+
 def _vit(scale: int) -> Case:
     config = _transformers().ViTConfig(
         image_size=32 * scale,
@@ -103,10 +109,7 @@ def _vit(scale: int) -> Case:
         num_attention_heads=4,
         num_labels=3,
     )
-    return lambda: _transformers().ViTForImageClassification(config), {
-        "pixel_values": _images(scale, 32),
-        "labels": torch.arange(2 * scale) % 3,
-    }
+    return _image_classifier("ViTForImageClassification", config, scale, 32)
 
 
 def _resnet(scale: int) -> Case:
@@ -116,20 +119,14 @@ def _resnet(scale: int) -> Case:
         depths=[1, 1, 2, 1],
         num_labels=3,
     )
-    return lambda: _transformers().ResNetForImageClassification(config), {
-        "pixel_values": _images(scale, 64),
-        "labels": torch.arange(2 * scale) % 3,
-    }
+    return _image_classifier("ResNetForImageClassification", config, scale, 64)
 
 
 def _convnext(scale: int) -> Case:
     config = _transformers().ConvNextConfig(
         hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale], depths=[1, 1, 2, 1], num_labels=3
     )
-    return lambda: _transformers().ConvNextForImageClassification(config), {
-        "pixel_values": _images(scale, 64),
-        "labels": torch.arange(2 * scale) % 3,
-    }
+    return _image_classifier("ConvNextForImageClassification", config, scale, 64)
 
 
 def _gpt2(scale: int) -> Case:
