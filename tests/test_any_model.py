@@ -53,7 +53,7 @@ def resnet() -> Case:
     model = reference.ResNet(reference.Bottleneck, [6, 1, 1, 1], num_classes=10, width=8)
     labels = torch.tensor([3, 7])
     chain = ["conv1", "bn1", "relu", "maxpool"]
-    chain += [f"layer1.{i}" for i in range(6)] + ["layer2.0", "layer3.0", "layer4.0", "avgpool"]
+    chain += [f"layer1.{i}" for i in range(6)] + ["layer2.0", "layer3.0", "layer4.0", "avgpool", "fc"]
     return Case(model, (torch.randn(2, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels), chain)
 
 
@@ -65,7 +65,7 @@ def gpt() -> Case:
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    return Case(model, (tokens,), loss_fn, ["drop"] + [f"h.{i}" for i in range(6)] + ["ln_f", "lm_head"])
+    return Case(model, (tokens,), loss_fn, ["wpe", "drop"] + [f"h.{i}" for i in range(6)] + ["ln_f", "lm_head"])
 
 
 def vit() -> Case:
@@ -74,7 +74,7 @@ def vit() -> Case:
         dropout=0.1, attention_dropout=0.1,
     )  # fmt: skip
     labels = torch.tensor([1, 4])
-    chain = ["dropout"] + [f"layers.{i}" for i in range(6)] + ["ln"]
+    chain = ["conv_proj", "dropout"] + [f"layers.{i}" for i in range(6)] + ["ln", "head"]
     return Case(model, (torch.randn(2, 3, 16, 16),), lambda logits: F.cross_entropy(logits, labels), chain)
 
 
@@ -86,7 +86,8 @@ def hf_gpt2(n_layer: int = 8) -> Case:
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
     tokens = torch.randint(0, 100, (2, 16))
-    chain = ["transformer.drop"] + [f"transformer.h.{i}" for i in range(n_layer)] + ["transformer.ln_f"]
+    chain = ["transformer.wpe", "transformer.drop"] + [f"transformer.h.{i}" for i in range(n_layer)]
+    chain += ["transformer.ln_f"]
 
     def loss_fn(output: Any) -> torch.Tensor:
         logits = output.logits[:, :-1]
@@ -103,7 +104,10 @@ def hf_bert(num_hidden_layers: int = 8) -> Case:
     )  # fmt: skip
     model = transformers.BertModel(config)
     tokens = torch.randint(0, 100, (2, 16))
-    chain = [f"encoder.layer.{i}" for i in range(num_hidden_layers)]
+    # the embeddings' own run comes first: the chain joins it to the layers' (the pooler,
+    # whose output the loss does not use, gets no gradient: not a stage)
+    chain = ["embeddings.position_embeddings", "embeddings.LayerNorm", "embeddings.dropout"]
+    chain += [f"encoder.layer.{i}" for i in range(num_hidden_layers)]
     return Case(
         model,
         (tokens,),
@@ -181,7 +185,7 @@ def test_resnet18_is_found_whole_and_fits_its_minimum() -> None:
     case = Case(
         model, (torch.randn(2, 3, 32, 32),), lambda logits: logits.logsumexp(1).mean(),
         ["conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0",
-         "layer3.1", "layer4.0", "layer4.1", "avgpool"],
+         "layer3.1", "layer4.0", "layer4.1", "avgpool", "fc"],
     )  # fmt: skip
     planned, _ = train_and_check(case, None)
     # bn1 and the in-place ReLU after it are one planned stage.
@@ -189,12 +193,13 @@ def test_resnet18_is_found_whole_and_fits_its_minimum() -> None:
 
 
 def test_the_longest_chain_counts_the_stages_of_nested_sequentials() -> None:
-    """layer1 runs 10 blocks, the top level 9 calls: expanded, the top level is longer."""
+    """layer1 runs 10 blocks, the top level 10 calls: expanded, the top level is longer."""
     torch.manual_seed(0)
     model = reference.ResNet(reference.BasicBlock, [10, 1, 1, 1], num_classes=10, width=8)
     chain = discover_chain(model, (torch.randn(2, 3, 32, 32),), {})
     expected = ["conv1", "bn1", "relu", "maxpool"] + [f"layer1.{i}" for i in range(10)]
-    assert chain.names == expected + ["layer2.0", "layer3.0", "layer4.0", "avgpool"]
+    # the head takes the pooled features through a flatten: a stage too
+    assert chain.names == expected + ["layer2.0", "layer3.0", "layer4.0", "avgpool", "fc"]
 
 
 # ----------------------------------------------------------------------------- measure() is clean

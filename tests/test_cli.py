@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import warnings
 import subprocess
 import sys
 import time
@@ -155,6 +156,27 @@ def test_plan_of_a_factory_with_an_input_shape(capsys: pytest.CaptureFixture[str
     assert json.loads(out)["input_shapes"] == [[4, WIDTH]]
 
 
+def test_plan_of_a_hugging_face_architecture_from_its_config(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    argv = ["plan", "--hf", "gpt2", "--hf-config", "n_layer=3,n_embd=32", "--budget", "0.6", "--json"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the use_cache note
+        code, out, _ = run(argv, capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    assert document["model"] == "hf:gpt2" and document["loss"] == "the model's own loss (from labels)"
+    names = document["profile"]["names"]
+    assert [n for n in names if "transformer.h." in n] == [f"transformer.h.{i}" for i in range(3)]
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"]
+
+
+def test_an_unknown_hugging_face_architecture_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    code, _, err = run(["plan", "--hf", "lama"], capsys)
+    assert code == cli.EXIT_UNKNOWN_MODEL
+    assert "llama" in assert_one_error_line(err)
+
+
 def test_infeasible_budget_exits_2_with_the_minimum(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["plan", tiny_catalogue, "--budget", "1kB"], capsys)
     assert code == cli.EXIT_BUDGET_TOO_SMALL == 2
@@ -221,6 +243,12 @@ def test_out_of_memory(factory: str, capsys: pytest.CaptureFixture[str]) -> None
         ["bench", TINY, "--steps", "0"],
         ["frobnicate"],
         [],
+        ["plan"],  # neither a MODEL nor --hf
+        ["plan", TINY, "--hf", "llama"],  # both
+        ["plan", "--hf-config", "num_hidden_layers=2"],  # settings without --hf
+        ["plan", "--hf", "llama", "--hf-config", "num_layerz=2"],  # no such setting
+        ["plan", "--hf", "llama", "--hf-config", "num_hidden_layers"],  # not KEY=VALUE
+        ["plan", "--hf", "llama", "--batch", "4"],
     ],
 )
 def test_usage_errors(argv: list[str], tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -627,9 +627,10 @@ def test_the_planner_plans_around_stage_outputs_changed_in_place(budget: Any) ->
     assert plan.budget_bytes is not None and max(peaks) <= plan.budget_bytes + plan.held_outside_bytes
 
 
-def test_a_plan_across_a_changed_boundary_still_stays_exact_and_warns() -> None:
-    # A plan made without the breaks (from a saved plan, say): the executor keeps the
-    # changed tensor for the replay and says how much memory that costs.
+def test_a_plan_across_a_changed_boundary_replays_the_change() -> None:
+    # A plan made without the breaks (from a saved plan, say): the model's in-place changes
+    # between stages are glue, recorded and replayed after the stage they follow, so the
+    # replay sees the changed values and nothing extra is kept (nothing to warn about).
     torch.manual_seed(0)
     plain = WritesBetweenStages()
     wrapped = remat.Checkpointable(copy.deepcopy(plain), None)
@@ -643,16 +644,9 @@ def test_a_plan_across_a_changed_boundary_still_stays_exact_and_warns() -> None:
     for model in (plain, wrapped.model):
         model.zero_grad()
     plain(x).square().sum().backward()
-    with (
-        wrapped.executing(dataclasses.replace(plan, schedule=crossing)),
-        warnings.catch_warnings(record=True) as caught,
-    ):
-        warnings.simplefilter("always")
+    with wrapped.executing(dataclasses.replace(plan, schedule=crossing)), warnings.catch_warnings():
+        warnings.simplefilter("error")
         wrapped(x).square().sum().backward()
-    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(said) == 2
-    assert "changed the output of stage 'layers.2.1' in place before stage 'layers.3.0'" in said[0]
-    assert "'layers.3.1' in place before stage 'layers.4.0'" in said[1] and "512 B more than planned" in said[1]
     assert_same_tensors(grads_of(plain), grads_of(wrapped.model), "gradients")
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from remat.discover.chain import discover_chain
 from remat.measure import ChainMeasurement, measure_chain
-from remat.measure.assemble import group_stages
+from remat.measure.groups import group_stages
 from remat.measure.instrument import StageMeasurement
 from remat.memory import MemoryTracker, Window
 from remat.models import mlp_chain

@@ -494,10 +494,10 @@ class Checkpointable(ModelStandIn):
                 with on_fake_tensors(self.model) as fake:
                     fake_args, fake_kwargs = fake.inputs(args, kwargs)
                     with fake.mode:
-                        return discover_chain(self.model, fake_args, fake_kwargs)
+                        return discover_chain(self.model, fake_args, fake_kwargs, loss_fn=self._loss_fn)
             except FakeRunFailed:
                 pass  # found on the real inputs; measuring says why fake tensors do not do
-        return discover_chain(self.model, *isolated_inputs(args, kwargs))
+        return discover_chain(self.model, *isolated_inputs(args, kwargs), loss_fn=self._loss_fn)
 
     def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
         executor = self._executors.get((key, plan))

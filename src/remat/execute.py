@@ -13,7 +13,10 @@ calls of the chain's stage modules in the model's unmodified forward:
 * when backward first needs one of those handles, the region's *body* is replayed from
   the kept inputs: its stored stages are run again with their saved tensors kept, and
   each nested region becomes a child frame that keeps only its own inputs, to be
-  replayed in turn when backward reaches it (see NOTE [nested recompute frames]).
+  replayed in turn when backward reaches it (see NOTE [nested recompute frames]);
+* the model's own code after a recomputed stage, up to the next stage call (its *glue*:
+  a residual addition, a scaling), runs inside the region and is recorded; a replay runs
+  it again after the stage to build the next stage's input (NOTE [glue between stages]).
 
 Each stage of a region is replayed with the RNG state it saw in the forward, so random
 operations draw the same numbers even when the model's own code between stages draws
@@ -22,6 +25,7 @@ some too; normalisation statistics are updated once (the recompute guard).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,7 +36,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from remat.discover.chain import Chain, InputLink, StageLinks
+from remat.discover.chain import Chain
+from remat.discover.glue import Glue, GlueRecorder
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import active_mode, graph_retained
@@ -41,7 +46,6 @@ from remat.manual._rng import ForwardState, capture_forward_state, replay_forwar
 from remat.manual._state import is_recomputing
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
-from remat.units import format_bytes
 
 __all__ = ["ChainExecutor", "RegionSpan", "expand_operations"]
 
@@ -158,10 +162,12 @@ class _Run:
     def __init__(self, executor: ChainExecutor) -> None:
         self.executor = executor
         self.next_stage = 0
-        self.stage_links = StageLinks(len(executor.chain))
         self.recording: RegionRecording | None = None
-        self.links: dict[int, InputLink] = {}
         self.states: dict[int, ForwardState] = {}
+        #: the glue recorded after each recomputed stage (NOTE [glue between stages])
+        self.glues: dict[int, Glue] = {}
+        # a recomputed stage whose glue is running: its discarding context, the recorder
+        self._open: tuple[Any, GlueRecorder, _Step] | None = None
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -172,12 +178,12 @@ class _Run:
                 "in order, in every forward (use remat.mark for models whose forward varies)"
             )
         self.next_stage += 1
+        self._end_glue(args, kwargs)
         kind, step = executor.first_forward[index]
         if kind is _STORE:
             out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
-        self.stage_links.returned(index, out)
         if index == len(executor.chain) - 1 and torch.is_grad_enabled():
             hooks = []
             if executor.recomputes():
@@ -191,6 +197,11 @@ class _Run:
                         tensor.register_hook(hook)
         return out
 
+    # NOTE [glue between stages]
+    # The model's own code between a recomputed stage and the next stage call (a residual
+    # ``x = x + block(x)``, a scaling, a concatenation) runs inside the stage's region: what
+    # it saves is discarded with the stage's tensors, and it is recorded (remat.discover.glue)
+    # so that the replay runs it again after the stage, giving the next stage its input.
     def _call_in_region(
         self,
         index: int,
@@ -213,63 +224,85 @@ class _Run:
                 preserve_rng_state=executor.preserve_rng_state,
                 observer=observer,
             )
-        else:
-            link = self.stage_links.link(args, kwargs)
-            if link.changed_in_place:
-                _warn_changed_in_place(executor.chain, index, link.changed_in_place)
-            self.links[index] = link
         recording = self.recording
         assert recording is not None
-        with recording.stage():
+        discarding = recording.stage()
+        discarding.__enter__()
+        try:
             out = call_original(module, args, kwargs)
-        if index == step.stop - 1:
-            recording.close()
-            self.recording = None
+        except BaseException:
+            discarding.__exit__(None, None, None)
+            raise
+        if index == len(executor.chain) - 1:
+            discarding.__exit__(None, None, None)
+            self._close_region(index, step)
+        else:
+            discarding.stage_returned()
+            recorder = GlueRecorder(_tensors((args, kwargs)), _tensors(out))
+            recorder.start()
+            self._open = (discarding, recorder, step)
         return out
+
+    def _end_glue(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Ends the glue of the stage before (if it is recomputed): the next stage is called."""
+        if self._open is None:
+            return
+        discarding, recorder, step = self._open
+        self._open = None
+        index = self.next_stage - 2
+        try:
+            self.glues[index] = recorder.finish(args, kwargs)
+        finally:
+            discarding.__exit__(None, None, None)
+        self._close_region(index, step)
+
+    def _close_region(self, index: int, step: _Step) -> None:
+        if index == step.stop - 1 and self.recording is not None:
+            self.recording.close()
+            self.recording = None
+
+    def abort(self) -> None:
+        """Leaves an open glue recording (the forward failed, or ended early)."""
+        if self._open is not None:
+            discarding, recorder, _ = self._open
+            self._open = None
+            try:
+                recorder.stop()
+            finally:
+                discarding.__exit__(None, None, None)
 
     # -- replay (runs during backward)
     def run_level(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out: Any = None
-        for position, step in enumerate(level.steps):
-            if position > 0:
-                args, kwargs = self.links[step.start].build(out)
+        """Replays a level from its first stage's inputs; returns the inputs of the stage after it."""
+        for step in level.steps:
             if step.kind is _STORE:
-                out = self._replay_stage(step.start, args, kwargs)
+                args, kwargs = self._replay_stage(step.start, args, kwargs)
             else:
                 assert step.body is not None
-                out = recompute(_Replay(self, step.body), args, kwargs)
-        return out
+                args, kwargs = recompute(_Replay(self, step.body), args, kwargs)
+        return args, kwargs
 
-    def _replay_stage(self, stage: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _replay_stage(
+        self, stage: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # NOTE [random state of replayed stages]
         # The model's own code between stages may draw random numbers, so each stage of a
-        # model's forward is replayed from the state it started with. In an nn.Sequential
-        # nothing runs between stages: the region's frame replays from the region's start
-        # and the stages draw in order (a state restored around each stage would rewind
-        # it for the next one).
+        # model's forward is replayed from the state it started with, its glue after it. In
+        # an nn.Sequential nothing runs between stages: the region's frame replays from the
+        # region's start and the stages draw in order (a state restored around each stage
+        # would rewind it for the next one).
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
-        if state is None:
-            return call_stage(module, args, kwargs)
-        with replay_forward_state(state):
-            return call_stage(module, args, kwargs)
+        with replay_forward_state(state) if state is not None else contextlib.nullcontext():
+            out = call_stage(module, args, kwargs)
+            glue = self.glues.get(stage)
+            if glue is None:  # the chain's last stage: nothing follows it
+                return (out,), {}
+            return glue.replay(_tensors((args, kwargs)) + _tensors(out))
 
 
-def _warn_changed_in_place(chain: Chain, index: int, tensors: list[torch.Tensor]) -> None:
-    # NOTE [stage outputs changed in place]
-    # A replay rebuilds a stage's input from the previous stage's replayed output; if the
-    # model's own code changed that output in place between the two stages, the replay
-    # would give the values from before the change. The executor keeps the changed
-    # tensor itself instead: gradients stay exact, but the plan did not count it.
-    extra = sum(t.untyped_storage().nbytes() for t in tensors)
-    warnings.warn(
-        f"remat: the model's forward changed the output of stage {chain.names[index - 1]!r} in place "
-        f"before stage {chain.names[index]!r}, inside a recomputed region; remat keeps the changed "
-        f"tensor for the recompute ({format_bytes(extra)} more than planned). Make that change out of "
-        "place (h = h * 2 instead of h.mul_(2)) for the planned memory",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 class _Replay:
@@ -335,8 +368,11 @@ class ChainExecutor:
             # frame decides what is kept, the chain runs as plain code inside it.
             return model(*args, **kwargs)
         run = _Run(self)
-        with intercept_stages(self.chain, run):
-            out = model(*args, **kwargs)
+        try:
+            with intercept_stages(self.chain, run):
+                out = model(*args, **kwargs)
+        finally:
+            run.abort()
         if run.next_stage != len(self.chain):
             raise UnsupportedModel(
                 f"the forward ran {run.next_stage} of the chain's {len(self.chain)} stages; remat "

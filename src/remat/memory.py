@@ -396,6 +396,11 @@ class MemoryTracker(TorchDispatchMode):
                 if a in self._allocations
             }
 
+    def allocations_since(self, event: int) -> list[int]:
+        """Ids of the allocations made at or after `event`, live or freed."""
+        with self._lock:
+            return [a.allocation_id for a in self._allocations.values() if a.allocated_at >= event]
+
     def allocation_records(self, allocation_ids: Iterable[int]) -> dict[int, AllocationRecord]:
         """Allocation id -> (bytes when last seen, allocation event), for these ids."""
         with self._lock:

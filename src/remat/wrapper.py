@@ -48,8 +48,8 @@ def partial_coverage(chain: Any, measurement: Any) -> str:
         f"({format_bytes(measurement.chain_activation_bytes)}); the rest "
         f"({format_bytes(measurement.outside_activation_bytes)}: what the code before or around it holds, "
         "and the peak of the code after it, the loss included) is outside any plan, so no budget goes much "
-        "below that. If the model's blocks are outside the chain (a forward that adds each block's output "
-        "to its input, x = x + block(x), hides them), mark them with remat.mark(block) or "
+        "below that. If the model's blocks are outside the chain (a block called several times, with shared "
+        "weights, or blocks whose calls do not follow one another), mark them with remat.mark(block) or "
         "remat.apply(model, BlockClass) to recompute them yourself"
     )
 

@@ -46,12 +46,13 @@ import math
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.automatic import Checkpointable
@@ -71,7 +72,7 @@ from remat.memory import MemoryTracker
 from remat.plan.step import Plan
 from remat.units import format_bytes
 
-__all__ = ["run_benchmark"]
+__all__ = ["call_with", "input_tensors", "run_benchmark"]
 
 logger = logging.getLogger("remat")
 
@@ -96,6 +97,16 @@ class _Strategy:
             return contextlib.nullcontext()
         wrapper, plan = self.plan
         return wrapper.executing(plan)
+
+
+def call_with(function: Callable[..., Any], inputs: Any) -> Any:
+    """``function(**inputs)`` for a dict of keyword inputs, else ``function(*inputs)``."""
+    return function(**inputs) if isinstance(inputs, Mapping) else function(*inputs)
+
+
+def input_tensors(inputs: Any) -> list[Tensor]:
+    """The tensors among positional or keyword inputs, in order."""
+    return [leaf for leaf in tree_flatten(inputs)[0] if isinstance(leaf, Tensor)]
 
 
 class _Runner:
@@ -127,7 +138,7 @@ class _Runner:
 
     def step(self, forward: Callable[..., Any]) -> None:
         """One step: forward, the loss (the output dropped once it is computed), backward."""
-        loss = self.loss_fn(forward(*self.inputs), self.target)
+        loss = self.loss_fn(call_with(forward, self.inputs), self.target)
         loss.backward()
         del loss
         for parameter in self.model.parameters():
@@ -172,8 +183,9 @@ def run_benchmark(
             once; its weights and buffers are saved and restored before every strategy, so
             all strategies start from the same state.
         make_batch: a zero-argument function returning ``(inputs, target)``: a tuple of
-            inputs for ``model(*inputs)`` and whatever ``loss_fn`` takes as a target. It is
-            called once; every strategy trains on that batch.
+            inputs for ``model(*inputs)`` (or a dict of keyword inputs, ``model(**inputs)``)
+            and whatever ``loss_fn`` takes as a target. It is called once; every strategy
+            trains on that batch.
         loss_fn: ``loss_fn(output, target) -> scalar tensor``.
         budgets: remat budgets, in any form ``mem_limit`` accepts (bytes, ``"512MiB"``, a
             fraction of the memory without recompute), or ``"min"`` for the smallest
@@ -282,7 +294,9 @@ class _Benchmark:
     ) -> BenchmarkResult:
         stages = sequential_chain(self.model).modules if isinstance(self.model, nn.Sequential) else []
         # checkpoint_sequential runs the stages itself: only an nn.Sequential with one input.
-        can_checkpoint = include_checkpoint_sequential and len(self.runner.inputs) == 1 and bool(stages)
+        inputs = self.runner.inputs
+        one_input = isinstance(inputs, tuple) and len(inputs) == 1
+        can_checkpoint = include_checkpoint_sequential and one_input and bool(stages)
         if include_checkpoint_sequential and not can_checkpoint:
             logger.warning("checkpoint_sequential needs an nn.Sequential with a single input; skipping that baseline")
         self.total = 1 + (2 if can_checkpoint else 0) + len(budgets) + self.steps
@@ -325,7 +339,7 @@ class _Benchmark:
         wrapper = Checkpointable(
             self.model, None, solver=solver, loss_fn=lambda output: self.loss_fn(output, target), output_kept=False
         )
-        self.measurement = wrapper.measure(*self.runner.inputs)
+        self.measurement = call_with(wrapper.measure, self.runner.inputs)
         return wrapper
 
     def run_remat(self, wrapper: Checkpointable, label: str, budget: Budget) -> None:
@@ -384,7 +398,7 @@ class _Benchmark:
             "steps": self.steps,
             "warmup": self.warmup,
             "solver": solver,
-            "input_shapes": [list(x.shape) for x in self.runner.inputs if isinstance(x, Tensor)],
+            "input_shapes": [list(x.shape) for x in input_tensors(self.runner.inputs)],
             "torch": torch.__version__,
             "python": platform.python_version(),
         }

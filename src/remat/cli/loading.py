@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +38,11 @@ class Workload:
     """A model ready to measure, with its batch and loss.
 
     Attributes:
-        name: the model's name (a catalogue name or the factory's ``module:function``).
+        name: the model's name (a catalogue name, the factory's ``module:function``, or
+            ``hf:ARCHITECTURE``).
         model: the model, on its device, in training mode.
-        make_batch: ``() -> (inputs, target)``; the same batch at every call.
+        make_batch: ``() -> (inputs, target)``; the same batch at every call. The inputs
+            are a tuple (``model(*inputs)``) or a dict of keyword inputs (``model(**inputs)``).
         loss_fn: ``(output, target) -> loss``.
         loss_description: the loss in words, for reports.
         device: where the model and the batch live.
@@ -47,7 +50,7 @@ class Workload:
 
     name: str
     model: nn.Module
-    make_batch: Callable[[], tuple[tuple[Any, ...], Any]]
+    make_batch: Callable[[], tuple[Any, Any]]
     loss_fn: Callable[[Any, Any], Tensor]
     loss_description: str
     device: torch.device
@@ -111,23 +114,35 @@ def resolve_device(text: str) -> torch.device:
 
 
 def load_workload(
-    model: str,
+    model: str | None,
     *,
     batch: int | None,
     input_shape: tuple[int, ...] | None,
     device: torch.device,
+    hf: str | None = None,
+    hf_config: Sequence[str] = (),
 ) -> Workload:
     """Builds the model named on the command line, with its synthetic batch and loss.
 
     Args:
-        model: a catalogue name or ``package.module:function``.
+        model: a catalogue name or ``package.module:function`` (None with `hf`).
         batch: the batch size (None: the default, or the factory's sample input).
         input_shape: the shape of one sample for a factory's model.
         device: where to build the model and the batch.
+        hf: a Hugging Face architecture, built from its config with random weights.
+        hf_config: ``KEY=VALUE`` settings of that config.
 
     Raises:
         CliError: unknown name (3), a bad factory (5), out of memory (6), bad arguments (7).
     """
+    if hf is not None or hf_config:
+        if model is not None or hf is None:
+            fail(EXIT_USAGE, "give a MODEL or --hf ARCHITECTURE (with --hf-config for its settings), not both")
+        if batch is not None or input_shape is not None:
+            fail(EXIT_USAGE, "--batch and --input-shape are not for --hf: the architecture's sample input fixes them")
+        return _hugging_face_workload(hf, hf_config, device)
+    if model is None:
+        fail(EXIT_USAGE, "give a MODEL (a name from `remat models`, or package.module:function) or --hf ARCHITECTURE")
     if ":" in model:
         return _load_factory(model, batch=batch, input_shape=input_shape, device=device)
     from remat.models import CATALOGUE
@@ -154,6 +169,39 @@ def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device) -> Wo
         return spec.make_batch(batch_size, device)
 
     return Workload(spec.name, built, make_batch, spec.loss_fn, f"{spec.name}'s own loss on synthetic data", device)
+
+
+def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.device) -> Workload:
+    try:
+        import transformers  # noqa: F401
+
+        from remat.models import hugging_face_model
+    except ImportError:
+        fail(EXIT_USAGE, "--hf needs transformers: pip install 'remat[hf]'")
+    config: dict[str, Any] = {}
+    for setting in settings:
+        for item in (part for part in setting.split(",") if part):
+            key, equals, text = item.partition("=")
+            if not equals or not key.strip():
+                fail(EXIT_USAGE, f"--hf-config {item!r}: give KEY=VALUE, e.g. num_hidden_layers=4")
+            try:
+                value: Any = ast.literal_eval(text.strip())
+            except (ValueError, SyntaxError):
+                value = text.strip()
+            config[key.strip()] = value
+    try:
+        factory, kwargs = hugging_face_model(name, **config)
+    except KeyError as error:
+        fail(EXIT_UNKNOWN_MODEL, str(error.args[0]))
+    except ValueError as error:
+        fail(EXIT_USAGE, f"--hf-config: {error}")
+    torch.manual_seed(0)
+    with model_failures(f"building {name} from its config"):
+        built = _build(factory, f"hf:{name}", device)
+    inputs = {key: value.to(device) for key, value in kwargs.items()}
+    return Workload(
+        f"hf:{name}", built, lambda: (inputs, None), _sum_loss, "the model's own loss (from labels)", device
+    )
 
 
 def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Module:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 import remat
 from remat.budget import BUDGET_FORMS, budget_from_text
@@ -121,7 +122,23 @@ def _add_global_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="a name from `remat models`, or package.module:function")
+    parser.add_argument(
+        "model", metavar="MODEL", nargs="?", default=None, help="a name from `remat models`, or package.module:function"
+    )
+    parser.add_argument(
+        "--hf",
+        default=None,
+        metavar="ARCH",
+        help="a Hugging Face architecture instead of MODEL, from a config with random weights (no download): "
+        "gpt2, llama, qwen2, mistral, gpt_neox, bert, t5, vit, resnet, convnext",
+    )
+    parser.add_argument(
+        "--hf-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the --hf config, e.g. num_hidden_layers=8 (repeat, or separate with commas)",
+    )
     parser.add_argument(
         "--batch",
         type=_positive_int,
@@ -270,30 +287,35 @@ def _budget(text: str, *, allow_minimum: bool) -> int | float | str:
         fail(EXIT_BAD_BUDGET, f"cannot read the budget {text!r}; use {BUDGET_FORMS}{also}")
 
 
-def _measure(workload: Workload, solver: str, output: Output) -> tuple[Any, tuple[Any, ...]]:
+def _measure(workload: Workload, solver: str, output: Output) -> tuple[Any, Any]:
     from remat.automatic import Checkpointable
+    from remat.bench.runner import call_with
 
     inputs, target = workload.make_batch()
     wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
     with output.err.status(f"measuring {workload.name} (a warm-up step, a tracked step, a timed step)..."):
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             _warm_up(workload, inputs, target)
-            wrapper.measure(*inputs)
+            call_with(wrapper.measure, inputs)
     return wrapper, inputs
 
 
 def _warm_up(workload: Workload, inputs: tuple[Any, ...], target: Any) -> None:
     """Runs one training step and puts the model back: first-call costs stay out of the timings."""
+    from remat.bench.runner import call_with
+
     model = workload.model
     state = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    workload.loss_fn(model(*inputs), target).backward()
+    workload.loss_fn(call_with(model, inputs), target).backward()
     for parameter in model.parameters():
         parameter.grad = None
     model.load_state_dict(state)
 
 
-def _shapes(inputs: Sequence[Any]) -> str:
-    shapes = [tuple(t.shape) for t in inputs if isinstance(t, Tensor)]
+def _shapes(inputs: Any) -> str:
+    from remat.bench.runner import input_tensors
+
+    shapes = [tuple(t.shape) for t in input_tensors(inputs)]
     return ", ".join(str(s) for s in shapes) or "()"
 
 
@@ -307,7 +329,14 @@ def _minimum_message(error: BudgetTooSmall, name: str) -> str:
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     device = resolve_device(args.device)
-    workload = load_workload(args.model, batch=args.batch, input_shape=args.input_shape, device=device)
+    workload = load_workload(
+        args.model,
+        batch=args.batch,
+        input_shape=args.input_shape,
+        device=device,
+        hf=args.hf,
+        hf_config=args.hf_config,
+    )
     wrapper, inputs = _measure(workload, args.solver, output)
     try:
         plan = wrapper.plan_for(budget)
@@ -318,7 +347,7 @@ def _command_plan(args: argparse.Namespace, output: Output) -> int:
     described = {
         "model": workload.name,
         "device": str(workload.device),
-        "input_shapes": [list(t.shape) for t in inputs if isinstance(t, Tensor)],
+        "input_shapes": [list(t.shape) for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)],
         "loss": workload.loss_description,
         "requested_budget": args.budget,
     }
@@ -439,7 +468,14 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
         if path is not None:
             _check_output(path, what, None)
     device = resolve_device(args.device)
-    workload = load_workload(args.model, batch=args.batch, input_shape=args.input_shape, device=device)
+    workload = load_workload(
+        args.model,
+        batch=args.batch,
+        input_shape=args.input_shape,
+        device=device,
+        hf=args.hf,
+        hf_config=args.hf_config,
+    )
     result = _run_bench(
         workload,
         output,

@@ -3,9 +3,10 @@
 A *stage* is one call of a submodule in the model's forward. For an ``nn.Sequential``
 the stages are its leaves (nested ``Sequential`` containers are flattened). For any
 other model remat watches one forward and looks for the longest run of submodule calls
-made one after another by the same ``forward``, each taking the previous one's output
-(the blocks of a ``ModuleList`` loop, the layers of a torchvision-style ResNet); side
-inputs such as attention masks are kept as they are. What runs before the chain (the
+made one after another by the same ``forward``, each taking what the previous one
+computed: its output, or a tensor the model's own code made from it (the blocks of a
+``ModuleList`` loop, ``x = x + block(x)``, the layers of a torchvision-style ResNet);
+side inputs such as attention masks are kept as they are. What runs before the chain (the
 *prefix*: embeddings, a stem) and after it (the *suffix*: a head, the loss) runs
 normally and is accounted for as fixed memory.
 """
@@ -13,20 +14,21 @@ normally and is accounted for as fixed memory.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.errors import RecomputeInputModified, UnsupportedModel
+from remat.errors import UnsupportedModel
 from remat.manual._state import in_manual_block
-from remat.manual._tensors import detached_alias
 from remat.manual.marking import is_marked
 
-__all__ = ["Chain", "InputLink", "StageLinks", "discover_chain", "sequential_chain"]
+__all__ = ["Chain", "StageLinks", "discover_chain", "sequential_chain"]
 
 
 @dataclass
@@ -80,10 +82,14 @@ class _Call:
     module: nn.Module
     name: str
     parent: int | None  # index of the enclosing call, None for the model itself
-    inputs: list[int] = field(default_factory=list)  # ids of input tensors
-    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
-    linked: bool = False  # takes (identically) a tensor output of the previous sibling call
+    index: int = 0  # its place among the calls, in the order they started
+    inputs_from: int = 0  # bit k set: an input was computed from the output of call k
+    first_from: int = 0  # the same for its first tensor input (the activation it transforms)
     eligible: bool = True  # may be a stage: not a marked module (remat.mark recomputes it already)
+    returned: int = 0  # how many calls had started when it returned
+
+    def derives_from(self, earlier: int) -> bool:
+        return bool(self.inputs_from >> earlier & 1)
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -91,8 +97,62 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [v for v in leaves if isinstance(v, torch.Tensor)]
 
 
-def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
+class _Provenance(TorchFunctionMode):
+    """Follows, in a forward, which module calls each tensor was computed from.
+
+    Each call has a bit; a tensor's mask is the union of its inputs' masks, and a call's
+    outputs get the call's bit too. A call *derives* from an earlier one when one of its
+    inputs has that call's bit: directly (it takes its output) or through the model's own
+    code in between (``x + block(x)``, a norm, a concatenation).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def mask_of(self, tensors: list[torch.Tensor]) -> int:
+        mask = 0
+        for tensor in tensors:
+            mask |= self.masks.get(tensor, 0)
+        return mask
+
+    def mark(self, tensors: list[torch.Tensor], mask: int) -> None:
+        for tensor in tensors:
+            self.masks[tensor] = self.masks.get(tensor, 0) | mask
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = _tensor_leaves((args, kwargs))
+        versions = [t._version for t in inputs]
+        out = func(*args, **kwargs)
+        mask = self.mask_of(inputs)
+        if mask:
+            self.mark(_tensor_leaves(out), mask)
+            # a call that changes a tensor in place makes it derive from its other inputs too
+            self.mark([t for t, v in zip(inputs, versions, strict=True) if t._version != v], mask)
+        return out
+
+
+def discover_chain(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> Chain:
     """Watches one forward of `model` (without grad) and returns its longest chain.
+
+    Which modules each call's inputs were computed from is followed through the model's
+    own code (:class:`_Provenance`), so a call is linked to an earlier one whether it
+    takes its output or a tensor made from it. Calls the loss is not computed from (a
+    pooler whose output the loss ignores) are not stages: they get no gradient.
+
+    Args:
+        model: the model.
+        args: sample positional inputs.
+        kwargs: sample keyword inputs.
+        loss_fn: the training step's ``loss_fn(output)``; None: the loss the output
+            carries (``output.loss``), else every tensor of the output.
 
     Raises:
         UnsupportedModel: no run of at least two linked submodule calls was found.
@@ -103,7 +163,7 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     calls: list[_Call] = []
     stack: list[int] = []
     call_counts: dict[int, int] = {}
-    last_child: dict[int | None, int] = {}
+    provenance = _Provenance()
 
     # NOTE [stages of a model that recomputes by itself]
     # Modules called inside a block of remat.recompute or of a marked module are not
@@ -111,75 +171,157 @@ def discover_chain(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # order. The marked module itself is not one either (it recomputes already); the
     # chain is found among the other calls, and such blocks ride inside its stages.
     def pre_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any) -> None:
-        if id(module) not in names or in_manual_block():
+        if in_manual_block():
             return
         parent = stack[-1] if stack else None
-        call = _Call(module, names[id(module)], parent, eligible=not is_marked(module))
-        call.inputs = [id(t) for t in _tensor_leaves((hook_args, hook_kwargs))]
-        previous = last_child.get(parent)
-        # Decided now, while the previous call's outputs are certainly alive.
-        call.linked = previous is not None and _takes_output_of(call, calls[previous])
-        last_child[parent] = len(calls)
+        call = _Call(module, names[id(module)], parent, index=len(calls), eligible=not is_marked(module))
+        tensors = _tensor_leaves((hook_args, hook_kwargs))
+        call.inputs_from = provenance.mask_of(tensors)
+        call.first_from = provenance.mask_of(tensors[:1])
         calls.append(call)
         stack.append(len(calls) - 1)
         call_counts[id(module)] = call_counts.get(id(module), 0) + 1
 
     def post_hook(module: nn.Module, hook_args: Any, hook_kwargs: Any, output: Any) -> None:
-        if id(module) not in names or not stack or in_manual_block():
+        if not stack or in_manual_block():
             return
         index = stack.pop()
-        calls[index].outputs = [weakref.ref(t) for t in _tensor_leaves(output)]
+        calls[index].returned = len(calls)
+        provenance.mark(_tensor_leaves(output), 1 << index)
 
-    handles = [
-        nn.modules.module.register_module_forward_pre_hook(_with_kwargs_pre(pre_hook)),
-        nn.modules.module.register_module_forward_hook(_with_kwargs_post(post_hook), always_call=True),
-    ]
+    # hooks of each module (the global ones are not given keyword inputs: a decoder block's
+    # memory=, a mask=), removed whatever happens
+    handles = []
     keep_alive: list[Any] = []
     try:
-        with torch.no_grad():
+        for module in {id(m): m for m in model.modules()}.values():
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        with torch.no_grad(), provenance:
             keep_alive.append(model(*args, **kwargs))
+            loss_from = _loss_from(provenance, keep_alive[0], loss_fn)
     finally:
         for handle in handles:
             handle.remove()
-
-    # Children of each call, in order; a link means the call takes a tensor that is
-    # (identically) an output of the sibling called just before it.
-    children: dict[int | None, list[int]] = {}
+    del keep_alive
     for index, call in enumerate(calls):
-        children.setdefault(call.parent, []).append(index)
-    # Runs are compared by the stages they give, nested Sequentials expanded: the top-level
-    # run of a ResNet (stem, layer1..4, pooling) beats the run of blocks inside layer1.
-    best: list[int] = []
-    best_stages = 0
-    for siblings in children.values():
-        run: list[int] = []
-        run_stages = 0
-        for index in siblings:
-            call = calls[index]
-            if call_counts.get(id(call.module), 0) != 1 or not call.eligible:
-                run, run_stages = [], 0
-                continue
-            if not (run and call.linked):
-                run, run_stages = [], 0
-            run.append(index)
-            run_stages += len(_flatten_sequential(call.name, call.module))
-            if run_stages > best_stages:
-                best, best_stages = list(run), run_stages
+        on_loss_path = loss_from is None or bool(loss_from >> index & 1)
+        call.eligible = call.eligible and call_counts[id(call.module)] == 1 and on_loss_path
+    best = _join_runs(calls, _runs(calls))
     stages = _expand_sequentials([(calls[i].name, calls[i].module) for i in best])
     if len(stages) < 2:
         raise UnsupportedModel(
             f"remat found no chain in {type(model).__name__}: no two submodules are called one "
-            "after another, each taking the previous one's output, exactly once per forward. "
+            "after another, each taking what the previous one computed, exactly once per forward. "
             "Wrap the model's repeated blocks in an nn.Sequential or nn.ModuleList called in a "
             "loop, or mark blocks to recompute by hand with remat.mark / remat.apply"
         )
-    del keep_alive
     return Chain([n for n, _ in stages], [m for _, m in stages], whole_model=False)
 
 
-def _takes_output_of(call: _Call, previous: _Call) -> bool:
-    outputs = {id(t) for ref in previous.outputs if (t := ref()) is not None}
-    return any(i in outputs for i in call.inputs)
+def _loss_from(provenance: _Provenance, output: Any, loss_fn: Callable[[Any], Any] | None) -> int | None:
+    """The calls the loss is computed from (a mask), or None where that cannot be told."""
+    if loss_fn is None:
+        carried = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        tensors = [carried] if isinstance(carried, torch.Tensor) else _tensor_leaves(output)
+    else:
+        try:
+            tensors = _tensor_leaves(loss_fn(output))
+        except RuntimeError:
+            # A loss function that runs its own backward cannot run without grad: every
+            # call may then be a stage, as it is for a model whose loss is not known.
+            return None
+    # no tensor to follow (an output measuring refuses later, with its own message)
+    return provenance.mask_of(tensors) if tensors else None
+
+
+def _stage_count(call: _Call) -> int:
+    return len(_flatten_sequential(call.name, call.module))
+
+
+def _runs(calls: list[_Call]) -> list[list[int]]:
+    """Runs among the children of each call (and of the model), longest first.
+
+    A run is a sequence of sibling calls whose first input (the activation, ahead of
+    masks, positions and other side inputs) is computed from the call before it, directly
+    or through the model's own code in between (a shared activation, ``x + block(x)``),
+    and from no later sibling.
+    Runs are compared by the stages they give, nested Sequentials expanded: the top-level
+    run of a ResNet (stem, layer1..4, pooling) beats the run of blocks inside layer1. Once
+    the longest run of a module's children is found, the longest among the others follows
+    (an encoder's blocks and a decoder's, called by one forward).
+    """
+    children: dict[int | None, list[int]] = {}
+    for index, call in enumerate(calls):
+        if call.eligible:
+            children.setdefault(call.parent, []).append(index)
+    runs = []
+    for siblings in children.values():
+        left = list(siblings)
+        while len(left) >= 2:
+            run = _longest_run(calls, left)
+            runs.append(run)
+            taken = set(run)
+            left = [index for index in left if index not in taken]
+    return sorted(runs, key=lambda run: -sum(_stage_count(calls[i]) for i in run))
+
+
+def _longest_run(calls: list[_Call], siblings: list[int]) -> list[int]:
+    # Each call continues the run of the latest sibling its first input was computed from
+    # (not an earlier one through it: a decoder block follows the block before it, not
+    # the encoder its memory came from); best[k] is the most stages of a run ending at k.
+    best: list[int] = []
+    before: list[int | None] = []
+    for k, index in enumerate(siblings):
+        call = calls[index]
+        previous = next((j for j in range(k - 1, -1, -1) if call.first_from >> siblings[j] & 1), None)
+        best.append(_stage_count(call) + (best[previous] if previous is not None else 0))
+        before.append(previous)
+    end: int | None = max(range(len(siblings)), key=lambda k: best[k])
+    run = []
+    while end is not None:
+        run.append(siblings[end])
+        end = before[end]
+    return run[::-1]
+
+
+def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
+    """The longest run, joined with the runs that follow it or precede it.
+
+    An encoder-decoder's blocks are two runs, in two modules or two loops: the decoder's
+    first block takes (as its memory) what the encoder's last block computed. The run
+    joined is the nearest one that takes anything computed by the chain's end (its calls
+    before that are left to the code in between), or whose end the chain's start takes.
+    Runs of one call are left out (a head stays after the chain).
+    """
+    if not runs:
+        return []
+    chain = runs[0]
+    candidates = [run for run in runs[1:] if len(run) >= 2]
+    while True:
+        last, first = calls[chain[-1]], calls[chain[0]]
+        after = []
+        for run in candidates:
+            starts = [
+                k for k, index in enumerate(run) if index >= last.returned and calls[index].derives_from(chain[-1])
+            ]
+            if starts and len(run) - starts[0] >= 2:
+                after.append(run[starts[0] :])
+        before = [run for run in candidates if first.index >= calls[run[-1]].returned and first.derives_from(run[-1])]
+        if after:
+            # the nearest; among the runs inside its first call (a decoder's blocks inside the
+            # decoder), the one of most stages
+            nearest = min(after, key=lambda run: run[0])
+            inside = [run for run in after if nearest[0] <= run[0] < calls[nearest[0]].returned]
+            joined = max(inside, key=lambda run: (sum(_stage_count(calls[i]) for i in run), -run[0]))
+            chain = chain + joined
+        elif before:
+            joined = max(before, key=lambda run: run[-1])
+            chain = joined + chain
+        else:
+            return chain
+        used = set(chain)
+        candidates = [run for run in candidates if not used & set(run)]
 
 
 def _expand_sequentials(pairs: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -189,101 +331,30 @@ def _expand_sequentials(pairs: Sequence[tuple[str, nn.Module]]) -> list[tuple[st
     return out
 
 
-def _with_kwargs_pre(hook: Any) -> Any:
-    def wrapper(module: nn.Module, args: Any) -> None:
-        hook(module, args, {})
-
-    return wrapper
-
-
-def _with_kwargs_post(hook: Any) -> Any:
-    def wrapper(module: nn.Module, args: Any, output: Any) -> None:
-        hook(module, args, {}, output)
-
-    return wrapper
-
-
 # ----------------------------------------------------------------------- input links
-class InputLink:
-    """How to rebuild a stage's inputs from the previous stage's output.
-
-    Each tensor of the stage's (args, kwargs) that *is* a tensor output of the previous
-    stage is remembered by its position in that output; every other value (a mask, a
-    position table, a flag) is kept as it is, and so is a linked tensor that the model's
-    own code changed in place between the two stages (given `previous_versions`, the
-    versions of the previous output's tensors when it was returned).
-    """
-
-    def __init__(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        previous_output: Any,
-        previous_versions: list[int] | None = None,
-    ) -> None:
-        flat, self._spec = tree_flatten((args, kwargs))
-        previous = _tensor_leaves(previous_output) if previous_output is not None else []
-        positions = {id(t): i for i, t in enumerate(previous)}
-        self._sources: list[tuple[str, Any]] = []
-        #: the linked tensors changed in place since the previous stage returned them:
-        #: they are kept as they are (a replay of that stage would give the old values)
-        self.changed_in_place: list[torch.Tensor] = []
-        for value in flat:
-            linked = isinstance(value, torch.Tensor) and id(value) in positions
-            if linked and previous_versions is not None and value._version != previous_versions[positions[id(value)]]:
-                self.changed_in_place.append(value)
-                linked = False
-            if linked:
-                self._sources.append(("link", positions[id(value)]))
-            elif isinstance(value, torch.Tensor):
-                self._sources.append(("tensor", (value.detach(), value.requires_grad, value._version)))
-            else:
-                self._sources.append(("value", value))
-
-    def build(self, previous_output: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The stage's (args, kwargs), with linked tensors taken from `previous_output`.
-
-        Raises:
-            RecomputeInputModified: a kept tensor was changed in place since the stage took it.
-        """
-        previous = _tensor_leaves(previous_output) if previous_output is not None else []
-        flat: list[Any] = []
-        for position, (kind, value) in enumerate(self._sources):
-            if kind == "link":
-                flat.append(previous[value])
-            elif kind == "tensor":
-                tensor, requires_grad, version = value
-                if tensor._version != version:
-                    raise RecomputeInputModified(
-                        f"input {position} of a recomputed stage (shape {tuple(tensor.shape)}) was changed in "
-                        "place after the stage took it; its recompute would see other values. Make the change "
-                        "out of place"
-                    )
-                flat.append(detached_alias(tensor, requires_grad))
-            else:
-                flat.append(value)
-        args, kwargs = tree_unflatten(flat, self._spec)
-        return args, kwargs
-
-
 class StageLinks:
-    """Follows a forward's stage calls: how each stage's inputs come from the stage before.
+    """Follows a forward's stage calls: which inputs of a stage the stage before returned,
+    and whether the model's own code changed those in place between the two.
 
-    Remembers the previous stage's output and the versions of its tensors when it was
-    returned, so that :meth:`link` notices a tensor the model's own code changed in place
-    between the two stages.
+    Only weak references are kept: following a forward changes no tensor's lifetime (a
+    measured window would otherwise see the previous output alive longer than it is).
     """
 
     def __init__(self, n_stages: int) -> None:
         self.n_stages = n_stages
-        self._output: Any = None
-        self._versions: list[int] = []
+        self._returned: list[tuple[weakref.ref[torch.Tensor], int]] = []
 
-    def link(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputLink:
-        """How the inputs of the stage being called come from the previous stage's output."""
-        return InputLink(args, kwargs, self._output, self._versions)
+    def changed_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The inputs of the stage being called that the stage before returned and the
+        model's code changed in place since."""
+        versions = {id(t): (t, version) for ref, version in self._returned if (t := ref()) is not None}
+        return [
+            value
+            for value in _tensor_leaves((args, kwargs))
+            if id(value) in versions and versions[id(value)][0] is value and value._version != versions[id(value)][1]
+        ]
 
     def returned(self, index: int, output: Any) -> None:
         """Notes the output of stage `index` (the chain's output is not followed)."""
-        self._output = output if index + 1 < self.n_stages else None
-        self._versions = [t._version for t in _tensor_leaves(self._output)]
+        leaves = _tensor_leaves(output) if index + 1 < self.n_stages else []
+        self._returned = [(weakref.ref(t), t._version) for t in leaves]

@@ -17,9 +17,8 @@ class RegionRecording:
     The executor of a plan cannot wrap a region of a user's forward in one function call:
     the region starts in one stage call and ends in another, with the user's own code in
     between. It opens a recording with the function that *replays* the region from its
-    kept inputs, and runs each of the region's stage calls inside :meth:`stage`; only the
-    tensors saved inside stage calls are discarded (the user's code between stages keeps
-    what it saves as usual, so the replay never needs to run it).
+    kept inputs, and runs each of the region's stage calls inside :meth:`stage`, with the
+    user's code that follows it up to the next stage call (which the replay runs again).
 
     An `observer` (used by measurement) is told of every tensor the region discards,
     ``observer.on_discarded(tensor)``, and of each recompute of the region,
@@ -57,8 +56,20 @@ class _DiscardingStage:
         self._recording = self._root.state_log.recording()
         self._recording.__enter__()
 
+    def stage_returned(self) -> None:
+        """The stage call returned; the user's code that follows still discards what it saves.
+
+        Its module calls are not recorded: the replay runs that code again as the torch
+        calls it made (see remat.discover.glue), not as module calls.
+        """
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.__exit__(None, None, None)
+
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._recording.__exit__(*exc)
+            if self._recording is not None:
+                self._recording.__exit__(*exc)
+                self._recording = None
         finally:
             _STACK.pop()

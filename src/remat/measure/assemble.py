@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from remat.discover.chain import Chain
 from remat.manual._state import snapshot_bytes
+from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch
 from remat.memory import AllocationRecord, MemoryTracker
 from remat.plan.lifetimes import HeldInput
@@ -32,7 +33,7 @@ from remat.plan.profile import ChainProfile
 from remat.plan.step import BudgetSplit
 from remat.units import format_bytes
 
-__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "group_stages", "watched_times", "with_times"]
+__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "watched_times", "with_times"]
 
 
 @dataclass
@@ -73,6 +74,10 @@ class ChainMeasurement:
         input_held_until: per stage call, the last stage call whose forward runs while
             the model's own code still holds the stage's input (NOTE [inputs the model
             holds] in ``remat.measure.timing``); empty when not measured.
+        held_outputs: what a stage call (with the model's code after it) makes that the
+            model holds beyond the next stage call without passing it on (a U-Net's
+            skip): ``(stage call, last stage call it is held through, bytes, whether
+            the stage saves it too)``; empty when not measured or when there is none.
     """
 
     stages: list[StageMeasurement]
@@ -89,6 +94,7 @@ class ChainMeasurement:
     suffix_transient_bytes: int = 0
     cached_cast_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
+    held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
 
@@ -133,7 +139,8 @@ class ChainMeasurement:
         )
 
     def held_inputs(self) -> tuple[HeldInput, ...]:
-        """The planned stages' inputs the model holds beyond their stage (see ``input_held_until``)."""
+        """What the model holds beyond a planned stage: its input (see ``input_held_until``),
+        and what it made and keeps for later (``held_outputs``)."""
         group_of = [g for g, (first, stop) in enumerate(self.groups) for _ in range(first, stop)]
         out = []
         for index, until in enumerate(self.input_held_until):
@@ -147,6 +154,9 @@ class ChainMeasurement:
                 out.append(HeldInput(start, end, nbytes, True, profile.saves_input[start], kept_before))
             else:
                 out.append(HeldInput(start, end, nbytes, False))
+        for index, until, nbytes, saved in self.held_outputs:
+            if group_of[until] != group_of[index]:
+                out.append(HeldInput(group_of[index], group_of[until], nbytes, False, kept_by_stage=saved))
         return tuple(out)
 
 
@@ -322,49 +332,6 @@ def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> lis
     return times
 
 
-def group_stages(stages: list[StageMeasurement]) -> list[tuple[int, int]]:
-    """(first, stop) stage indices of each planned stage."""
-    groups: list[tuple[int, int]] = []
-    for index, stage in enumerate(stages):
-        # A stage that modifies its input in place cannot start a region (the region would
-        # keep an input that changes); nor can one that takes no activation from the stage
-        # before it. A stage that keeps nothing for its backward (a view, a pooling to one
-        # value) has nothing to recompute: it rides with the stage before. A stage that
-        # only does not keep its input is a stage of its own: the planner's model knows
-        # what holds each activation (saves_input / saves_output).
-        # A stage whose input the model changed in place keeps its own group where it can:
-        # a region must not cross that boundary (NOTE [stage outputs changed in place]).
-        keeps_nothing = not stage.saved_storages and not stage.input_changed
-        fuse = index > 0 and (stage.modifies_input or not stage.input_storages or keeps_nothing)
-        if fuse and groups:
-            groups[-1] = (groups[-1][0], index + 1)
-        else:
-            groups.append((index, index + 1))
-    return groups
-
-
-def region_limits(stages: list[StageMeasurement], groups: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """The profile's region breaks and pinned stages (in groups) from what each stage saw.
-
-    A group whose first stage's input was changed in place by the model's code is a
-    break: a region may start there but not cross it. A group with such a stage inside
-    (it also modifies that input itself, so it was fused) can be neither replayed nor
-    start a region: it is pinned; so is the first group when the chain input is changed
-    in place (there is no group before to fuse it with).
-    """
-    breaks: list[int] = []
-    pinned: list[int] = []
-    for index, (first, stop) in enumerate(groups):
-        if index > 0 and stages[first].input_changed:
-            breaks.append(index)
-        # the first group's input changed in place cannot be kept for a region either
-        if any(stages[stage].input_changed for stage in range(first + 1, stop)) or (
-            index == 0 and stages[0].modifies_input
-        ):
-            pinned.append(index)
-    return breaks, pinned
-
-
 def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
     """Frugal mode: which of `allocations` a span's recompute made.
 
@@ -434,6 +401,12 @@ def _escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     # Outputs that escape to the model's code (a key/value cache, attention weights) and
     # are still alive when the forward returns are held through the backward too.
     escaped = {k: v for stage in stages for k, v in stage.escaped_storages.items() if k in alive}
+    # What the executor keeps for the replay of a stage's glue, as it is: made since the
+    # chain began (a U-Net's skip, an encoder's output that every decoder block takes), it
+    # is held until the backward ends when that stage is recomputed (NOTE [glue between
+    # stages] in remat.execute); counted for every stage, the safe side.
+    for stage in stages:
+        escaped.update(stage.kept_constants)
     # Likewise for what a stage allocates and something else than autograd keeps (a
     # cache object filled in place): alive after the forward, neither saved for
     # backward nor passed on to the next stage.

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain, StageLinks
+from remat.discover.glue import GlueRecorder
 from remat.discover.intercept import call_original
 from remat.errors import UnsupportedModel
 from remat.memory import MemoryTracker
@@ -59,6 +60,9 @@ class StageMeasurement:
             whether it required grad.
         forward_flops: floating-point operations of its forward, where the tracker counts
             them (matrix products, convolutions, attention; 0 otherwise).
+        kept_constants: allocation id -> bytes of the tensors made since the chain began
+            that the model's code after it (or the next stage) takes as they are: the
+            executor keeps them for the replay when it recomputes the stage.
     """
 
     name: str
@@ -75,6 +79,7 @@ class StageMeasurement:
     input_changed: bool = False
     input_requires_grad: tuple[bool, ...] = ()
     forward_flops: int = 0
+    kept_constants: dict[int, int] = field(default_factory=dict)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -97,7 +102,7 @@ class _InPlaceWatch:
 
     def before(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Starts watching stage `index`'s inputs; whether the model's code changed its linked input."""
-        changed = bool(self._links.link(args, kwargs).changed_in_place)
+        changed = bool(self._links.changed_in_place(args, kwargs))
         self._watched.append((index, [(weakref.ref(t), t._version) for t in tensors_in((args, kwargs))]))
         return changed
 
@@ -153,6 +158,10 @@ class StageWatch:
         self.in_place = _InPlaceWatch(len(chain))
         self.current: int | None = None
         self.next_stage = 0
+        self._glue: GlueRecorder | None = None  # the running stage's glue, while it runs
+        self._started: tuple[float, int, int, int] = (0.0, 0, 0, 0)
+        self._block_outputs: dict[int, int] = {}
+        self._saved_at_return = (0, 0)
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
         self.grad_ready_time: dict[int, float] = {}  # stage -> when its output's gradient was complete
         self.grad_ready_event: dict[int, int] = {}
@@ -176,7 +185,12 @@ class StageWatch:
                 self.saved_ids[self.current].append(allocation_id)
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Runs stage `index` in place of the module's call, and takes its figures."""
+        """Runs stage `index` in place of the module's call, and takes its figures.
+
+        A stage's forward lasts until the next stage is called: the model's own code in
+        between (its glue: ``x + block(x)``, a scaling) is part of it, as the executor runs
+        it (NOTE [glue between stages] in remat.execute). The last stage ends when it returns.
+        """
         if index != self.next_stage:
             raise UnsupportedModel(
                 f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} "
@@ -184,9 +198,11 @@ class StageWatch:
                 "forward. Use remat.mark for models whose forward varies"
             )
         self.next_stage += 1
+        inputs = tensors_in((args, kwargs))
+        if index > 0:
+            self._end_forward(index - 1, args, kwargs)
         stage = self.stages[index]
         stage.input_changed = self.in_place.before(index, args, kwargs)
-        inputs = tensors_in((args, kwargs))
         stage.input_requires_grad = tuple(t.requires_grad for t in inputs)
         tracker = self.tracker
         if tracker is not None:
@@ -194,35 +210,78 @@ class StageWatch:
         self.current = index
         if self.synchronize is not None:
             self.synchronize()
-        start_time = time.perf_counter()
-        start_event = tracker.n_events if tracker is not None else 0
-        start_saved = tracker.n_saved if tracker is not None else 0
-        start_flops = tracker.flops if tracker is not None else 0
+        self._started = (
+            time.perf_counter(),
+            self.event(),
+            tracker.n_saved if tracker is not None else 0,
+            tracker.flops if tracker is not None else 0,
+        )
         try:
             if self._run is not None and torch.is_grad_enabled():
                 out = self._run.call(index, module, args, kwargs)
             else:
                 out = call_original(module, args, kwargs)
-        finally:
+        except BaseException:
             self.current = None
-        if self.synchronize is not None:
-            self.synchronize()
-        stage.forward_time_s = time.perf_counter() - start_time
-        stage.forward_window = (start_event, tracker.n_events if tracker is not None else 0)
+            raise
         for changed in self.in_place.after(index, out):
             self.stages[changed].modifies_input = True
         outputs = tensors_in(out)
+        self._block_outputs = tracker.allocations_of(outputs) if tracker is not None else {}
+        self._saved_at_return = (tracker.n_saved if tracker is not None else 0, len(self.saved_ids[index]))
+        if torch.is_grad_enabled():
+            if index == 0:
+                self._hook_gradients(-1, inputs)
+            if index == len(self.chain) - 1:
+                self._hook_gradients(index, outputs)
+        if index == len(self.chain) - 1:
+            self._end_forward(index, None, None)
+        else:
+            self._glue = GlueRecorder(inputs, outputs)
+            self._glue.start()
+        return out
+
+    def _end_forward(self, index: int, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None) -> None:
+        """Ends stage `index`'s forward: the next stage is called with (args, kwargs) (None: it was the last)."""
+        glue, self._glue = self._glue, None
+        made: list[torch.Tensor] = []
+        stage = self.stages[index]
+        tracker = self.tracker
+        start_time, start_event, start_saved, start_flops = self._started
+        if glue is not None and args is not None and kwargs is not None:
+            recorded = glue.finish(args, kwargs)
+            made = recorded.made(args, kwargs)
+            if tracker is not None:
+                # what the executor keeps for the replay of this stage's glue: the tensors
+                # made since the chain began that the glue or the next stage take as they are
+                chain_start = self.stages[0].forward_window[0] if index > 0 else start_event
+                records = tracker.allocation_records(tracker.allocations_of(recorded.constants))
+                stage.kept_constants = {key: r.nbytes for key, r in records.items() if r.allocated_event >= chain_start}
+        self.current = None
+        if self.synchronize is not None:
+            self.synchronize()
+        stage.forward_time_s = time.perf_counter() - start_time
+        stage.forward_window = (start_event, self.event())
         if tracker is not None:
             stage.forward_flops = tracker.flops - start_flops
-            stage.output_storages = tracker.allocations_of(outputs)
+            # an output that the glue saves for its backward (x + gamma * block(x)) is the
+            # stage's own saved tensor, not one that escapes to the model's code
+            tracked_at, own_at = self._saved_at_return
+            glue_saved = {*tracker.saved_allocations(tracked_at), *self.saved_ids[index][own_at:]}
+            outputs = {k: v for k, v in self._block_outputs.items() if k not in glue_saved}
+            stage.output_storages = {**outputs, **tracker.allocations_of(made)}
             saved_ids = tracker.saved_allocations(start_saved) + self.saved_ids[index]
             records = tracker.allocation_records(saved_ids)
             stage.saved_storages = {k: (r.nbytes, r.allocated_event) for k, r in records.items()}
-        if torch.is_grad_enabled():
-            self._hook_gradients(index, outputs)
-            if index == 0:
-                self._hook_gradients(-1, inputs)
-        return out
+        if torch.is_grad_enabled() and args is not None:
+            # its backward starts once the whole gradient of what the next stage took from it is there
+            self._hook_gradients(index, made)
+
+    def finish(self) -> None:
+        """Stops a glue recording left running (the forward failed, or ended early)."""
+        glue, self._glue = self._glue, None
+        if glue is not None:
+            glue.stop()
 
     def _link(self, index: int, input_storages: dict[int, int]) -> None:
         # The boundary is what this stage takes from the previous one; any other output

@@ -112,7 +112,8 @@ class ShapeTimings:
         timed = self.timed.get(shape_family(key), {})
         names = [stage.name for stage in sized.stages]
         candidates = [m for k, m in timed.items() if k != key and [s.name for s in m.stages] == names]
-        if not candidates:
+        if not candidates or any(m.held_outputs for m in candidates):
+            # what the model holds across stages is in bytes of the timed shape: timed again
             return None
         reference = min(candidates, key=lambda m: abs(math.log(work_ratio(m, sized) or 1.0)))
         ratio = work_ratio(reference, sized)

@@ -132,7 +132,14 @@ def _plain_measurement(
             timing, end_time = _timing_step(
                 model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
             )
-    return assemble(chain, tracked, watched_times(tracked, timing, end_time))
+        measurement = assemble(chain, tracked, watched_times(tracked, timing, end_time))
+        # What the model's own code holds across stages (NOTE [inputs the model holds]):
+        # a forward without grad, tracked, shows it, as the timing pass does for the sized mode.
+        held = time_groups(
+            model, chain, measurement.stages, measurement.groups, *isolated_inputs(args, kwargs), device,
+            frozenset(), track_all=True,
+        )  # fmt: skip
+    return dataclasses.replace(measurement, input_held_until=held.input_held_until, held_outputs=held.held_outputs)
 
 
 def _sized_measurement(
@@ -206,7 +213,11 @@ def _sized_measurement(
         timing = time_groups(
             model, chain, sized.stages, sized.groups, args, kwargs, device, backward_groups, run_loss=run_loss
         )
-    measurement = dataclasses.replace(with_times(sized, timing.times), input_held_until=rehearsal.input_held_until)
+    measurement = dataclasses.replace(
+        with_times(sized, timing.times),
+        input_held_until=rehearsal.input_held_until,
+        held_outputs=rehearsal.held_outputs,
+    )
     if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
         # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
         # (a kernel of the model's own head); found after the pass, it counts from now on
@@ -277,7 +288,10 @@ def _tracked_step(
     watch = StageWatch(chain, tracker, None, spans)
     # the frugal mode's own regions keep their inputs: not what the stages save
     with intercept_stages(chain, watch), tracker, tracker.saved_tensors_hooks(note_kept=spans is None):
-        output = model(*args, **kwargs)
+        try:
+            output = model(*args, **kwargs)
+        finally:
+            watch.finish()
         _check_no_cache(output)
         # Sizes now: some of these storages die with the output, before the assembly.
         alive_after_forward = tracker.live_allocations()
@@ -327,7 +341,12 @@ def _timing_step(
     with intercept_stages(chain, timing):
         if synchronize is not None:
             synchronize()
-        _loss_and_backward(loss_fn, [model(*args, **kwargs)])
+        holder: list[Any] = []
+        try:
+            holder.append(model(*args, **kwargs))
+        finally:
+            timing.finish()
+        _loss_and_backward(loss_fn, holder)
         if synchronize is not None:
             synchronize()
         end_time = time.perf_counter()

@@ -1,7 +1,7 @@
 """Timing a chain's stages one group at a time, in little more memory than one group needs.
 
 The timing pass runs the model's forward without grad. At the first stage call of each
-group (see :func:`remat.measure.assemble.group_stages`), grad is switched on, on inputs
+group (see :func:`remat.measure.groups.group_stages`), grad is switched on, on inputs
 cut from the pass (those that required grad in the sized step require grad again); at
 the group's last stage call, its backward runs at once from gradients of ones, and the
 group's outputs go on, detached, to the rest of the forward. Only one group's
@@ -53,12 +53,17 @@ class TimingPass(NamedTuple):
         input_held_until: with ``track_all``, for each stage call, the last stage call
             whose forward runs while the model itself still holds the stage's input (NOTE
             [inputs the model holds]); the stage's own index when nothing does.
+        held_outputs: with ``track_all``, what a stage call (with the code after it) makes
+            that the model holds beyond the next stage call, other than that call's input
+            (a U-Net's skip): ``(stage call, last stage call it is held through, bytes,
+            whether the stage also saves it for its backward)``.
     """
 
     times: list[tuple[float, float]]
     suffix_peak_bytes: int | None
     group_peak_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
+    held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
 
 
 class _GroupTimer:
@@ -242,7 +247,9 @@ def time_groups(
     chosen = every if backward_groups is None else backward_groups
     timer = _GroupTimer(chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None)
     everything = timer.everything if timer.everything is not None else contextlib.nullcontext()
-    with everything, torch.no_grad():
+    # what each group saves, to tell a tensor the model holds from one its stage keeps anyway
+    saving = timer.everything.saved_tensors_hooks() if timer.everything is not None else contextlib.nullcontext()
+    with everything, saving, torch.no_grad():
         try:
             with intercept_stages(chain, timer):
                 holder = [model(*args, **kwargs)]
@@ -261,17 +268,19 @@ def time_groups(
     times = timer.estimated()
     peaks: tuple[int, ...] = ()
     held: tuple[int, ...] = ()
+    held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
     if timer.everything is not None:
         timer.group_windows.append((timer._group_start, timer.everything.n_events))
         peaks = tuple(timer.everything.window(start, stop).peak_bytes for start, stop in timer.group_windows)
         held = _input_held_until(timer.everything, timer.stage_starts, timer.input_allocations)
+        held_outputs = _held_outputs(timer.everything, timer.stage_starts, timer.input_allocations)
     if timer.tracker is None or timer.gradient_event is None:
-        return TimingPass(times, None, peaks, held)
+        return TimingPass(times, None, peaks, held, held_outputs)
     # the last group's backward: from its output's gradient to the end of the step
     last = len(chain) - 1
     times[last] = (times[last][0], ended - timer.gradient_time)
     suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
-    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held, held_outputs)
 
 
 # NOTE [inputs the model holds]
@@ -298,3 +307,33 @@ def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[di
             until = max(until, last)
         held.append(until)
     return tuple(held)
+
+
+# The same pass shows what a stage call, or the model's code after it, makes and the model
+# keeps beyond the next stage call without passing it on: a U-Net keeps each down block's
+# output for its up block. A schedule that recomputes that stage does not free it then. What
+# outlives the pass (the model's output, a gradient) is counted elsewhere, as is what the
+# next stage call takes (its input, above).
+def _held_outputs(
+    tracker: MemoryTracker, starts: list[int], inputs: list[dict[int, int]]
+) -> tuple[tuple[int, int, int, bool], ...]:
+    if len(starts) < 3:
+        return ()
+    taken = {a for allocations in inputs for a in allocations}
+    made = {
+        key: record
+        for key, record in tracker.allocation_records(tracker.allocations_since(starts[0])).items()
+        if key not in taken
+    }
+    freed = tracker.allocation_freed_events(made)
+    saved = set(tracker.saved_allocations())
+    out = []
+    for key, record in made.items():
+        stage = bisect.bisect_right(starts, record.allocated_event) - 1
+        end = freed[key][1]
+        if stage >= len(starts) - 2 or end is None:
+            continue
+        last = bisect.bisect_left(starts, end) - 1
+        if last > stage + 1:
+            out.append((stage, last, record.nbytes, key in saved))
+    return tuple(sorted(out))

@@ -15,7 +15,7 @@ data and a loss, for the command-line tool.
 
 from remat.models._catalogue import CATALOGUE, ModelSpec, model_spec
 from remat.models._gpt import GPTConfig, GPTEmbedding, LMHead, gpt2
-from remat.models._hf import CAUSAL_LMS, hugging_face_architectures
+from remat.models._hf import CAUSAL_LMS, hugging_face_architectures, hugging_face_model
 from remat.models._resnet import (
     BasicBlock,
     Bottleneck,
@@ -36,6 +36,7 @@ from remat.models._weights import copy_weights, count_parameters
 __all__ = [
     "CAUSAL_LMS",
     "hugging_face_architectures",
+    "hugging_face_model",
     "BasicBlock",
     "Bottleneck",
     "CATALOGUE",

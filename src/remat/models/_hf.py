@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CAUSAL_LMS", "hugging_face_architectures"]
+__all__ = ["CAUSAL_LMS", "hugging_face_architectures", "hugging_face_model"]
 
 Case = tuple[Callable[[], nn.Module], dict[str, Any]]
 
@@ -33,7 +33,19 @@ def _tokens(scale: int, length: int = 32, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (2 * scale, length * scale), generator=torch.Generator().manual_seed(1))
 
 
-def _causal_lm(name: str, scale: int) -> Case:
+def _config(config_class: Any, overrides: dict[str, Any], **defaults: Any) -> Any:
+    """The config of small sizes, with `overrides` (each a setting the config has)."""
+    known = config_class()
+    unknown = [key for key in overrides if not hasattr(known, key)]
+    if unknown:
+        raise ValueError(
+            f"{config_class.__name__} has no setting {', '.join(map(repr, unknown))}; settings are the "
+            f"attributes of {config_class.__name__}() (e.g. {', '.join(sorted(defaults)[:4])})"
+        )
+    return config_class(**{**defaults, **overrides})
+
+
+def _causal_lm(name: str, scale: int, overrides: dict[str, Any]) -> Case:
     families = {
         "llama": (_transformers().LlamaForCausalLM, _transformers().LlamaConfig, {"num_key_value_heads": 2}),
         "qwen2": (_transformers().Qwen2ForCausalLM, _transformers().Qwen2Config, {"num_key_value_heads": 2}),
@@ -41,7 +53,9 @@ def _causal_lm(name: str, scale: int) -> Case:
         "gpt_neox": (_transformers().GPTNeoXForCausalLM, _transformers().GPTNeoXConfig, {}),
     }
     model_class, config_class, extra = families[name]
-    config = config_class(
+    config = _config(
+        config_class,
+        overrides,
         vocab_size=256,
         hidden_size=64 * scale,
         intermediate_size=128 * scale,
@@ -50,12 +64,14 @@ def _causal_lm(name: str, scale: int) -> Case:
         max_position_embeddings=128 * scale,
         **extra,
     )
-    tokens = _tokens(scale)
+    tokens = _tokens(scale, vocab=config.vocab_size)
     return lambda: model_class(config), {"input_ids": tokens, "labels": tokens}
 
 
-def _bert(scale: int) -> Case:
-    config = _transformers().BertConfig(
+def _bert(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().BertConfig,
+        overrides,
         vocab_size=256,
         hidden_size=64 * scale,
         intermediate_size=128 * scale,
@@ -63,7 +79,7 @@ def _bert(scale: int) -> Case:
         num_attention_heads=4,
         max_position_embeddings=max(512, 32 * scale),
     )
-    tokens = _tokens(scale)
+    tokens = _tokens(scale, vocab=config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[:, -4:] = 0
     return lambda: _transformers().BertForMaskedLM(config), {
@@ -73,8 +89,10 @@ def _bert(scale: int) -> Case:
     }
 
 
-def _t5(scale: int) -> Case:
-    config = _transformers().T5Config(
+def _t5(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().T5Config,
+        overrides,
         vocab_size=256,
         d_model=64 * scale,
         d_ff=128 * scale,
@@ -85,22 +103,25 @@ def _t5(scale: int) -> Case:
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    kwargs = {"input_ids": _tokens(scale), "labels": _tokens(scale, length=16)}
+    vocab = config.vocab_size
+    kwargs = {"input_ids": _tokens(scale, vocab=vocab), "labels": _tokens(scale, length=16, vocab=vocab)}
     return lambda: _transformers().T5ForConditionalGeneration(config), kwargs
 
 
-def _images(scale: int, size: int) -> torch.Tensor:
-    return torch.randn(2 * scale, 3, size * scale, size * scale, generator=torch.Generator().manual_seed(2))
+def _images(scale: int, pixels: int) -> torch.Tensor:
+    return torch.randn(2 * scale, 3, pixels, pixels, generator=torch.Generator().manual_seed(2))
 
 
-def _image_classifier(model_class: str, config: Any, scale: int, size: int) -> Case:
-    """A Hugging Face image classifier of 3 labels, with a batch of images of `size`."""
-    inputs = {"pixel_values": _images(scale, size), "labels": torch.arange(2 * scale) % 3}
+def _image_classifier(model_class: str, config: Any, scale: int, pixels: int) -> Case:
+    """A Hugging Face image classifier, with a batch (of ``2 * scale``) of images of `pixels`."""
+    inputs = {"pixel_values": _images(scale, pixels), "labels": torch.arange(2 * scale) % config.num_labels}
     return lambda: getattr(_transformers(), model_class)(config), inputs
 
 
-def _vit(scale: int) -> Case:
-    config = _transformers().ViTConfig(
+def _vit(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().ViTConfig,
+        overrides,
         image_size=32 * scale,
         patch_size=8,
         hidden_size=64 * scale,
@@ -109,38 +130,52 @@ def _vit(scale: int) -> Case:
         num_attention_heads=4,
         num_labels=3,
     )
-    return _image_classifier("ViTForImageClassification", config, scale, 32)
+    return _image_classifier("ViTForImageClassification", config, scale, config.image_size)
 
 
-def _resnet(scale: int) -> Case:
-    config = _transformers().ResNetConfig(
+def _resnet(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().ResNetConfig,
+        overrides,
         embedding_size=16 * scale,
         hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale],
         depths=[1, 1, 2, 1],
         num_labels=3,
     )
-    return _image_classifier("ResNetForImageClassification", config, scale, 64)
+    return _image_classifier("ResNetForImageClassification", config, scale, 64 * scale)
 
 
-def _convnext(scale: int) -> Case:
-    config = _transformers().ConvNextConfig(
-        hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale], depths=[1, 1, 2, 1], num_labels=3
+def _convnext(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().ConvNextConfig,
+        overrides,
+        hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale],
+        depths=[1, 1, 2, 1],
+        num_labels=3,
     )
-    return _image_classifier("ConvNextForImageClassification", config, scale, 64)
+    return _image_classifier("ConvNextForImageClassification", config, scale, 64 * scale)
 
 
-def _gpt2(scale: int) -> Case:
-    config = _transformers().GPT2Config(n_layer=4, n_embd=64 * scale, n_head=4, vocab_size=256, n_positions=64 * scale)
-    tokens = _tokens(scale)
+def _gpt2(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().GPT2Config,
+        overrides,
+        n_layer=4,
+        n_embd=64 * scale,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64 * scale,
+    )
+    tokens = _tokens(scale, vocab=config.vocab_size)
     return lambda: _transformers().GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens}
 
 
-_BUILDERS: dict[str, Callable[[int], Case]] = {
+_BUILDERS: dict[str, Callable[[int, dict[str, Any]], Case]] = {
     "gpt2": _gpt2,
-    "llama": lambda scale: _causal_lm("llama", scale),
-    "qwen2": lambda scale: _causal_lm("qwen2", scale),
-    "mistral": lambda scale: _causal_lm("mistral", scale),
-    "gpt_neox": lambda scale: _causal_lm("gpt_neox", scale),
+    "llama": functools.partial(_causal_lm, "llama"),
+    "qwen2": functools.partial(_causal_lm, "qwen2"),
+    "mistral": functools.partial(_causal_lm, "mistral"),
+    "gpt_neox": functools.partial(_causal_lm, "gpt_neox"),
     "bert": _bert,
     "t5": _t5,
     "vit": _vit,
@@ -154,4 +189,18 @@ def hugging_face_architectures(scale: int = 1) -> dict[str, Callable[[], Case]]:
     inputs of one training call (with ``labels``). `scale` multiplies the widths, the
     batch and the sequence length (or image size): 1 for tests, 4 for a benchmark whose
     steps take tens of milliseconds."""
-    return {name: functools.partial(build, scale) for name, build in _BUILDERS.items()}
+    return {name: functools.partial(hugging_face_model, name, scale) for name in _BUILDERS}
+
+
+def hugging_face_model(name: str, scale: int = 1, **config: Any) -> Case:
+    """One architecture of :func:`hugging_face_architectures`, its config's settings
+    changed by `config` (``num_hidden_layers=8``): ``(factory, kwargs)``.
+
+    Raises:
+        KeyError: no architecture of that name (the message lists them).
+        ValueError: a setting its config does not have.
+    """
+    build = _BUILDERS.get(name)
+    if build is None:
+        raise KeyError(f"no Hugging Face architecture {name!r}; choose one of: {', '.join(sorted(_BUILDERS))}")
+    return build(scale, config)

@@ -49,8 +49,10 @@ class HeldInput(NamedTuple):
         until: the last planned stage whose forward runs while it is held.
         nbytes: its size.
         is_stage_input: whether it is the planned stage's input ``x_stage`` (the schedule
-            may keep it anyway); otherwise it passes between two stage calls inside it.
-        kept_by_stage: whether the stage saves its input for its backward.
+            may keep it anyway); otherwise it passes between two stage calls inside it,
+            or the stage made it (a U-Net's skip).
+        kept_by_stage: whether the stage saves it (its input, or what it made) for its
+            backward.
         kept_by_previous: whether the stage before saves its output for its backward.
     """
 
@@ -181,10 +183,11 @@ class _Alive:
 
 
 def _schedule_keeps(held: HeldInput, first_kinds: dict[int, OperationKind]) -> bool:
-    """Whether the schedule itself keeps a held stage input after its stage's first forward."""
-    if not held.is_stage_input:
-        return False
+    """Whether the schedule itself keeps a held stage input (or a tensor made inside the
+    stage that the stage saves) after its stage's first forward."""
     kind = first_kinds[held.stage]
+    if not held.is_stage_input:
+        return held.kept_by_stage and kind is OperationKind.FORWARD_STORE
     if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and held.kept_by_stage:
         return True
     return held.kept_by_previous and first_kinds.get(held.stage - 1) is OperationKind.FORWARD_STORE

@@ -1,0 +1,273 @@
+"""The model's own code between two stage calls (the *glue*): recorded, then replayed.
+
+A forward rarely hands a stage's output straight to the next stage: ``x = x + block(x)``
+adds the block's input back, a scaling or a norm may follow, a U-Net concatenates a skip.
+When a stage runs inside a recomputed region, what runs after it up to the next stage's
+call belongs to the region too: it is recomputed with it, and it builds the next stage's
+input. :class:`GlueRecorder` watches those torch calls (a ``TorchFunctionMode``, so the
+very functions the model called are replayed, with the same autograd graph and the same
+saved tensors) and :class:`Glue` runs them again on the replayed stage's values.
+
+Each recorded value is a *slot*: the stage's inputs, its outputs, then what each call
+makes. A tensor that is none of these (a parameter, a mask, anything made before the
+stage) is a *constant*: the replay uses it as it is, and refuses it if it was changed in
+place since.
+
+NOTE [constants the glue changes]
+A call of the glue may change a constant in place: a BatchNorm called between two stages
+updates its running statistics, a counter is incremented. The replay must not change
+them again (statistics are updated once), so such a call is replayed on a copy of the
+constant, and what the glue then reads of that constant is the constant itself, as the
+forward left it. This is exact for calls whose result does not depend on the old value
+of what they change (a normalisation in training uses the batch's statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.errors import RecomputeInputModified, UnsupportedModel
+from remat.manual._tensors import detached_alias
+
+__all__ = ["Glue", "GlueRecorder"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+# Normalisations that update running statistics in place without telling autograd (their
+# version counters do not move): the tensors they take that need no gradient are copied.
+_UPDATES_STATISTICS = frozenset(
+    {
+        torch.nn.functional.batch_norm,
+        torch.nn.functional.instance_norm,
+        torch.batch_norm,
+        torch.instance_norm,
+        torch.native_batch_norm,
+    }
+)
+
+# How a value of a recorded call (or of the next stage's inputs) is found at replay.
+_SLOT, _CONSTANT, _VALUE, _COPY = 0, 1, 2, 3
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+@dataclass(frozen=True)
+class _Call:
+    function: Any
+    sources: tuple[tuple[int, Any], ...]
+    spec: Any
+    new_slots: tuple[int, ...]  # positions, among the output's tensors, of the new slots
+    grad_enabled: bool
+    autocast: tuple[Any, ...]
+
+
+class Glue:
+    """The calls recorded between stage ``j``'s return and stage ``j + 1``'s call."""
+
+    def __init__(
+        self,
+        n_inputs: int,
+        returned: frozenset[int],
+        n_slots: int,
+        calls: tuple[_Call, ...],
+        next_sources: tuple[tuple[int, Any], ...],
+        next_spec: Any,
+        constants: list[tuple[torch.Tensor, int | None]],
+    ) -> None:
+        self._n_inputs = n_inputs
+        self._returned = returned
+        self._n_slots = n_slots
+        self._calls = calls
+        self._next_sources = next_sources
+        self._next_spec = next_spec
+        self._constants = constants
+
+    @property
+    def constants(self) -> list[torch.Tensor]:
+        """The tensors from before the stage that the glue or the next stage take as they are."""
+        return [tensor for tensor, _ in self._constants]
+
+    def made(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """Among the next stage's inputs (`args`, `kwargs`, as recorded), the tensors the
+        stage or its glue made: the stage's outputs in the chain's sense."""
+        flat = tree_flatten((args, kwargs))[0]
+        return [
+            leaf
+            for leaf, (kind, item) in zip(flat, self._next_sources, strict=True)
+            if kind == _SLOT and (item >= self._n_inputs or item in self._returned) and isinstance(leaf, torch.Tensor)
+        ]
+
+    def replay(self, stage_values: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Runs the calls again on `stage_values` (the replayed stage's input tensors, then
+        its output tensors); returns the next stage's (args, kwargs).
+
+        Raises:
+            RecomputeInputModified: a constant was changed in place since it was recorded.
+        """
+        if len(stage_values) != self._n_slots:
+            raise RecomputeInputModified(
+                f"a replayed stage gave {len(stage_values)} tensors where its first forward gave "
+                f"{self._n_slots}; the stage must compute the same thing when recomputed"
+            )
+        for tensor, version in self._constants:
+            if version is not None and tensor._version != version:
+                raise RecomputeInputModified(
+                    f"a tensor of shape {tuple(tensor.shape)} that the model's code between two recomputed "
+                    "stages uses was changed in place after the forward; its recompute would see other "
+                    "values. Make that change out of place"
+                )
+        slots = list(stage_values)
+        aliases: dict[int, torch.Tensor] = {}
+
+        def value(source: tuple[int, Any]) -> Any:
+            kind, item = source
+            if kind == _SLOT:
+                return slots[item]
+            if kind == _CONSTANT:
+                alias = aliases.get(id(item))
+                if alias is None:
+                    alias = aliases[id(item)] = detached_alias(item, item.requires_grad)
+                return alias
+            if kind == _COPY:  # NOTE [constants the glue changes]
+                copy = item.detach().clone()
+                return copy.requires_grad_(True) if item.requires_grad else copy
+            return item
+
+        for call in self._calls:
+            args, kwargs = tree_unflatten([value(s) for s in call.sources], call.spec)
+            with _modes(call.grad_enabled, call.autocast):
+                out = call.function(*args, **kwargs)
+            tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+            slots.extend(tensors[position] for position in call.new_slots)
+        args, kwargs = tree_unflatten([value(s) for s in self._next_sources], self._next_spec)
+        return args, kwargs
+
+
+@contextlib.contextmanager
+def _modes(grad_enabled: bool, autocast: tuple[Any, ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if torch.is_grad_enabled() != grad_enabled:
+            stack.enter_context(torch.set_grad_enabled(grad_enabled))
+        if _autocast_state() != autocast:
+            for device_type, (enabled, dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True):
+                if device_type == "cuda" and not torch.cuda.is_available():
+                    continue
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield
+
+
+class GlueRecorder(TorchFunctionMode):
+    """Records the torch calls made after a stage returns, until the next stage is called.
+
+    Args:
+        inputs: the stage's input tensors (the first slots).
+        outputs: the stage's output tensors (the slots after them).
+    """
+
+    def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        stage_values = [*inputs, *outputs]
+        self._n_inputs = len(inputs)
+        self._slots: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for position, tensor in enumerate(stage_values):
+            self._slots.setdefault(tensor, position)
+        # the slots of the outputs (an output that is also an input keeps the input's slot)
+        self._returned = frozenset(self._slots[t] for t in outputs)
+        self._n_stage_values = len(stage_values)
+        self._n_slots = len(stage_values)
+        self._calls: list[_Call] = []
+        self._constants: dict[int, torch.Tensor] = {}
+        self._read: set[int] = set()  # the constants read as they are (not only changed on a copy)
+        self._entered = False
+
+    # -- recording
+    def _source(self, value: Any) -> tuple[int, Any]:
+        if isinstance(value, torch.Tensor):
+            slot = self._slots.get(value)
+            if slot is not None:
+                return (_SLOT, slot)
+            self._constants.setdefault(id(value), value)
+            self._read.add(id(value))
+            return (_CONSTANT, value)
+        return (_VALUE, value)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        tensors_in = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+        versions = [t._version for t in tensors_in]
+        grad_enabled = torch.is_grad_enabled()
+        autocast = _autocast_state()
+        out = func(*args, **kwargs)
+        out_tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        changed = [t for t, v in zip(tensors_in, versions, strict=True) if t._version != v]
+        if not out_tensors and not changed:
+            return out  # a question about a tensor (its shape, a flag): nothing to replay
+        # NOTE [constants the glue changes]: replayed on a copy
+        copied = {id(t) for t in changed if self._slots.get(t) is None}
+        if func in _UPDATES_STATISTICS:
+            copied |= {id(t) for t in tensors_in if self._slots.get(t) is None and not t.requires_grad}
+        sources = tuple(
+            (_COPY, leaf) if isinstance(leaf, torch.Tensor) and id(leaf) in copied else self._source(leaf)
+            for leaf in flat
+        )
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor) and id(leaf) in copied:
+                self._constants.setdefault(id(leaf), leaf)
+        new_slots = []
+        for position, tensor in enumerate(out_tensors):
+            if self._slots.get(tensor) is None and id(tensor) not in copied:
+                self._slots[tensor] = self._n_slots
+                self._n_slots += 1
+                new_slots.append(position)
+        self._calls.append(_Call(func, sources, spec, tuple(new_slots), grad_enabled, autocast))
+        return out
+
+    # -- the recording's window
+    def start(self) -> None:
+        """Starts recording (the stage has returned)."""
+        self.__enter__()
+        self._entered = True
+
+    def stop(self) -> None:
+        """Stops recording (the next stage is being called, or the forward failed)."""
+        if not self._entered:
+            return
+        self._entered = False
+        stack = _get_current_function_mode_stack()
+        if not stack or stack[-1] is not self:
+            # the model's code entered a mode of its own around the next stage call
+            raise UnsupportedModel(
+                "the model's code between two recomputed stages left a torch function mode active "
+                "around the next stage's call; remat cannot tell its calls apart from the stage's. "
+                "Enter it inside the stage or around the whole forward"
+            )
+        self.__exit__(None, None, None)
+
+    def finish(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Glue:
+        """Stops recording; the glue, with the next stage's (args, kwargs) as its result."""
+        self.stop()
+        flat, spec = tree_flatten((args, kwargs))
+        sources = tuple(self._source(leaf) for leaf in flat)
+        # only what the replay reads as it is must not change (a statistic the glue updates
+        # is replayed on a copy, and may change again later)
+        constants = [(t, t._version if key in self._read else None) for key, t in self._constants.items()]
+        return Glue(
+            self._n_inputs,
+            self._returned,
+            self._n_stage_values,
+            tuple(self._calls),
+            sources,
+            spec,
+            constants,
+        )
