@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
-import warnings
 import subprocess
 import sys
 import time
+import warnings
 from functools import partial
 
 import pytest
