@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -46,6 +47,7 @@ from remat.cli.loading import (
     parameter_count,
     resolve_device,
 )
+from remat.cli.progress import measuring_progress
 from remat.cli.render import Output, bytes_and_mib, print_bench, print_plan, require_matplotlib
 from remat.errors import BudgetTooSmall, InvalidBudget, RematError
 
@@ -293,9 +295,10 @@ def _measure(workload: Workload, solver: str, output: Output) -> tuple[Any, Any]
 
     inputs, target = workload.make_batch()
     wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
-    with output.err.status(f"measuring {workload.name} (a warm-up step, a tracked step, a timed step)..."):
+    with measuring_progress(workload.name, output) as progress:
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             _warm_up(workload, inputs, target)
+            progress("finding the chain of stages")
             call_with(wrapper.measure, inputs)
     return wrapper, inputs
 
@@ -545,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = exit_request.code
             return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
         output = Output()
-        return _COMMANDS[args.command](args, output)
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _show_warning
+            return _COMMANDS[args.command](args, output)
     except CliError as error:
         if debug:
             raise
@@ -577,6 +583,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error_line(f"out of memory: {first_line(error)}; try a smaller --batch or another --device")
         return EXIT_OUT_OF_MEMORY
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+    """remat's warnings as one line each, without the source line (--debug shows it)."""
+    text = str(message)
+    print(text if text.startswith("remat: ") else f"warning: {text}", file=sys.stderr)
 
 
 def _error_line(message: str) -> None:

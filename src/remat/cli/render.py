@@ -108,6 +108,10 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
         f" ({format_bytes(split.loss_allowance_bytes)} of it for the loss)" if split.loss_allowance_bytes else ""
     )
     chain = "unlimited" if split.chain_bytes is None else format_bytes(split.chain_bytes)
+    if split.total_bytes is not None and split.chain_bytes is not None:
+        if split.chain_bytes + split.held_outside_bytes + split.margin_bytes > split.total_bytes:
+            # the parts overlap: what is held outside only part of the step was counted where it lives
+            chain += " (what lives only part of the step counted where it lives)"
     recomputed = sum(1 for row in report.rows if not row.kept)
     extra_forwards = sum(row.forward_runs - 1 for row in report.rows)
     lines = [

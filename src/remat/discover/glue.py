@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.errors import RecomputeInputModified, UnsupportedModel
+from remat.errors import NondeterministicRecompute, RecomputeInputModified, UnsupportedModel
 from remat.manual._tensors import detached_alias
 
 __all__ = ["Glue", "GlueRecorder"]
@@ -78,7 +78,7 @@ class Glue:
         self,
         n_inputs: int,
         returned: frozenset[int],
-        n_slots: int,
+        n_stage_values: int,
         calls: tuple[_Call, ...],
         next_sources: tuple[tuple[int, Any], ...],
         next_spec: Any,
@@ -86,7 +86,7 @@ class Glue:
     ) -> None:
         self._n_inputs = n_inputs
         self._returned = returned
-        self._n_slots = n_slots
+        self._n_stage_values = n_stage_values
         self._calls = calls
         self._next_sources = next_sources
         self._next_spec = next_spec
@@ -113,11 +113,12 @@ class Glue:
 
         Raises:
             RecomputeInputModified: a constant was changed in place since it was recorded.
+            NondeterministicRecompute: the replayed stage gave another number of tensors.
         """
-        if len(stage_values) != self._n_slots:
-            raise RecomputeInputModified(
-                f"a replayed stage gave {len(stage_values)} tensors where its first forward gave "
-                f"{self._n_slots}; the stage must compute the same thing when recomputed"
+        if len(stage_values) != self._n_stage_values:
+            raise NondeterministicRecompute(
+                f"a replayed stage took and gave {len(stage_values)} tensors where its first forward took "
+                f"and gave {self._n_stage_values}; the stage must compute the same thing when recomputed"
             )
         for tensor, version in self._constants:
             if version is not None and tensor._version != version:

@@ -59,7 +59,10 @@ class ChainMeasurement:
             for its backward (counted in ``fixed_bytes``; NOTE [autocast casts]).
         leftover_bytes: per planned stage, what its backward leaves alive besides its
             input's gradient, from then on (counted in ``fixed_bytes``): the partial
-            gradient of a weight also used before it, waiting for the other use.
+            gradient of a weight also used before it, waiting for the other use, or a
+            gradient it received that outlives it (a U-Net's skip gradient).
+        leftover_freed: ``(planned stage, bytes)``: of those leftovers, what that later
+            stage's backward frees.
         suffix_transient_bytes: what the chain output's gradient in the profile charges
             for the suffix's own peak (a head's logits and their gradient) beyond the
             gradient itself: it lives during the loss only.
@@ -95,6 +98,7 @@ class ChainMeasurement:
     cached_cast_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
     held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
+    leftover_freed: tuple[tuple[int, int], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
 
@@ -131,6 +135,7 @@ class ChainMeasurement:
             cast_bytes=self.cast_bytes,
             cached_cast_bytes=self.cached_cast_bytes,
             leftover_bytes=self.leftover_bytes,
+            leftover_freed=self.leftover_freed,
             from_loss_bytes=self.suffix_kept_bytes,
             kept_output_bytes=kept_output_bytes,
             loss_only_bytes=self.suffix_transient_bytes,
@@ -218,7 +223,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         stage.forward_time_s, stage.backward_time_s = stage_forward_s, stage_backward_s
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
-    fixed_bytes, leftovers = _bytes_held_outside_chain(chain, step)
+    fixed_bytes, leftovers, freed_by = _bytes_held_outside_chain(chain, step)
+    group_of = [g for g, (first, stop) in enumerate(groups) for _ in range(first, stop)]
     suffix = _suffix(step)
     suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = suffix[:4]
     fixed_bytes += suffix_kept_bytes
@@ -277,6 +283,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         cast_bytes=tuple(int(c) for c in casts),
         cached_cast_bytes=tuple(cached_casts),
         leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
+        leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in freed_by),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
     )
@@ -347,9 +354,10 @@ def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
     }
 
 
-def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int]]:
+def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int], list[tuple[int, int]]]:
     """The prefix's live bytes, escaped outputs and side effects, and backward leftovers
-    (all of it, and the leftovers of each stage's backward)."""
+    (all of it, the leftovers of each stage's backward, and which of them a later stage's
+    backward frees: ``(stage, bytes)``)."""
     stages, tracker = step.watch.stages, step.tracker
     fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
     fixed_bytes += _escaped_bytes(chain, step)
@@ -376,7 +384,27 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
         if stage.backward_window is not None:
             leftover = tracker.surviving_allocations(*stage.backward_window)
             leftovers[index] = _sum_except(leftover, step.watch.gradient_allocations | _recomputed(step, leftover))
-    return fixed_bytes + sum(leftovers), leftovers
+    # A gradient a stage's backward received that outlives it: a U-Net's up block passes
+    # its skip's gradient back as a view of its input's gradient, which then lives until
+    # the down block's backward takes it. It is left over from that stage's backward on.
+    gradients = tracker.allocation_freed_events(step.watch.gradient_allocations)
+    records = tracker.allocation_records(gradients)
+    windows = [stage.backward_window for stage in stages]
+    freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
+    for index, window in enumerate(windows):
+        if window is None:
+            continue
+        received_from = windows[index + 1][0] if index + 1 < len(windows) and windows[index + 1] else 0
+        own = step.watch.input_gradient_allocations.get(index, set())
+        for key, (allocated, freed) in gradients.items():
+            if received_from <= allocated < window[0] and (freed is None or freed > window[1]) and key not in own:
+                leftovers[index] += records[key].nbytes
+                taker = next(
+                    (k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None
+                )
+                if taker is not None:
+                    freed_by.append((taker, records[key].nbytes))
+    return fixed_bytes + sum(leftovers), leftovers, freed_by
 
 
 def _cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:

@@ -167,6 +167,7 @@ class StageWatch:
         self.grad_ready_event: dict[int, int] = {}
         self.output_grad_bytes = 0
         self.gradient_allocations: set[int] = set()
+        self.input_gradient_allocations: dict[int, set[int]] = {}  # stage -> its input's gradient
 
     def event(self) -> int:
         """The tracker's event count now (0 when untracked)."""
@@ -329,6 +330,7 @@ class StageWatch:
                 allocation_id = tracker.allocation_id(grad)
                 if allocation_id is not None:
                     self.gradient_allocations.add(allocation_id)
+                    self.input_gradient_allocations.setdefault(index + 1, set()).add(allocation_id)
         nbytes = sum(received.values())
         if index == -1:
             self.stages[0].gradient_bytes_in = nbytes

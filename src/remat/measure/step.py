@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,7 +50,23 @@ from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
 from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
-__all__ = ["isolated_inputs", "measure_chain", "preserved_model_state"]
+__all__ = ["MEASURING_PHASES", "isolated_inputs", "measure_chain", "preserved_model_state"]
+
+logger = logging.getLogger("remat")
+
+#: How many phases a measurement has; each is logged at DEBUG level, with the record's
+#: ``remat_phase`` attribute set to ``(phase, MEASURING_PHASES, what)`` (a progress bar's feed).
+MEASURING_PHASES = 3
+
+
+def _phase(phase: int, what: str) -> None:
+    logger.debug(
+        "remat measuring (%d/%d): %s",
+        phase,
+        MEASURING_PHASES,
+        what,
+        extra={"remat_phase": (phase, MEASURING_PHASES, what)},
+    )
 
 
 def measure_chain(
@@ -122,17 +139,20 @@ def _plain_measurement(
     # Each run gets copies of the inputs: the caller's are never touched, and a model that
     # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):
+        _phase(1, "a step tracked byte for byte")
         spans = _in_place_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
         tracked = _tracked_step(
             model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
         )
         for p in model.parameters():
             p.grad = None
+        _phase(2, "a step timed")
         with learning_state():  # untracked: the copies it makes do not count
             timing, end_time = _timing_step(
                 model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
             )
         measurement = assemble(chain, tracked, watched_times(tracked, timing, end_time))
+        _phase(3, "what the model holds across stages (a forward without grad)")
         # What the model's own code holds across stages (NOTE [inputs the model holds]):
         # a forward without grad, tracked, shows it, as the timing pass does for the sized mode.
         held = time_groups(
@@ -161,6 +181,7 @@ def _sized_measurement(
         outputs.append(tree_map(_shape_of, output))
         return loss_fn(output)
 
+    _phase(1, "a step sized on fake tensors (no device memory)")
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         versions = [
@@ -186,6 +207,7 @@ def _sized_measurement(
     # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
     # shaped like the model's output before anything else runs; what it needs beyond its
     # fake run is held through the whole step (the safe side: it may be transient).
+    _phase(2, "the loss on real tensors")
     loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
     # A FakeTensorMode left in a reference cycle by the probe can hold real memory: freed
     # now, not during the timing pass.
@@ -194,6 +216,7 @@ def _sized_measurement(
     times = known_times(sized) if known_times is not None else None
     if times is not None:
         return with_times(sized, times)
+    _phase(3, f"timing the stages, one of {len(sized.groups)} groups at a time")
     # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
     with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)

@@ -6,6 +6,9 @@ never modify their input in place: in-place ReLUs live inside block modules.
 The parameters come in the same order as in the usual hand-written model with
 its own ``forward``, so :func:`copy_weights` moves weights between the two.
 
+Models written with their own ``forward``, the way people write them (a residual loop,
+side inputs, an encoder-decoder, a U-Net), are in :mod:`remat.models._forwards`.
+
 Families: ResNet (:func:`resnet18` ... :func:`resnet152`, :func:`resnet_small`),
 VGG (:func:`vgg11` ... :func:`vgg19`), a GPT-2-style decoder (:func:`gpt2`), a
 ViT-style encoder (:func:`vit`) and two synthetic chains (:func:`mlp_chain`,
@@ -14,6 +17,15 @@ data and a loss, for the command-line tool.
 """
 
 from remat.models._catalogue import CATALOGUE, ModelSpec, model_spec
+from remat.models._forwards import (
+    RESIDUAL_KINDS,
+    ConvBNReLU,
+    EncoderDecoder,
+    ResidualLoop,
+    SideInputBlock,
+    SideInputs,
+    UNet,
+)
 from remat.models._gpt import GPTConfig, GPTEmbedding, LMHead, gpt2
 from remat.models._hf import CAUSAL_LMS, hugging_face_architectures, hugging_face_model
 from remat.models._resnet import (
@@ -35,6 +47,13 @@ from remat.models._weights import copy_weights, count_parameters
 
 __all__ = [
     "CAUSAL_LMS",
+    "RESIDUAL_KINDS",
+    "ConvBNReLU",
+    "EncoderDecoder",
+    "ResidualLoop",
+    "SideInputBlock",
+    "SideInputs",
+    "UNet",
     "hugging_face_architectures",
     "hugging_face_model",
     "BasicBlock",

@@ -1,4 +1,4 @@
-"""The catalogue of ready-made chains the command-line tool offers."""
+"""The catalogue of ready-made models the command-line tool offers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from remat.models._forwards import EncoderDecoder, ResidualLoop, UNet
 from remat.models._gpt import GPTConfig, gpt2
 from remat.models._resnet import resnet, resnet_small
 from remat.models._simple import convnet, mlp_chain
@@ -35,7 +36,8 @@ class ModelSpec:
     Attributes:
         name: the key of the entry in :data:`CATALOGUE`.
         description: one line for listings.
-        factory: builds the chain; its defaults are small enough for a CPU demo
+        factory: builds the model (a chain, an ``nn.Sequential``, or a model with a
+            forward of its own); its defaults are small enough for a CPU demo
             and keyword arguments override them (``spec.factory(width=8)``).
             ``make_input`` assumes the default input shape (image size,
             vocabulary, sequence length), so keep those when overriding.
@@ -49,7 +51,7 @@ class ModelSpec:
 
     name: str
     description: str
-    factory: Callable[..., nn.Sequential]
+    factory: Callable[..., nn.Module]
     make_input: Callable[[int, torch.device], tuple[Tensor, ...]]
     make_target: Callable[[tuple[Tensor, ...]], Tensor]
     loss_fn: Callable[[Tensor, Tensor], Tensor]
@@ -78,6 +80,22 @@ def _random_features(batch_size: int, device: torch.device, *, width: int) -> tu
 
 def _random_tokens(batch_size: int, device: torch.device, *, vocab_size: int, tokens: int) -> tuple[Tensor, ...]:
     return (torch.randint(0, vocab_size, (batch_size, tokens), device=device),)
+
+
+def _random_sequences(
+    batch_size: int, device: torch.device, *, lengths: tuple[int, ...], features: tuple[int, ...]
+) -> tuple[Tensor, ...]:
+    return tuple(torch.randn(batch_size, n, f, device=device) for n, f in zip(lengths, features, strict=True))
+
+
+def _random_target(inputs: tuple[Tensor, ...], *, features: int) -> Tensor:
+    last = inputs[-1]
+    return torch.randn(*last.shape[:-1], features, device=last.device)
+
+
+def _random_masks(inputs: tuple[Tensor, ...], *, classes: int) -> Tensor:
+    images = inputs[0]
+    return torch.randint(0, classes, (images.shape[0], *images.shape[2:]), device=images.device)
 
 
 def _random_labels(inputs: tuple[Tensor, ...], *, num_classes: int) -> Tensor:
@@ -195,6 +213,32 @@ def _build() -> dict[str, ModelSpec]:
             "heterogeneous conv chain (conv-BN-ReLU, 32 to 256 channels), 32x32 images",
             partial(convnet, num_classes=_CLASSES),
             size=32,
+        ),
+        ModelSpec(
+            name="residual",
+            description="residual loop x = x + gamma * block(norm(x)), 8 MLP blocks of 256, 128 tokens, MSE",
+            factory=partial(ResidualLoop, "pre-norm, scaled", n=8, width=256, features=64),
+            make_input=partial(_random_sequences, lengths=(128,), features=(64,)),
+            make_target=partial(_random_target, features=4),
+            loss_fn=_regression_loss,
+        ),
+        ModelSpec(
+            name="encoder_decoder",
+            description="encoder-decoder, 6 + 6 residual MLP blocks of 256, the decoder's taking the encoder's output",
+            factory=partial(
+                EncoderDecoder, n_encoder=6, n_decoder=6, width=256, source_features=64, target_features=32
+            ),
+            make_input=partial(_random_sequences, lengths=(128, 96), features=(64, 32)),
+            make_target=partial(_random_target, features=4),
+            loss_fn=_regression_loss,
+        ),
+        ModelSpec(
+            name="unet",
+            description="U-Net, 4 levels of conv-BN-ReLU from 16 channels, skips concatenated, 64x64 images",
+            factory=partial(UNet, depth=4, channels=16, classes=2),
+            make_input=partial(_random_images, size=64),
+            make_target=partial(_random_masks, classes=2),
+            loss_fn=_classification_loss,
         ),
         _image_classifier(
             "resnet_small",

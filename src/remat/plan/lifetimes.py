@@ -82,6 +82,7 @@ class Lifetimes:
         cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
+        leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -91,6 +92,7 @@ class Lifetimes:
     held_inputs: Sequence[HeldInput] = ()
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: Sequence[int] = ()
+    leftover_freed: Sequence[tuple[int, int]] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -176,6 +178,7 @@ class _Alive:
             self.bytes += self.lifetimes.loss_only_bytes
         if self.lifetimes.leftover_bytes:
             self.bytes += self.lifetimes.leftover_bytes[stage]
+        self.bytes -= sum(nbytes for freed_by, nbytes in self.lifetimes.leftover_freed if freed_by == stage)
         if stage in self.cast_alive:
             self.cast_alive.discard(stage)
             self.stored.discard(stage)

@@ -58,6 +58,8 @@ class BudgetSplit:
         cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
             its backward, which its cache holds until its region ends;
         leftover_bytes: per planned stage, what its backward leaves alive;
+        leftover_freed: ``(planned stage, bytes)``: of those leftovers, what a later
+            backward (that stage's) frees: a U-Net's skip gradient, taken by its down block;
         from_loss_bytes: what the code after the chain keeps from the loss on;
         kept_output_bytes: the model output the training loop keeps, from the loss on.
         loss_only_bytes: of the chain output's gradient in the profile, what is the peak
@@ -88,12 +90,14 @@ class BudgetSplit:
     held_inputs: tuple[HeldInput, ...] = ()
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: tuple[int, ...] = ()
+    leftover_freed: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "cached_cast_bytes", tuple(int(c) for c in self.cached_cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
         object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
+        object.__setattr__(self, "leftover_freed", tuple((int(g), int(n)) for g, n in self.leftover_freed))
 
     @property
     def part_time_bytes(self) -> int:
@@ -118,6 +122,7 @@ class BudgetSplit:
             self.held_inputs,
             self.suffix_backward_excess_bytes,
             self.cached_cast_bytes,
+            self.leftover_freed,
         )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 

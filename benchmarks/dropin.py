@@ -1,0 +1,152 @@
+"""`remat.enable` on real Hugging Face architectures and on plain PyTorch forwards.
+
+For each architecture of :func:`remat.models.hugging_face_architectures` (configs at
+``--scale`` 4: widths of 256, 8 sequences of 128 tokens or 8 images; random weights,
+every other setting at its default; the loss the model computes from ``labels``), and for
+the catalogue's models written with a forward of their own (a residual loop, an
+encoder-decoder, a U-Net; batch 8, their catalogue loss), it measures the exact peak of a
+plain training step, remat's smallest feasible budget, and, at a budget of half the plain
+step's (or at the smallest one where half is infeasible), the exact peak and the median
+step time against the plain step, timed in interleaved rounds on one thread.
+
+Run ``python benchmarks/dropin.py``; it writes ``results/dropin.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat.models import CATALOGUE, hugging_face_architectures
+
+#: The catalogue's models written with a forward of their own.
+PLAIN_PYTORCH = ("residual", "encoder_decoder", "unet")
+#: A case: the model's factory, its inputs (a tuple, or a dict of keyword inputs) and the
+#: step's loss from the model's output.
+Case = tuple[Callable[[], nn.Module], Any, Callable[[Any], torch.Tensor]]
+
+RESULTS = Path(__file__).parent / "results"
+ROUNDS = 7
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
+
+
+def _step(model: nn.Module, inputs: Any, loss_of: Callable[[Any], torch.Tensor]) -> float:
+    started = time.perf_counter()
+    loss_of(_call(model, inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def _peak(model: nn.Module, inputs: Any, loss_of: Callable[[Any], torch.Tensor]) -> int:
+    with remat.MemoryTracker() as tracker:
+        loss_of(_call(model, inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    return tracker.peak_bytes
+
+
+def hugging_face_case(name: str, scale: int) -> Case:
+    factory, kwargs = hugging_face_architectures(scale)[name]()
+    return factory, kwargs, lambda output: output.loss
+
+
+def plain_pytorch_case(name: str, batch: int = 8) -> Case:
+    spec = CATALOGUE[name]
+    torch.manual_seed(1)
+    inputs, target = spec.make_batch(batch)
+    return spec.factory, inputs, lambda output: spec.loss_fn(output, target)
+
+
+def run(case: Case) -> dict[str, Any]:
+    factory, inputs, loss_of = case
+    torch.manual_seed(0)
+    plain = factory().train()
+    config = getattr(plain, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # as remat's training calls run
+    model = copy.deepcopy(plain)
+    control = remat.enable(model, 0.5, loss_fn=loss_of)
+    _call(control.measure, inputs)
+    minimum = control.minimum_budget_bytes()
+    try:
+        control.plan_for()
+        budget = "50%"
+    except remat.BudgetTooSmall:
+        control.mem_limit = "min"
+        budget = "smallest"
+    _step(model, inputs, loss_of)  # the measuring step is not timed
+    plain_peak, remat_peak = _peak(plain, inputs, loss_of), _peak(model, inputs, loss_of)
+    plain_times, remat_times = [], []
+    for _ in range(ROUNDS):  # interleaved rounds
+        plain_times.append(_step(plain, inputs, loss_of))
+        remat_times.append(_step(model, inputs, loss_of))
+    plan = control.plan
+    assert plan is not None and plan.budget_bytes is not None
+    return {
+        "plain_peak_bytes": plain_peak,
+        "minimum_budget_bytes": minimum,
+        "budget": budget,
+        "budget_bytes": plan.budget_bytes,
+        "remat_peak_bytes": remat_peak,
+        "recomputed_stages": sum(count > 1 for count in plan.forward_counts),
+        "stages": len(plan.forward_counts),
+        "plain_step_s": statistics.median(plain_times),
+        "remat_step_s": statistics.median(remat_times),
+        "coverage": plan.measurement.coverage if plan.measurement is not None else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scale", type=int, default=4, help="width, batch and length multiplier of the configs")
+    parser.add_argument("--only", choices=("hf", "plain"), default=None, help="run only one of the two families")
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # the use_cache and coverage notes, said in the table
+    cases: dict[str, Callable[[], Case]] = {}
+    if options.only != "plain":
+        cases |= {name: lambda n=name: hugging_face_case(n, options.scale) for name in hugging_face_architectures()}
+    if options.only != "hf":
+        cases |= {name: lambda n=name: plain_pytorch_case(n) for name in PLAIN_PYTORCH}
+    path = RESULTS / "dropin.json"
+    # one family alone updates its rows of the last full run
+    results = json.loads(path.read_text()) if options.only is not None and path.exists() else {}
+    for name, case in cases.items():
+        results[name] = row = run(case())
+        print(name, json.dumps(row), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    lines = [
+        "| model | plain peak | smallest budget | budget run | peak there | within | "
+        "stages recomputed | chain's share | step time vs plain |",
+        "|---|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
+    for name, row in results.items():
+        lines.append(
+            f"| {name} | {remat.format_bytes(row['plain_peak_bytes'])} "
+            f"| {remat.format_bytes(row['minimum_budget_bytes'])} "
+            f"({row['minimum_budget_bytes'] / row['plain_peak_bytes']:.0%}) | {row['budget']} "
+            f"| {remat.format_bytes(row['remat_peak_bytes'])} "
+            f"| {'yes' if row['remat_peak_bytes'] <= row['budget_bytes'] else 'NO'} "
+            f"| {row['recomputed_stages']} of {row['stages']} | {row['coverage']:.0%} "
+            f"| x{row['remat_step_s'] / row['plain_step_s']:.2f} |"
+        )
+    (RESULTS / "dropin.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
