@@ -394,7 +394,8 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
     for index, window in enumerate(windows):
         if window is None:
             continue
-        received_from = windows[index + 1][0] if index + 1 < len(windows) and windows[index + 1] else 0
+        after = windows[index + 1] if index + 1 < len(windows) else None
+        received_from = after[0] if after is not None else 0
         own = step.watch.input_gradient_allocations.get(index, set())
         for key, (allocated, freed) in gradients.items():
             if received_from <= allocated < window[0] and (freed is None or freed > window[1]) and key not in own:
