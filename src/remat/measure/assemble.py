@@ -33,7 +33,7 @@ from remat.plan.profile import ChainProfile
 from remat.plan.step import BudgetSplit
 from remat.units import format_bytes
 
-__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "watched_times", "with_times"]
+__all__ = ["ChainMeasurement", "TrackedStep", "assemble", "with_times"]
 
 
 @dataclass
@@ -315,30 +315,6 @@ def _take_backward_windows(step: TrackedStep) -> None:
             stage.backward_window = (start_event, watch.grad_ready_event.get(index - 1, end_event))
 
 
-def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of each stage call, from a timing step watched like the tracked one.
-
-    Args:
-        step: what the tracked step saw (its forwards are a second sample of each forward).
-        timing: the stage watch of the untracked step.
-        end_time: when the untracked step's backward ended (``time.perf_counter()``).
-    """
-    span_of_last = timing.span_start_of_last_stage
-    times = []
-    for index, stage in enumerate(step.watch.stages):
-        backward_s = 0.0
-        start_time_s = timing.grad_ready_time.get(index)
-        if start_time_s is not None:
-            stop_time_s = timing.grad_ready_time.get(index - 1, end_time)
-            # in the frugal mode, the span's recompute ran inside its last stage's backward
-            recompute_time_s = timing.recompute_time_s.get(span_of_last.get(index, -1), 0.0)
-            backward_s = max(0.0, stop_time_s - start_time_s - recompute_time_s)
-        # Two samples of each forward (the tracked one is slowed by the tracker, never
-        # sped up): the smaller is the better estimate, and a spike in one is ignored.
-        times.append((min(timing.stages[index].forward_time_s, stage.forward_time_s), backward_s))
-    return times
-
-
 def _recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
     """Frugal mode: which of `allocations` a span's recompute made.
 
@@ -485,16 +461,21 @@ def _suffix(step: TrackedStep) -> _Suffix:
         held = tracker.surviving_allocations(last_forward_end, last_backward[1])
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         kept_bytes = _sum_except(held, excluded | _recomputed(step, held))
-    # A stage input that no stage saved (an autocast stage saves its cast) but the model's
-    # code still held when the last stage returned (NOTE [inputs the model holds]) is
-    # gone for the schedule, but counted in the window's start: the suffix adds that much
-    # more to what the schedule holds.
+    # What the chain made that no stage saved (an autocast stage saves its cast) but the
+    # model's code still held when the last stage returned (NOTE [inputs the model holds]:
+    # a stage's input, an output kept in a variable to the end of the forward) is gone for
+    # the schedule, but counted in the window's start; it dies in the suffix, which adds
+    # that much more to what the schedule holds. (What the code before the chain made is
+    # counted as held through the step: its death there is the suffix's own.)
     saved = {key for stage in watch.stages for key in stage.saved_storages}
-    inputs = {key: n for stage in watch.stages for key, n in stage.input_storages.items()}
-    held_then = tracker.allocation_freed_events(set(inputs) - saved - step.output_allocations)
+    chain_start = watch.stages[0].forward_window[0]
+    # (what outlives the forward is counted as escaped, and autocast's casts apart)
+    counted = saved | step.output_allocations | step.cast_allocations | step.alive_after_forward.keys()
+    made = tracker.allocation_freed_events(set(tracker.allocations_since(chain_start)) - counted)
+    records = tracker.allocation_records(made)
     uncounted = sum(
-        inputs[key]
-        for key, (allocated, freed) in held_then.items()
+        records[key].nbytes
+        for key, (allocated, freed) in made.items()
         if allocated < last_forward_end and freed is not None and last_forward_end <= freed < suffix_stop
     )
     before_bytes = suffix.before_bytes - uncounted

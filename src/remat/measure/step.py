@@ -44,7 +44,7 @@ from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._state import is_state_attribute, learning_state, rehearsing
-from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, watched_times, with_times
+from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
 from remat.measure.timing import time_groups
@@ -565,3 +565,27 @@ def _check_no_cache(output: Any) -> None:
             "use_cache=False (Hugging Face: from_pretrained(..., use_cache=False) or "
             "config.use_cache = False) or call it with use_cache=False"
         )
+
+
+def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each stage call, from a timing step watched like the tracked one.
+
+    Args:
+        step: what the tracked step saw (its forwards are a second sample of each forward).
+        timing: the stage watch of the untracked step.
+        end_time: when the untracked step's backward ended (``time.perf_counter()``).
+    """
+    span_of_last = timing.span_start_of_last_stage
+    times = []
+    for index, stage in enumerate(step.watch.stages):
+        backward_s = 0.0
+        start_time_s = timing.grad_ready_time.get(index)
+        if start_time_s is not None:
+            stop_time_s = timing.grad_ready_time.get(index - 1, end_time)
+            # in the frugal mode, the span's recompute ran inside its last stage's backward
+            recompute_time_s = timing.recompute_time_s.get(span_of_last.get(index, -1), 0.0)
+            backward_s = max(0.0, stop_time_s - start_time_s - recompute_time_s)
+        # Two samples of each forward (the tracked one is slowed by the tracker, never
+        # sped up): the smaller is the better estimate, and a spike in one is ignored.
+        times.append((min(timing.stages[index].forward_time_s, stage.forward_time_s), backward_s))
+    return times
