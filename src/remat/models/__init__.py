@@ -1,13 +1,14 @@
-"""Ready-made models as chains (:class:`~torch.nn.Sequential`) for the planner.
+"""Ready-made models for the planner: chains, and models with a forward of their own.
 
-Every factory returns an :class:`~torch.nn.Sequential` whose elements (after
+Every chain factory returns an :class:`~torch.nn.Sequential` whose elements (after
 flattening nested sequentials) each take one tensor and return one tensor, and
 never modify their input in place: in-place ReLUs live inside block modules.
 The parameters come in the same order as in the usual hand-written model with
 its own ``forward``, so :func:`copy_weights` moves weights between the two.
 
-Models written with their own ``forward``, the way people write them (a residual loop,
-side inputs, an encoder-decoder, a U-Net), are in :mod:`remat.models._forwards`.
+Models written with their own ``forward``, the way people write them, are
+:class:`ResidualLoop` (a residual loop, four spellings), :class:`SideInputs` (blocks taking
+side inputs by keyword), :class:`EncoderDecoder` and :class:`UNet`.
 
 Families: ResNet (:func:`resnet18` ... :func:`resnet152`, :func:`resnet_small`),
 VGG (:func:`vgg11` ... :func:`vgg19`), a GPT-2-style decoder (:func:`gpt2`), a
