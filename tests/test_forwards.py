@@ -223,3 +223,35 @@ def test_glue_that_updates_statistics_updates_them_once(measure: str) -> None:
             assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
     plan = control.plan
     assert plan is not None and sum(count > 1 for count in plan.forward_counts) > 0
+
+
+def test_glue_under_autocast_is_replayed_in_its_own_autocast_state() -> None:
+    # The glue runs in the forward's autocast region (its calls cast as autocast says), and
+    # a call made with autocast turned off inside it is replayed so.
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+            self.scale = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                h = block(x)
+                with torch.autocast("cpu", enabled=False):
+                    gate = torch.sigmoid(self.scale(h.float()))
+                x = x + h * gate
+            return x
+
+    torch.manual_seed(0)
+    plain = Mixed()
+    model = copy.deepcopy(plain)
+    remat.enable(model, "min")
+    x = torch.randn(8, 16)
+    for net in (plain, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(x)
+        out.float().square().sum().backward()
+    plan = remat.controller(model).plan
+    assert plan is not None and sum(count > 1 for count in plan.forward_counts) > 0
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)

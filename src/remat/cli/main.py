@@ -329,17 +329,21 @@ def _minimum_message(error: BudgetTooSmall, name: str) -> str:
     )
 
 
-def _command_plan(args: argparse.Namespace, output: Output) -> int:
-    budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
-    device = resolve_device(args.device)
-    workload = load_workload(
+def _workload(args: argparse.Namespace) -> Workload:
+    """The model the command line names (MODEL or --hf), with its batch and loss."""
+    return load_workload(
         args.model,
         batch=args.batch,
         input_shape=args.input_shape,
-        device=device,
+        device=resolve_device(args.device),
         hf=args.hf,
         hf_config=args.hf_config,
     )
+
+
+def _command_plan(args: argparse.Namespace, output: Output) -> int:
+    budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
+    workload = _workload(args)
     wrapper, inputs = _measure(workload, args.solver, output)
     try:
         plan = wrapper.plan_for(budget)
@@ -470,15 +474,7 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
     for path, what in ((args.json, "the JSON result"), (args.markdown, "the Markdown table")):
         if path is not None:
             _check_output(path, what, None)
-    device = resolve_device(args.device)
-    workload = load_workload(
-        args.model,
-        batch=args.batch,
-        input_shape=args.input_shape,
-        device=device,
-        hf=args.hf,
-        hf_config=args.hf_config,
-    )
+    workload = _workload(args)
     result = _run_bench(
         workload,
         output,

@@ -82,7 +82,6 @@ class _Call:
     module: nn.Module
     name: str
     parent: int | None  # index of the enclosing call, None for the model itself
-    index: int = 0  # its place among the calls, in the order they started
     inputs_from: int = 0  # bit k set: an input was computed from the output of call k
     first_from: int = 0  # the same for its first tensor input (the activation it transforms)
     eligible: bool = True  # may be a stage: not a marked module (remat.mark recomputes it already)
@@ -174,7 +173,7 @@ def discover_chain(
         if in_manual_block():
             return
         parent = stack[-1] if stack else None
-        call = _Call(module, names[id(module)], parent, index=len(calls), eligible=not is_marked(module))
+        call = _Call(module, names[id(module)], parent, eligible=not is_marked(module))
         tensors = _tensor_leaves((hook_args, hook_kwargs))
         call.inputs_from = provenance.mask_of(tensors)
         call.first_from = provenance.mask_of(tensors[:1])
@@ -239,6 +238,11 @@ def _stage_count(call: _Call) -> int:
     return len(_flatten_sequential(call.name, call.module))
 
 
+def _run_stages(calls: list[_Call], run: list[int]) -> int:
+    """The stages a run of calls gives, nested Sequentials expanded."""
+    return sum(_stage_count(calls[i]) for i in run)
+
+
 def _runs(calls: list[_Call]) -> list[list[int]]:
     """Runs among the children of each call (and of the model), longest first.
 
@@ -263,7 +267,7 @@ def _runs(calls: list[_Call]) -> list[list[int]]:
             runs.append(run)
             taken = set(run)
             left = [index for index in left if index not in taken]
-    return sorted(runs, key=lambda run: -sum(_stage_count(calls[i]) for i in run))
+    return sorted(runs, key=lambda run: -_run_stages(calls, run))
 
 
 def _longest_run(calls: list[_Call], siblings: list[int]) -> list[int]:
@@ -307,13 +311,13 @@ def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
             ]
             if starts and len(run) - starts[0] >= 2:
                 after.append(run[starts[0] :])
-        before = [run for run in candidates if first.index >= calls[run[-1]].returned and first.derives_from(run[-1])]
+        before = [run for run in candidates if chain[0] >= calls[run[-1]].returned and first.derives_from(run[-1])]
         if after:
             # the nearest; among the runs inside its first call (a decoder's blocks inside the
             # decoder), the one of most stages
             nearest = min(after, key=lambda run: run[0])
             inside = [run for run in after if nearest[0] <= run[0] < calls[nearest[0]].returned]
-            joined = max(inside, key=lambda run: (sum(_stage_count(calls[i]) for i in run), -run[0]))
+            joined = max(inside, key=lambda run: (_run_stages(calls, run), -run[0]))
             chain = chain + joined
         elif before:
             joined = max(before, key=lambda run: run[-1])

@@ -24,8 +24,6 @@ of what they change (a normalisation in training uses the batch's statistics).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +33,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.errors import NondeterministicRecompute, RecomputeInputModified, UnsupportedModel
+from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import detached_alias
 
 __all__ = ["Glue", "GlueRecorder"]
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 # Normalisations that update running statistics in place without telling autograd (their
 # version counters do not move): the tensors they take that need no gradient are copied.
@@ -57,10 +55,6 @@ _UPDATES_STATISTICS = frozenset(
 _SLOT, _CONSTANT, _VALUE, _COPY = 0, 1, 2, 3
 
 
-def _autocast_state() -> tuple[Any, ...]:
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
-
-
 @dataclass(frozen=True)
 class _Call:
     function: Any
@@ -68,7 +62,7 @@ class _Call:
     spec: Any
     new_slots: tuple[int, ...]  # positions, among the output's tensors, of the new slots
     grad_enabled: bool
-    autocast: tuple[Any, ...]
+    autocast: ForwardState  # the autocast state it ran in (no RNG: the stage's replay draws on)
 
 
 class Glue:
@@ -146,25 +140,12 @@ class Glue:
 
         for call in self._calls:
             args, kwargs = tree_unflatten([value(s) for s in call.sources], call.spec)
-            with _modes(call.grad_enabled, call.autocast):
+            with torch.set_grad_enabled(call.grad_enabled), replay_forward_state(call.autocast):
                 out = call.function(*args, **kwargs)
             tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
             slots.extend(tensors[position] for position in call.new_slots)
         args, kwargs = tree_unflatten([value(s) for s in self._next_sources], self._next_spec)
         return args, kwargs
-
-
-@contextlib.contextmanager
-def _modes(grad_enabled: bool, autocast: tuple[Any, ...]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        if torch.is_grad_enabled() != grad_enabled:
-            stack.enter_context(torch.set_grad_enabled(grad_enabled))
-        if _autocast_state() != autocast:
-            for device_type, (enabled, dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True):
-                if device_type == "cuda" and not torch.cuda.is_available():
-                    continue
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        yield
 
 
 class GlueRecorder(TorchFunctionMode):
@@ -208,7 +189,7 @@ class GlueRecorder(TorchFunctionMode):
         tensors_in = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         versions = [t._version for t in tensors_in]
         grad_enabled = torch.is_grad_enabled()
-        autocast = _autocast_state()
+        autocast = capture_forward_state((), preserve_rng_state=False)
         out = func(*args, **kwargs)
         out_tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         changed = [t for t, v in zip(tensors_in, versions, strict=True) if t._version != v]

@@ -133,27 +133,25 @@ def _vit(scale: int, overrides: dict[str, Any]) -> Case:
     return _image_classifier("ViTForImageClassification", config, scale, config.image_size)
 
 
-def _resnet(scale: int, overrides: dict[str, Any]) -> Case:
+def _cnn(name: str, scale: int, overrides: dict[str, Any], **sizes: Any) -> Case:
+    """A Hugging Face CNN classifier (``ResNet``, ``ConvNext``) of four stages, 3 labels."""
     config = _config(
-        _transformers().ResNetConfig,
+        getattr(_transformers(), f"{name}Config"),
         overrides,
-        embedding_size=16 * scale,
         hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale],
         depths=[1, 1, 2, 1],
         num_labels=3,
+        **sizes,
     )
-    return _image_classifier("ResNetForImageClassification", config, scale, 64 * scale)
+    return _image_classifier(f"{name}ForImageClassification", config, scale, 64 * scale)
+
+
+def _resnet(scale: int, overrides: dict[str, Any]) -> Case:
+    return _cnn("ResNet", scale, overrides, embedding_size=16 * scale)
 
 
 def _convnext(scale: int, overrides: dict[str, Any]) -> Case:
-    config = _config(
-        _transformers().ConvNextConfig,
-        overrides,
-        hidden_sizes=[16 * scale, 32 * scale, 64 * scale, 64 * scale],
-        depths=[1, 1, 2, 1],
-        num_labels=3,
-    )
-    return _image_classifier("ConvNextForImageClassification", config, scale, 64 * scale)
+    return _cnn("ConvNext", scale, overrides)
 
 
 def _gpt2(scale: int, overrides: dict[str, Any]) -> Case:
