@@ -13,6 +13,7 @@ torch.set_num_threads(1)
 
 _recompute_module = importlib.import_module("remat.manual._frames")
 _state_module = importlib.import_module("remat.manual._state")
+_selective_module = importlib.import_module("remat.manual._selective")
 
 
 def remat_leftovers() -> list[str]:
@@ -26,6 +27,11 @@ def remat_leftovers() -> list[str]:
         leftovers.append("is_recomputing() is True")
     if _state_module._HOOK_HANDLES or _state_module._LOCAL.scopes:
         leftovers.append("module-state guard still installed")
+    local = _selective_module._LOCAL
+    if local.scopes or local.internal or local.mode_active or local.explain is not None or local.function:
+        leftovers.append("selective recompute state left on the thread")
+    if torch.utils._python_dispatch._get_current_dispatch_mode_stack():
+        leftovers.append("a dispatch mode is still active")
     return leftovers
 
 

@@ -71,6 +71,38 @@ def assert_one_error_line(err: str) -> str:
     return lines[0]
 
 
+# ---------------------------------------------------------------------- explain
+@pytest.mark.parametrize("model", ["gpt2", "resnet_small"])
+def test_explain_prints_the_dump_for_a_zoo_model(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", model, "--batch", "2"], capsys)
+    assert code == cli.EXIT_OK
+    assert "every stage recomputed under remat.policies.save_matmuls" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    matmul = "addmm" if model == "gpt2" else "convolution"
+    assert rows[matmul][2] == "0"  # run again in backward: never, its output is kept
+    assert int(rows[matmul][3]) > 0  # handed to the recomputes instead
+
+
+def test_explain_json_with_a_policy_and_every_operation(
+    tiny_catalogue: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["explain", tiny_catalogue, "--policy", "recompute:gelu", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    again = [op["op"] for op in document["ops"] if op["phase"] == "recompute" and op["status"] == "recomputed"]
+    assert again and {name for name in again if not name.startswith(("aten.t.", "aten.view", "aten.detach"))} == {
+        "aten.gelu.default"
+    }
+    assert document["totals"]["kept_bytes"] > 0
+
+
+def test_explain_of_the_plan_for_a_budget(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", tiny_catalogue, "--budget", "min", "--ops"], capsys)
+    assert code == cli.EXIT_OK
+    assert "the plan for a budget of min" in out
+    assert "recompute " in out  # the --ops listing has recomputed operations
+
+
 # ---------------------------------------------------------------------- models
 def test_models_lists_every_catalogue_name(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["models"], capsys)
@@ -249,6 +281,9 @@ def test_out_of_memory(factory: str, capsys: pytest.CaptureFixture[str]) -> None
         ["plan", "--hf", "llama", "--hf-config", "num_layerz=2"],  # no such setting
         ["plan", "--hf", "llama", "--hf-config", "num_hidden_layers"],  # not KEY=VALUE
         ["plan", "--hf", "llama", "--batch", "4"],
+        ["explain", TINY, "--policy", "keep_some"],
+        ["explain", TINY, "--policy", "recompute:no_such_op"],
+        ["explain", TINY, "--policy", "save_all", "--budget", "0.5"],
     ],
 )
 def test_usage_errors(argv: list[str], tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("remat.models",),
     ("remat.bench",),
     ("remat.cli",),
-    ("remat", "remat.__main__"),
+    ("remat", "remat.__main__", "remat.policies"),
 )
 
 

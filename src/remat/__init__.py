@@ -2,6 +2,7 @@
 
 from remat import models as models
 from remat import plan as plan
+from remat import policies as policies
 from remat.automatic import Checkpointable
 from remat.budget import parse_budget
 from remat.enable import controller, disable, enable, is_enabled
@@ -14,7 +15,9 @@ from remat.errors import (
     RematError,
     UnsupportedModel,
 )
+from remat.manual._selective import tag
 from remat.manual._state import is_recomputing
+from remat.manual.explain import ExplainedOp, Explanation, explain
 from remat.manual.marking import apply, is_marked, mark, unmark
 from remat.manual.recompute import recompute, recompute_sequential
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
@@ -27,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetTooSmall",
     "Checkpointable",
+    "ExplainedOp",
+    "Explanation",
     "InvalidBudget",
     "MemoryTracker",
     "NondeterministicRecompute",
@@ -40,6 +45,7 @@ __all__ = [
     "controller",
     "disable",
     "enable",
+    "explain",
     "format_bytes",
     "format_saved_residuals",
     "is_enabled",
@@ -47,9 +53,11 @@ __all__ = [
     "is_recomputing",
     "mark",
     "parse_budget",
+    "policies",
     "recompute",
     "recompute_sequential",
     "saved_residuals",
+    "tag",
     "track_memory",
     "unmark",
 ]

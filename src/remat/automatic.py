@@ -24,7 +24,7 @@ from torch import nn
 from remat.budget import MINIMUM, Budget, parse_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
-from remat.execute import ChainExecutor, expand_operations
+from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.fake import FakeRunFailed, on_fake_tensors
 from remat.measure.scale import ShapeTimings
@@ -145,6 +145,9 @@ class Checkpointable(ModelStandIn):
             at a scaled shape checks its forward's time and has the shape timed at the
             next step when it is off by more than that. ``measure_counts`` says how many
             shapes were timed and scaled.
+        policy: selective recompute instead of a plan (:mod:`remat.policies`): every stage call
+            recomputed alone under it, or a mapping of stage names or indices to policies (others
+            stored). Nothing is measured or planned; a ``mem_limit`` with it is not implemented.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -168,6 +171,7 @@ class Checkpointable(ModelStandIn):
         frugal_measure: bool = False,
         plan: Plan | str | os.PathLike[str] | None = None,
         timed_shapes: int = 3,
+        policy: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -209,6 +213,8 @@ class Checkpointable(ModelStandIn):
         self._default_budget_warned = False
         self._coverage_warned = False
         self._solver()  # fail now on an unknown solver name
+        self.policy = policy
+        self._selective = None if policy is None else SelectiveRuns(policy, mem_limit, plan, preserve_rng_state)
 
     # ------------------------------------------------------------------ public
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
@@ -300,10 +306,7 @@ class Checkpointable(ModelStandIn):
         self._executors = {k: v for k, v in self._executors.items() if k[0] != key}
         self._minimums = {k: v for k, v in self._minimums.items() if k[0] != key}
         self._last_key = key
-        # The measuring runs leave reference cycles (autograd hooks, frames) that hold
-        # tensors until the garbage collector runs: collected now, they cannot add to the
-        # step that follows.
-        gc.collect(1)
+        gc.collect(1)  # measuring leaves reference cycles holding tensors: gone before the next step
         return measurement
 
     def _measure_on_device(
@@ -418,6 +421,8 @@ class Checkpointable(ModelStandIn):
             return self.model(*args, **kwargs)
         kwargs = self._training_kwargs(kwargs)
         key = signature(self.model, args, kwargs)
+        if self._selective is not None:
+            return self._selective.run(key, lambda: self._chain_for(key, args, kwargs), self.model, args, kwargs)
         if self._forced_plan is not None:
             plan = self._forced_plan
         else:
@@ -502,10 +507,10 @@ class Checkpointable(ModelStandIn):
     def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
         executor = self._executors.get((key, plan))
         if executor is None:
-            chain = self._chain_for(key, args, kwargs)
-            operations = expand_operations(plan.schedule.operations, plan.groups)
-            executor = ChainExecutor(chain, operations, preserve_rng_state=self.preserve_rng_state)
-            self._executors[(key, plan)] = executor
+            ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
+            executor = self._executors[(key, plan)] = ChainExecutor(
+                chain, ops, preserve_rng_state=self.preserve_rng_state
+            )
         return executor
 
     def _prepared(self, key: Hashable) -> Planning:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,14 +40,16 @@ from remat.discover.chain import Chain
 from remat.discover.glue import Glue, GlueRecorder
 from remat.discover.intercept import call_original, call_stage, intercept_stages
 from remat.errors import RematError, UnsupportedModel
-from remat.manual._frames import active_mode, graph_retained
+from remat.manual._frames import active_mode
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._state import is_recomputing
+from remat.manual._tensors import graph_retained
+from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 
-__all__ = ["ChainExecutor", "RegionSpan", "expand_operations"]
+__all__ = ["ChainExecutor", "PolicyRunner", "RegionSpan", "SelectiveRuns", "expand_operations", "stage_policies"]
 
 _STORE = OperationKind.FORWARD_STORE
 _CHECKPOINT = OperationKind.FORWARD_CHECKPOINT
@@ -409,3 +411,85 @@ def _refuse_retained_graph(grad: torch.Tensor) -> None:
             "remat.recompute for the blocks you choose. Gradients of the parameters after the chain "
             "may already have been accumulated: zero them before the next step"
         )
+
+
+class PolicyRunner:
+    """Runs each stage call of a chain as its own recomputed block under a policy.
+
+    The automatic mode with ``policy=`` and no budget: selective recompute of every stage
+    (or of the stages a mapping names), with no plan. A stage whose policy is None runs
+    as it is (stored).
+
+    Args:
+        chain: the stages.
+        policies: a policy per stage (None: the stage is stored).
+        preserve_rng_state: replay RNG states in recomputed stages.
+    """
+
+    def __init__(self, chain: Chain, policies: Sequence[Any], *, preserve_rng_state: bool = True) -> None:
+        self.chain = chain
+        self.policies = tuple(policies)
+        self.preserve_rng_state = preserve_rng_state
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        policy = self.policies[index]
+        if policy is None:
+            return call_original(module, args, kwargs)
+        return recompute(call_stage, module, args, kwargs, policy=policy, preserve_rng_state=self.preserve_rng_state)
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs ``model(*args, **kwargs)`` with each stage call recomputed under its policy."""
+        if active_mode() is not None:
+            return model(*args, **kwargs)
+        with intercept_stages(self.chain, self):
+            return model(*args, **kwargs)
+
+
+def stage_policies(policy: Any, chain: Chain) -> list[Policy | None]:
+    """The policy of each stage: one for all, or a mapping by stage name or index (others stored)."""
+    if not isinstance(policy, Mapping):
+        return [as_policy(policy)] * len(chain)
+    chosen: list[Policy | None] = [None] * len(chain)
+    for key, value in policy.items():
+        if isinstance(key, int) and not isinstance(key, bool) and -len(chain) <= key < len(chain):
+            index = key % len(chain)
+        elif isinstance(key, str) and key in chain.names:
+            index = chain.names.index(key)
+        else:
+            raise RematError(
+                f"policy names the stage {key!r}, which is not in the model's chain; its stages are "
+                f"{list(chain.names)} (or their indices 0..{len(chain) - 1})"
+            )
+        chosen[index] = None if value is None else as_policy(value)
+    return chosen
+
+
+class SelectiveRuns:
+    """The automatic mode's ``policy=``: a :class:`PolicyRunner` per input signature.
+
+    Raises:
+        NotImplementedError: a budget or a pinned plan comes with the policy.
+        RematError: `policy` is not a policy (nor a mapping of stages to policies).
+    """
+
+    def __init__(self, policy: Any, mem_limit: Any, plan: Any, preserve_rng_state: bool) -> None:
+        if mem_limit is not None or plan is not None:
+            raise NotImplementedError(
+                "a budget (or a pinned plan) together with policy= is not implemented: the planner "
+                "prices whole-stage recompute only. Pass policy= alone (every stage recomputed under "
+                "it), or a budget alone"
+            )
+        if not isinstance(policy, Mapping):
+            as_policy(policy)  # fail now on a value that is not a policy
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+        self._runners: dict[Any, PolicyRunner] = {}
+
+    def run(self, key: Any, chain: Callable[[], Chain], model: nn.Module, args: Any, kwargs: Any) -> Any:
+        """Runs a training call; `chain` gives the model's chain for `key` (discovered once)."""
+        runner = self._runners.get(key)
+        if runner is None:
+            found = chain()
+            policies = stage_policies(self.policy, found)
+            runner = self._runners[key] = PolicyRunner(found, policies, preserve_rng_state=self.preserve_rng_state)
+        return runner(model, args, kwargs)

@@ -36,6 +36,7 @@ from remat.cli.codes import (
     exit_code_table,
     fail,
 )
+from remat.cli.explaining import add_explain_command, command_explain
 from remat.cli.loading import (
     DEFAULT_BATCH,
     Workload,
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_explain_command(commands, (_add_global_arguments, _add_model_arguments), _EPILOG)
     _add_global_arguments(demo)
     demo.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help="where to write the files (default .)")
     demo.add_argument(
@@ -522,6 +524,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "plan": _command_plan,
     "bench": _command_bench,
     "demo": _command_demo,
+    "explain": lambda args, output: command_explain(args, output, _workload(args), _budget),
 }
 
 

@@ -25,7 +25,15 @@ from torch.utils._pytree import tree_leaves
 
 from remat.errors import NondeterministicRecompute
 
-__all__ = ["OpTrace", "explained", "traced"]
+__all__ = ["OpTrace", "explained", "original_ops", "traced"]
+
+
+def original_ops(root: Any, span: Any) -> tuple[list[Any] | None, int]:
+    """The original forward's trace of a block (debug=True) and where the block starts in it."""
+    if span is not None and span.original_ops is not None:
+        return span.original_ops, 0
+    return root.original_ops, span.op_start if span is not None else 0
+
 
 _CONTEXT_OPS = 3  # operations shown before the first difference
 

@@ -22,9 +22,10 @@ from remat.errors import (
     RecomputeInputModified,
     RematError,
 )
-from remat.manual import _debug, _state
+from remat.manual import _debug, _selective, _state
+from remat.manual._outputs import OutputOf, lazy_output, register_outputs
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
 from remat.memory import note_kept_for_backward
 
 __all__ = ["active_mode", "recompute_with_hooks"]
@@ -83,32 +84,19 @@ class _Handle:
 class _Span:
     """Where a nested block's handles start and stop in its root, and its own nested blocks."""
 
-    __slots__ = ("start", "stop", "children", "op_start", "original_ops")
+    __slots__ = ("start", "stop", "children", "op_start", "original_ops", "policy_key")
 
     def __init__(self, start: int, op_start: int = 0) -> None:
         self.start = start
         self.stop: int | None = None
         self.children: list[_Span] = []
+        self.policy_key: int | None = None  # its policy block's ordinal (NOTE [selective recompute])
         self.op_start = op_start  # its first operation in the root's op trace (debug=True)
         self.original_ops: list[Any] | None = None  # its own trace, when only it has debug=True
 
 
-class _OutputOf:
-    """A lazy input: output number `leaf` of a frame run with output_recompute=True."""
-
-    __slots__ = ("frame", "leaf")
-
-    def __init__(self, frame: _Frame, leaf: int) -> None:
-        self.frame = frame
-        self.leaf = leaf
-
-
-# id(tensor) -> (weakref to tensor, frame, flat output index, version when returned) for
-# the outputs of output_recompute blocks
-_RECOMPUTABLE_OUTPUTS: dict[int, tuple[weakref.ref[torch.Tensor], _Frame, int, int]] = {}
-
-
 class _Frame:
+    @_selective.as_internal
     def __init__(
         self,
         root: _Root | None,
@@ -127,7 +115,7 @@ class _Frame:
         self.inputs: list[Any] = []
         self.versions: list[int | None] = []
         for value in flat:
-            lazy = _lazy_output(value)
+            lazy = lazy_output(value)
             if lazy is not None:
                 self.inputs.append(lazy)
                 self.versions.append(None)
@@ -136,6 +124,8 @@ class _Frame:
                 self.versions.append(value._version)
                 if root is None:  # measured: kept until the block's backward, as if saved
                     note_kept_for_backward(value)
+                    if _selective.explain_observer() is not None:
+                        _selective.explain_observer().on_saved(value, discarded=False)
             else:
                 self.inputs.append(value)
                 self.versions.append(None)
@@ -152,6 +142,11 @@ class _Frame:
         self.observer: Any = None  # see RegionRecording
         # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
         self.span: _Span | None = None
+        # its policy block's ordinal (None: it keeps nothing), the ordinal its nested policy
+        # blocks start from, and the next one while it runs (see NOTE [selective recompute])
+        self.policy_key: int | None = None
+        self.policy_start = 0
+        self.policy_cursor = 0
 
     @property
     def root(self) -> _Root:
@@ -166,7 +161,7 @@ class _Frame:
     def _materialise_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat: list[Any] = []
         for position, (value, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
-            if isinstance(value, _OutputOf):
+            if isinstance(value, OutputOf):
                 flat.append(detached_alias(*value.frame.outputs_for_recompute()[value.leaf]))
             elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
                 tensor, requires_grad = value
@@ -205,6 +200,7 @@ class _Frame:
         if observer is not None:
             observer.on_recompute(True)
         _STACK.push(_Context("fill", self, last_needed))
+        self.policy_cursor = self.policy_start
         trace = None
         try:
             try:
@@ -214,6 +210,7 @@ class _Frame:
                     _state.recomputing(root.state_log, self.first_call),
                     self.options.recompute_context(self.name),
                     _debug.traced(self.options.debug) as trace,
+                    _selective.replaying_block(root, self.policy_key, self.options, consume=self._last_run(mode)),
                 ):
                     try:
                         with _state.module_call(self.function):
@@ -225,11 +222,16 @@ class _Frame:
             if mode == "fill":
                 self._finish_fill()
         except NondeterministicRecompute as error:
-            original, op_start = _original_ops(root, self.span)
+            original, op_start = _debug.original_ops(root, self.span)
             raise _debug.explained(error, original, trace, op_start) from None
         if observer is not None:
             observer.on_recompute(False)
         return out
+
+    def _last_run(self, mode: str) -> bool:
+        """Whether this fill is the frame's last run (see NOTE [selective recompute])."""
+        root = self.root
+        return mode == "fill" and not self.output_recompute and root.stop is not None and not graph_retained()
 
     def _finish_fill(self) -> None:
         root = self.root
@@ -246,6 +248,8 @@ class _Frame:
         # forward filled it) and more handles will come.
         if not self.output_recompute and root.stop is not None and not graph_retained():
             self.release_inputs()
+            if root.cache is not None:
+                root.cache.release(self.policy_key)
 
     def outputs_for_recompute(self) -> list[tuple[torch.Tensor, bool]]:
         """The block's recomputed outputs, cut from the recompute's graph (with their flags)."""
@@ -277,6 +281,10 @@ class _Root(_Frame):
         self.original_ops: list[Any] | None = None
         # whether a backward ran inside the first forward (see NOTE [backward inside a block])
         self.inner_backward = False
+        # the outputs its policy blocks kept, and how many policy blocks its first forward
+        # entered so far (see NOTE [selective recompute])
+        self.cache: _selective.OpCache | None = None
+        self.policy_blocks = 0
 
     def last_needed(self, frame: _Frame) -> int | None:
         """Index of the last live, empty handle `frame` is responsible for."""
@@ -339,6 +347,7 @@ class _Stack:
 _STACK = _Stack()
 
 
+@_selective.as_internal
 def _pack(tensor: torch.Tensor) -> Any:
     context = _STACK.top()
     if context is None:  # pragma: no cover - hooks are pushed with a context
@@ -348,6 +357,8 @@ def _pack(tensor: torch.Tensor) -> Any:
     if context.mode == "discard":
         if root.observer is not None:
             root.observer.on_discarded(tensor)
+        if _selective.explain_observer() is not None:
+            _selective.explain_observer().on_saved(tensor, discarded=True)
         index = len(root.handles)
         handle = _Handle(root, index)
         root.handles.append(weakref.ref(handle))
@@ -426,45 +437,6 @@ def _unpack(handle: Any) -> torch.Tensor:
     return value
 
 
-def graph_retained() -> bool:
-    """Whether the backward running on this thread keeps its graph (retain_graph=True)."""
-    return torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
-
-
-def _lazy_output(value: Any) -> _OutputOf | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    entry = _RECOMPUTABLE_OUTPUTS.get(id(value))
-    if entry is None or entry[0]() is not value:
-        return None
-    if value._version != entry[3]:
-        # Changed in place since its block returned it: a recompute of that block would
-        # give the old values, so the block taking it keeps it as an ordinary input.
-        return None
-    return _OutputOf(entry[1], entry[2])
-
-
-def _forget_output(key: int) -> Callable[[Any], None]:
-    outputs = _RECOMPUTABLE_OUTPUTS  # bound here: at interpreter exit the global may be gone
-
-    def forget(_ref: Any) -> None:
-        outputs.pop(key, None)
-
-    return forget
-
-
-def _register_outputs(frame: _Frame, out: Any) -> None:
-    for leaf_index, leaf in enumerate(tree_leaves(out)):
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            key = id(leaf)
-            _RECOMPUTABLE_OUTPUTS[key] = (
-                weakref.ref(leaf, _forget_output(key)),
-                frame,
-                leaf_index,
-                leaf._version,
-            )
-
-
 def recompute_with_hooks(
     function: Callable[..., Any],
     args: tuple[Any, ...],
@@ -478,54 +450,24 @@ def recompute_with_hooks(
             return function(*args, **kwargs)
     context = _STACK.top()
     if context is None:
-        root = _Root(function, args, kwargs, options)
-        root.output_recompute = output_recompute
-        root.span = _Span(0)
-        root.open_spans.append(root.span)
-        _STACK.push(_Context("discard", root))
-        try:
-            with (
-                options.forward_context(root.name),
-                root.state_log.recording(),
-                _state.module_call(function),
-                _debug.traced(options.debug) as root.trace,
-            ):
-                out = function(*args, **kwargs)
-        finally:
-            _STACK.pop()
-            root.open_spans.clear()
-            root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
-        root.stop = root.span.stop = len(root.handles)
-        if output_recompute:
-            _register_outputs(root, out)
-        return out
+        if options.policy.saves_everything:
+            with _state.module_call(function):
+                return function(*args, **kwargs)
+        return _first_forward(function, args, kwargs, options, output_recompute)
     if context.mode == "discard":
-        # Inside a block running for the first time: everything here is discarded
-        # anyway, so the nested block is just a call; only where it starts and stops
-        # is recorded.
-        root = context.frame.root
-        if not root.open_spans:
-            return _inline(function, args, kwargs, options.forward_context)
-        span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
-        root.open_spans[-1].children.append(span)
-        root.open_spans.append(span)
-        trace = None
-        try:
-            # a nested block with debug=True in a root without it keeps a trace of its own
-            with _debug.traced(options.debug and root.trace is None) as trace:
-                return _inline(function, args, kwargs, options.forward_context)
-        finally:
-            root.open_spans.pop()
-            span.stop = len(root.handles)
-            span.original_ops = trace.entries if trace is not None else None
+        return _nested_first_forward(context.frame.root, function, args, kwargs, options)
     if context.mode == "skip":
         # Inside a child being skipped over: the child owns all of it.
-        return _inline(function, args, kwargs, options.recompute_context)
+        frame = context.frame
+        with _selective.replaying_block(frame.root, _selective.next_block(frame, options), options):
+            return _inline(function, args, kwargs, options.recompute_context)
     # fill: this nested block becomes a child frame that owns its handles.
     parent = context.frame
     root = parent.root
     child = _Frame(root, function, args, kwargs, options, start=parent.cursor)
     child.first_call = _state.current_replay_call() or 0
+    child.policy_key = _selective.next_block(parent, options)
+    child.policy_start = child.policy_cursor = parent.policy_cursor
     recorded = _recorded_span(parent, context)
     if recorded is not None:
         child.span = recorded
@@ -540,11 +482,14 @@ def recompute_with_hooks(
                 # runs when backward reaches it.
                 raise _StopRecompute
             context.last_needed = last_needed
-    original, op_start = _original_ops(root, recorded)
+    original, op_start = _debug.original_ops(root, recorded)
     _STACK.push(_Context("skip", child))
     trace = None
     try:
-        with _debug.traced(options.debug and original is not None) as trace:
+        with (
+            _debug.traced(options.debug and original is not None) as trace,
+            _selective.replaying_block(root, child.policy_key, options),
+        ):
             out = _inline(function, args, kwargs, options.recompute_context)
         if recorded is not None and recorded.stop is not None and child.cursor != recorded.stop:
             raise NondeterministicRecompute(
@@ -557,8 +502,71 @@ def recompute_with_hooks(
     finally:
         _STACK.pop()
     parent.cursor = child.cursor
+    parent.policy_cursor = child.policy_cursor
     child.stop = child.cursor
     return out
+
+
+def _first_forward(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: RecomputeOptions,
+    output_recompute: bool,
+) -> Any:
+    """The first forward of an outermost recomputed block: a new root frame."""
+    root = _Root(function, args, kwargs, options)
+    root.output_recompute = output_recompute
+    root.span = _Span(0)
+    root.open_spans.append(root.span)
+    _STACK.push(_Context("discard", root))
+    try:
+        with (
+            options.forward_context(root.name),
+            root.state_log.recording(),
+            _state.module_call(function),
+            _debug.traced(options.debug) as root.trace,
+            _selective.recording_block(root, root.span, options.policy),
+        ):
+            out = function(*args, **kwargs)
+    finally:
+        _STACK.pop()
+        root.open_spans.clear()
+        root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
+    root.stop = root.span.stop = len(root.handles)
+    root.policy_key = root.span.policy_key
+    root.policy_start = root.policy_cursor = 0 if root.policy_key is None else root.policy_key + 1
+    if root.cache is not None:
+        root.cache.seal()
+    if output_recompute:
+        register_outputs(root, out)
+    return out
+
+
+def _nested_first_forward(
+    root: _Root, function: Callable[..., Any], args: Any, kwargs: Any, options: RecomputeOptions
+) -> Any:
+    """A block nested in one running for the first time.
+
+    Everything here is discarded anyway, so the nested block is just a call; only where
+    it starts and stops is recorded.
+    """
+    span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
+    if root.open_spans:
+        root.open_spans[-1].children.append(span)
+    root.open_spans.append(span)
+    trace = None
+    try:
+        # a nested block with debug=True in a root without it keeps a trace of its own
+        with (
+            _debug.traced(options.debug and root.trace is None) as trace,
+            _selective.recording_block(root, span, options.policy),
+        ):
+            return _inline(function, args, kwargs, options.forward_context)
+    finally:
+        root.open_spans.pop()
+        span.stop = len(root.handles)
+        span.original_ops = trace.entries if trace is not None else None
 
 
 def _inline(
@@ -568,13 +576,6 @@ def _inline(
     name = getattr(function, "__qualname__", None) or type(function).__name__
     with context(name), _state.module_call(function):
         return function(*args, **kwargs)
-
-
-def _original_ops(root: _Root, span: _Span | None) -> tuple[list[Any] | None, int]:
-    """The original forward's trace of a block (debug=True) and where the block starts in it."""
-    if span is not None and span.original_ops is not None:
-        return span.original_ops, 0
-    return root.original_ops, span.op_start if span is not None else 0
 
 
 def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from remat.errors import NondeterministicRecompute, RematError
+from remat.manual._selective import as_internal
 
 __all__ = [
     "StateLog",
@@ -302,6 +303,7 @@ class _Scope:
             _set_attribute(module, name, value)
 
     # -- hooks
+    @as_internal
     def enter(self, module: nn.Module, block: bool = False) -> None:
         call = self.next_call
         self.next_call += 1
@@ -312,6 +314,7 @@ class _Scope:
                 self.log.calls = self.next_call
             self._record_enter(module, call, block)
 
+    @as_internal
     def exit(self, module: nn.Module) -> None:
         for position in range(len(self.open_calls) - 1, -1, -1):
             if self.open_calls[position][0] is module:
@@ -322,6 +325,7 @@ class _Scope:
                     self._record_exit(module, call, buffers, attributes)
                 return
 
+    @as_internal
     def close(self) -> None:
         """Restores whatever a replay cut short left set aside (innermost first)."""
         while self.open_calls:

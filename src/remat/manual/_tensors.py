@@ -11,8 +11,14 @@ from typing import Any, Literal
 import torch
 
 from remat.errors import RematError
+from remat.manual.policies import Policy, save_nothing
 
-__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias"]
+__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "graph_retained"]
+
+
+def graph_retained() -> bool:
+    """Whether the backward running on this thread keeps its graph (retain_graph=True)."""
+    return torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def detached_alias(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -54,6 +60,7 @@ class RecomputeOptions:
     early_stop: bool = True
     context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None = None
     debug: bool = False
+    policy: Policy = save_nothing
 
     @property
     def checks(self) -> bool:

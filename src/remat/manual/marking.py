@@ -26,6 +26,7 @@ _RECOMPUTE_OPTIONS = {
     "early_stop",
     "context_fn",
     "debug",
+    "policy",
 }
 
 Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]
@@ -57,9 +58,11 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
         module: a block (``nn.Sequential``, a transformer layer, ...) or a single-operation
             module (``nn.ReLU``, ``nn.GELU``, ``nn.Linear``).
         output_recompute: do not keep the module's output either (see :func:`remat.recompute`).
-        **recompute_options: ``use_reentrant``, ``preserve_rng_state``,
+        **recompute_options: ``policy``, ``use_reentrant``, ``preserve_rng_state``,
             ``determinism_check``, ``early_stop``, ``context_fn`` and ``debug``, as for
-            :func:`remat.recompute`.
+            :func:`remat.recompute`. With a policy, only the operations it does not keep
+            are recomputed (``policy=remat.policies.recompute_ops("gelu")`` on a block
+            recomputes its activations and keeps the rest).
 
     Returns:
         The same module, marked (marking again replaces the options).

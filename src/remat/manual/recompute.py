@@ -12,6 +12,10 @@ Two implementations stand behind one function:
   runs the block under ``no_grad`` and, in its backward, runs it again with grad enabled
   and calls ``torch.autograd.backward`` on the result.
 
+With ``policy=`` (:mod:`remat.policies`), the hook-based implementation keeps the outputs
+of the operations the policy chooses and hands them to the recompute instead of running
+those operations again (see NOTE [selective recompute] in ``_selective.py``).
+
 .. warning::
    The recomputed forward must do the same thing as the original: same operations on
    same-shaped tensors. remat replays the RNG state (``preserve_rng_state=True``) and the
@@ -40,6 +44,7 @@ from remat.manual import _state
 from remat.manual._frames import recompute_with_hooks
 from remat.manual._reentrant import recompute_reentrant
 from remat.manual._tensors import DETERMINISM_CHECKS, RecomputeOptions
+from remat.manual.policies import PolicyLike, as_policy
 
 __all__ = ["recompute", "recompute_sequential"]
 
@@ -56,6 +61,7 @@ def recompute(
     early_stop: bool = True,
     context_fn: ContextFn | None = None,
     debug: bool = False,
+    policy: PolicyLike = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``function(*args, **kwargs)`` and recomputes its activations in backward.
@@ -90,6 +96,12 @@ def recompute(
             before the first difference, each operation with the line of code that ran
             it. Slow: for finding the cause of a
             :class:`~remat.NondeterministicRecompute`.
+        policy: which operations keep their outputs (:mod:`remat.policies`): a policy,
+            a bool (``True`` keeps everything) or a function ``(op, *args, **kwargs) ->
+            Decision | bool``. ``None`` (default) keeps nothing but the inputs. A kept
+            output is held until the block's backward and is not computed again. Needs
+            ``use_reentrant=False``. Inside a block with a policy, a nested recomputed
+            block decides for its own operations.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -123,7 +135,16 @@ def recompute(
         raise RematError(f"context_fn must be a function returning two context managers, got {context_fn!r}")
     if not isinstance(debug, bool):
         raise RematError(f"debug must be True or False, got {debug!r}")
-    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug)
+    chosen = as_policy(policy)
+    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug, chosen)
+    if use_reentrant and not (chosen.recomputes_everything or chosen.saves_everything):
+        raise RematError(
+            f"policy={chosen!r} needs the hook-based implementation: the reentrant one runs the block "
+            "under no_grad and again in backward, with no place to keep chosen outputs; call "
+            "recompute(..., use_reentrant=False, policy=...)"
+        )
+    if use_reentrant and chosen.saves_everything:
+        return function(*args, **kwargs)
     if use_reentrant and output_recompute:
         raise RematError(
             "output_recompute=True needs the hook-based implementation; "

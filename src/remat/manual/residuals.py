@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import torch
 from torch import nn
 
+from remat.manual import _selective
+from remat.manual.policies import PolicyLike
 from remat.units import format_bytes
 
 __all__ = ["SavedTensor", "format_saved_residuals", "saved_residuals"]
@@ -36,67 +39,118 @@ class SavedTensor:
     shared: bool
 
 
-def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[SavedTensor]:
-    """Runs ``function(*args, **kwargs)`` once and lists every tensor saved for backward.
+def saved_residuals(
+    function: Callable[..., Any], *args: Any, policy: PolicyLike | EllipsisType = ..., **kwargs: Any
+) -> list[SavedTensor]:
+    """Runs ``function(*args, **kwargs)`` once and lists every tensor kept for backward.
 
     Useful to decide what to recompute: the largest activations are the ones worth
     dropping. Nothing is kept after the call (the graph is freed).
 
+    Args:
+        function: the block (a module or any callable) to run.
+        *args: its positional arguments.
+        policy: with a policy (:mod:`remat.policies`, None meaning whole-block recompute),
+            what :func:`remat.recompute` keeps with it: the block's inputs and the
+            outputs the policy keeps. Without (default), what plain autograd saves.
+        **kwargs: its keyword arguments.
+
     Example::
 
-        for saved in remat.saved_residuals(model, x):
+        for saved in remat.saved_residuals(model, x, policy=remat.policies.save_matmuls):
             print(saved)
     """
-    root = function if isinstance(function, nn.Module) else None
-    names: dict[int, str] = {}
-    if root is not None:
-        names = {id(m): n for n, m in root.named_modules()}
-    stack: list[str] = []
-    parameter_keys: set[int] = set()
-    input_keys: set[int] = set()
-    if root is not None:
-        parameter_keys = {_key(p) for p in root.parameters()}
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            input_keys.add(_key(value))
-    seen: set[int] = set()
-    found: list[SavedTensor] = []
-
-    def pack(tensor: torch.Tensor) -> Any:
-        key = _key(tensor)
-        if key in input_keys:
-            kind = "input"
-        elif key in parameter_keys or (tensor.is_leaf and tensor.requires_grad):
-            kind = "parameter"
-        else:
-            kind = "activation"
-        shared = key in seen
-        seen.add(key)
-        nbytes = int(tensor.untyped_storage().nbytes()) if tensor.layout == torch.strided else 0
-        found.append(SavedTensor(tuple(tensor.shape), tensor.dtype, nbytes, stack[-1] if stack else "", kind, shared))
-        return tensor
-
-    def pre_hook(module: nn.Module, _args: Any) -> None:
-        stack.append(names.get(id(module), type(module).__name__))
-
-    def post_hook(module: nn.Module, _args: Any, _out: Any) -> None:
-        if stack:
-            stack.pop()
-
+    listing = _Listing(function, args, kwargs)
     handles = []
-    if root is not None:
+    if isinstance(function, nn.Module):
         handles = [
-            nn.modules.module.register_module_forward_pre_hook(pre_hook),
-            nn.modules.module.register_module_forward_hook(post_hook, always_call=True),
+            nn.modules.module.register_module_forward_pre_hook(listing.pre_hook),
+            nn.modules.module.register_module_forward_hook(listing.post_hook, always_call=True),
         ]
+    kept = _KeptOutputs(listing.stack)
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = function(*args, **kwargs)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(listing.pack, lambda t: t):
+            if isinstance(policy, EllipsisType):
+                out = function(*args, **kwargs)
+            else:
+                from remat.manual.recompute import recompute
+
+                with _selective.observed_by(kept):
+                    out = recompute(function, *args, policy=policy, **kwargs)
+        for tensor in kept.inputs:
+            listing.note(tensor, "")
+        for tensor, module in kept.outputs():
+            listing.note(tensor, module)
         del out
     finally:
         for handle in handles:
             handle.remove()
-    return found
+    return listing.found
+
+
+class _Listing:
+    """The tensors kept for backward, each with its kind and the module that was running."""
+
+    def __init__(self, function: Any, args: Any, kwargs: Any) -> None:
+        root = function if isinstance(function, nn.Module) else None
+        self.names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+        self.stack: list[str] = []
+        self.parameter_keys = {_key(p) for p in root.parameters()} if root is not None else set()
+        self.input_keys = {_key(v) for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
+        self.seen: set[int] = set()
+        self.found: list[SavedTensor] = []
+
+    def note(self, tensor: torch.Tensor, module: str) -> None:
+        key = _key(tensor)
+        if key in self.input_keys:
+            kind = "input"
+        elif key in self.parameter_keys or (tensor.is_leaf and tensor.requires_grad):
+            kind = "parameter"
+        else:
+            kind = "activation"
+        shared = key in self.seen
+        self.seen.add(key)
+        nbytes = int(tensor.untyped_storage().nbytes()) if tensor.layout == torch.strided else 0
+        self.found.append(SavedTensor(tuple(tensor.shape), tensor.dtype, nbytes, module, kind, shared))
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        self.note(tensor, self.stack[-1] if self.stack else "")
+        return tensor
+
+    def pre_hook(self, module: nn.Module, _args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def post_hook(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+
+class _KeptOutputs:
+    """Told by remat's recompute what a policy keeps (and which inputs a block keeps)."""
+
+    def __init__(self, stack: list[str]) -> None:
+        self.stack = stack
+        self.inputs: list[torch.Tensor] = []
+        self.kept: list[tuple[Any, Any, str]] = []  # (cache, (block, index), module)
+
+    def on_saved(self, tensor: torch.Tensor, discarded: bool) -> None:
+        if not discarded:
+            self.inputs.append(tensor)
+
+    def on_kept(self, cache: Any, key: Any) -> None:
+        self.kept.append((cache, key, self.stack[-1] if self.stack else ""))
+
+    def on_served(self, func: Any, out: Any, key: Any) -> None:
+        pass
+
+    def outputs(self) -> list[tuple[torch.Tensor, str]]:
+        """The outputs still kept once the forward ended, with the module that made each."""
+        found = []
+        for cache, (block, index), module in self.kept:
+            entry = cache.get(block, index)
+            if entry is not None:
+                found += [(t, module) for t in entry.tensors()]
+        return found
 
 
 def format_saved_residuals(saved: list[SavedTensor]) -> str:

@@ -1,0 +1,489 @@
+"""Selective recompute: keeping the outputs a policy chose, and handing them to the recompute.
+
+NOTE [selective recompute]
+A recomputed block with a policy other than "save nothing" runs its first forward with a
+``TorchDispatchMode`` below autograd. Each ATen operation it runs is numbered, the policy
+decides on it, and the outputs of the operations it keeps are held (as detached aliases)
+in the block's root frame, an :class:`OpCache`. When the block is recomputed, the same
+operations come in the same order: a kept one is not run, its held output is returned in
+its place, and every other one runs. Autograd above the mode builds the recompute's graph
+and saves the same tensors as the first time, so the saved-tensor handles of
+NOTE [nested recompute frames] are filled exactly as without a policy; only the work and
+the memory differ.
+
+Numbering. Operations are numbered per *policy block*: each recomputed block whose policy
+keeps something gets an ordinal, in the order such blocks are entered in the root's first
+forward, and numbers its own operations from 0 (those of blocks nested in it belong to
+the nested block: the innermost policy decides). A recompute may start in the middle of
+the root (a nested frame), so each frame knows its own ordinal and the next one, as it
+knows its handles. Views and in-place operations are not numbered: they are never kept,
+so remat's own detaches between the two runs do not shift the numbers; remat's other
+bookkeeping runs as "internal" and is not seen at all.
+
+Exactness.
+* A kept output that is changed in place afterwards (in the block, or by the code around
+  it after it returned) no longer holds what the operation produced, and the operation is
+  run again instead. A change inside the block is seen by the mode and the entry is
+  dropped at once (it holds no memory either); a change after the block's first forward
+  shows in the version counter of the alias the entry then holds (see :class:`_Kept`).
+* A kept random operation is not run by the recompute, so the random-number generator is
+  set to the state the first forward left after it: the random operations that follow,
+  recomputed, draw the same numbers as in the first forward.
+* A kept output is returned as a fresh alias each time, so each recompute's graph is its
+  own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from remat.errors import NondeterministicRecompute
+from remat.manual.policies import Decision, OpCall, Policy, _normalised
+
+__all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
+
+
+class _Kept:
+    """One kept operation output.
+
+    Kept as aliases made below autograd, which have version counters of their own: an
+    in-place change of the original during the block's first forward is seen by the mode
+    (:meth:`OpCache.changed`). When that forward ends, the outputs still referenced
+    (returned by the block, or stored) are aliased again above autograd, sharing their
+    version counters, so that a change made after the block returned is seen too; the
+    others are gone, and nothing can change them any more.
+    """
+
+    __slots__ = ("op", "value", "versions", "rng_after", "originals")
+
+    def __init__(self, op: Any, out: Any, rng_after: dict[str, Any] | None) -> None:
+        self.op = op
+        self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+        self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.versions: tuple[int, ...] | None = None  # set when the first forward ends
+        self.rng_after = rng_after
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in tree_leaves(self.value) if isinstance(t, torch.Tensor)]
+
+    def seal(self) -> None:
+        """Its block's first forward ended: alias the outputs still alive so that later changes show."""
+        if self.versions is not None:
+            return
+        originals = [ref() for ref in self.originals]
+        self.originals = []
+        if any(o is not None for o in originals):
+            aliases = iter(o.detach() if o is not None else t for o, t in zip(originals, self.tensors(), strict=True))
+            self.value = tree_map(lambda t: next(aliases) if isinstance(t, torch.Tensor) else t, self.value)
+        self.versions = tuple(t._version for t in self.tensors())
+
+    def intact(self) -> bool:
+        return self.versions is None or tuple(t._version for t in self.tensors()) == self.versions
+
+    def served(self) -> Any:
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.value)
+
+
+class OpCache:
+    """The outputs a root frame's policies kept: ``entries[block][index]``."""
+
+    __slots__ = ("entries", "storages", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entries: dict[int, dict[int, _Kept]] = {}
+        # while the first forward runs: storage -> the entries holding it
+        self.storages: dict[int, list[tuple[int, int]]] | None = {}
+
+    def keep(self, block: int, index: int, kept: _Kept) -> None:
+        self.entries.setdefault(block, {})[index] = kept
+        if self.storages is not None:
+            for t in kept.tensors():
+                if t.layout == torch.strided:
+                    self.storages.setdefault(t.untyped_storage().data_ptr(), []).append((block, index))
+
+    def changed(self, tensor: torch.Tensor) -> None:
+        """`tensor` is changed in place during the first forward: entries holding its storage go."""
+        if self.storages and tensor.layout == torch.strided:
+            for block, index in self.storages.pop(tensor.untyped_storage().data_ptr(), ()):
+                self.drop(block, index)
+
+    def get(self, block: int, index: int) -> _Kept | None:
+        entries = self.entries.get(block)
+        return None if entries is None else entries.get(index)
+
+    def drop(self, block: int, index: int) -> None:
+        entries = self.entries.get(block)
+        if entries is not None:
+            entries.pop(index, None)
+
+    def release(self, block: int | None) -> None:
+        """Drops what policy block `block` kept (its frame will not run again)."""
+        if block is not None:
+            self.entries.pop(block, None)
+
+    def seal(self, block: int | None = None) -> None:
+        """The first forward of policy block `block` ended, or with None, the root's (see :class:`_Kept`)."""
+        if block is None:
+            self.storages = None
+        for key, entries in self.entries.items():
+            if block is None or key == block:
+                for kept in entries.values():
+                    kept.seal()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the kept outputs (shared storages counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for entries in self.entries.values():
+            for kept in entries.values():
+                for t in tree_leaves(kept.value):
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                        key = t.untyped_storage().data_ptr()
+                        if key not in seen:
+                            seen.add(key)
+                            total += t.untyped_storage().nbytes()
+        return total
+
+
+class _Scope:
+    """One policy block running: recording (`policy` set) or replaying; `block` None numbers nothing."""
+
+    __slots__ = ("cache", "block", "policy", "next_index", "made", "replay_rng", "consume")
+
+    def __init__(
+        self, cache: OpCache | None, block: int | None, policy: Policy | None, replay_rng: bool, consume: bool = False
+    ) -> None:
+        self.cache = cache
+        self.block = block
+        self.policy = policy
+        self.next_index = 0
+        self.replay_rng = replay_rng
+        self.consume = consume  # the block's last run: an entry is let go once handed over
+        # tensors made by operations not kept, for remat.tag: id -> (ref, index, op, outputs, rng)
+        self.made: dict[int, tuple[Any, ...]] | None = {} if policy is not None and policy.names else None
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[_Scope] = []
+        self.internal = 0
+        self.function: str | None = None
+        self.explain: Any = None  # remat.manual.explain's observer, while explaining
+        self.pending: Any = None  # (key, decision) of the operation the observer sees next
+        self.mode_active = False  # whether the selective mode is on this thread's mode stack
+
+
+_LOCAL = _Local()
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """Operations run inside are remat's own bookkeeping: not numbered, not kept, not explained."""
+    _LOCAL.internal += 1
+    try:
+        yield
+    finally:
+        _LOCAL.internal -= 1
+
+
+def as_internal(method: Any) -> Any:
+    """Decorates a bookkeeping method of remat's so that it runs as :func:`internal`."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _LOCAL.internal += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _LOCAL.internal -= 1
+
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
+
+
+def is_internal() -> bool:
+    """Whether remat's own bookkeeping is running on this thread."""
+    return _LOCAL.internal > 0
+
+
+def explain_observer() -> Any:
+    """The observer of :func:`remat.explain` on this thread, if one is running."""
+    return _LOCAL.explain
+
+
+@contextlib.contextmanager
+def observed_by(observer: Any) -> Iterator[None]:
+    """Numbers every recomputed block (even whole-block ones) and reports to `observer`."""
+    previous, _LOCAL.explain = _LOCAL.explain, observer
+    try:
+        yield
+    finally:
+        _LOCAL.explain, _LOCAL.pending = previous, None
+
+
+def take_pending() -> Any:
+    """What the selective mode knows of the operation the observer sees now: (key, decision) or None."""
+    pending, _LOCAL.pending = _LOCAL.pending, None
+    return pending
+
+
+def numbers(policy: Policy) -> bool:
+    """Whether a block with `policy` is a numbered policy block (see NOTE [selective recompute])."""
+    return not policy.recomputes_everything or _LOCAL.explain is not None
+
+
+# op -> "unnumbered" (views, in-place, out=), "random" or "plain"
+_KINDS: dict[Any, str] = {}
+# op -> the positions and names of the arguments it writes to
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors `op` changes in place (its ``Tensor(a!)`` arguments)."""
+    writes = _WRITES.get(op)
+    if writes is None:
+        schema = getattr(op, "_schema", None)
+        arguments = schema.arguments if schema is not None else []
+        writes = tuple(
+            (position, a.name)
+            for position, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITES[op] = writes
+    found = []
+    for position, name in writes:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        found += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _kind(op: Any) -> str:
+    kind = _KINDS.get(op)
+    if kind is None:
+        schema = getattr(op, "_schema", None)
+        if schema is None or any(r.alias_info is not None for r in schema.returns) or not schema.returns:
+            kind = "unnumbered"
+        elif torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            kind = "random"
+        else:
+            kind = "plain"
+        _KINDS[op] = kind
+    return kind
+
+
+def unnumbered(op: Any) -> bool:
+    """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
+    return _kind(op) == "unnumbered"
+
+
+def _rng_state(out: Any) -> dict[str, Any]:
+    devices = {t.device for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    states: dict[str, Any] = {}
+    for device in devices:
+        if device.type == "cpu":
+            states["cpu"] = torch.get_rng_state()
+        elif device.type != "meta":
+            states[str(device)] = torch.get_device_module(device.type).get_rng_state(device)
+    return states
+
+
+def _set_rng_state(states: dict[str, Any]) -> None:
+    for name, state in states.items():
+        if name == "cpu":
+            torch.set_rng_state(state)
+        else:
+            device = torch.device(name)
+            torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+class _Mode(TorchDispatchMode):
+    """Numbers, keeps and serves operation outputs for the innermost policy block."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        scope = _LOCAL.scopes[-1] if _LOCAL.scopes else None
+        if _LOCAL.internal:
+            return func(*args, **kwargs)
+        written = _written(func, args, kwargs)
+        if written:
+            for recording in _LOCAL.scopes:
+                if recording.policy is not None and recording.cache is not None and recording.cache.storages:
+                    for tensor in written:
+                        recording.cache.changed(tensor)
+        if scope is None or scope.block is None or _kind(func) == "unnumbered":
+            return self._run(func, args, kwargs, None, None)
+        index = scope.next_index
+        scope.next_index += 1
+        cache = scope.cache
+        assert cache is not None
+        if scope.policy is not None:
+            return self._record(scope, cache, index, func, args, kwargs)
+        kept = cache.get(scope.block, index)
+        if kept is not None:
+            if kept.op is not func:
+                raise NondeterministicRecompute(
+                    f"operation #{index} of the recomputed block is {func}, the first forward ran {kept.op} "
+                    "there; the block must run the same operations when it is recomputed"
+                )
+            if kept.intact():
+                if kept.rng_after is not None and scope.replay_rng:
+                    _set_rng_state(kept.rng_after)
+                out = kept.served()
+                if scope.consume:
+                    cache.drop(scope.block, index)
+                if _LOCAL.explain is not None:
+                    _LOCAL.explain.on_served(func, out, (id(cache), scope.block, index))
+                return out
+            cache.drop(scope.block, index)  # changed in place after the block returned
+        return self._run(func, args, kwargs, (id(cache), scope.block, index), None)
+
+    def _record(self, scope: _Scope, cache: OpCache, index: int, func: Any, args: Any, kwargs: Any) -> Any:
+        policy = scope.policy
+        assert policy is not None and scope.block is not None
+        decision = Decision.of(policy.decide(OpCall(func, args, kwargs, _LOCAL.function)), policy)
+        out = self._run(func, args, kwargs, (id(cache), scope.block, index), decision)
+        random = _kind(func) == "random"
+        if decision.saves:
+            if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+                cache.keep(scope.block, index, _Kept(func, out, _rng_state(out) if random else None))
+                if _LOCAL.explain is not None:
+                    _LOCAL.explain.on_kept(cache, (scope.block, index))
+        elif scope.made is not None:
+            leaves = tree_leaves(out)
+            if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
+                rng = _rng_state(out) if random else None
+                refs = tuple(weakref.ref(t) for t in leaves)
+                bare = isinstance(out, torch.Tensor)
+                for t in leaves:
+                    scope.made[id(t)] = (weakref.ref(t), index, func, refs, bare, rng)
+        return out
+
+    @staticmethod
+    def _run(func: Any, args: Any, kwargs: Any, key: tuple[int, int, int] | None, decision: Any) -> Any:
+        if _LOCAL.explain is not None and not _LOCAL.internal:
+            _LOCAL.pending = (key, decision)  # for the observer's mode, which sees the op next
+        return func(*args, **kwargs)
+
+
+class _Functions(TorchFunctionMode):
+    """Tells the policies which torch function (``F.gelu``, ``Tensor.softmax``) is running."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _LOCAL.function is not None:
+            return func(*args, **(kwargs or {}))
+        _LOCAL.function = _normalised(getattr(func, "__name__", ""))
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _LOCAL.function = None
+
+
+@contextlib.contextmanager
+def _scope(scope: _Scope, functions: bool) -> Iterator[_Scope]:
+    stack = contextlib.ExitStack()
+    with stack:
+        if scope.block is not None and not _LOCAL.mode_active:
+            stack.enter_context(_Mode())
+            stack.callback(setattr, _LOCAL, "mode_active", False)
+            _LOCAL.mode_active = True
+        if functions:
+            stack.enter_context(_Functions())
+        _LOCAL.scopes.append(scope)
+        try:
+            yield scope
+        finally:
+            _LOCAL.scopes.pop()
+            scope.made = None
+            if scope.policy is not None and scope.cache is not None and scope.block is not None:
+                scope.cache.seal(scope.block)
+
+
+def recording(cache: OpCache, block: int | None, policy: Policy) -> contextlib.AbstractContextManager[_Scope]:
+    """The first forward of policy block `block` (None: a nested block that keeps nothing)."""
+    active = block is not None and not policy.recomputes_everything
+    return _scope(_Scope(cache, block, policy if block is not None else None, True), active and bool(policy.functions))
+
+
+def replaying(
+    cache: OpCache, block: int | None, *, replay_rng: bool, consume: bool = False
+) -> contextlib.AbstractContextManager[_Scope]:
+    """A recompute of policy block `block` (None: one that kept nothing).
+
+    With `consume`, the block will not run again: each kept output is let go as soon as
+    it is handed over, and lives on only where the recompute's graph holds it.
+    """
+    return _scope(_Scope(cache, block, None, replay_rng, consume), False)
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Names `tensor` for :func:`remat.policies.save_names`; returns `tensor` itself.
+
+    Inside a recomputed block whose policy keeps tensors of that name, the output of the
+    operation that made `tensor` (its base, for a view) is kept for backward; the
+    recompute does not run that operation again. Anywhere else it does nothing.
+
+    Example::
+
+        scores = remat.tag(q @ k.transpose(-2, -1), "attention_scores")
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"remat.tag(tensor, name) takes a non-empty string name, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"remat.tag(tensor, name) takes a tensor, got {type(tensor).__name__}")
+    target = tensor if tensor._base is None else tensor._base
+    for scope in reversed(_LOCAL.scopes):
+        if scope.made is None or scope.policy is None or scope.cache is None or scope.block is None:
+            continue
+        made = scope.made.get(id(target))
+        if made is None or made[0]() is not target:
+            continue
+        decision = scope.policy.decide_name(name)
+        if decision is not None and decision.saves:
+            _, index, op, refs, bare, rng = made
+            outputs = [ref() for ref in refs]
+            if any(o is None for o in outputs):
+                break  # another output of the operation is gone: it is recomputed
+            scope.cache.keep(scope.block, index, _Kept(op, outputs[0] if bare else tuple(outputs), rng))
+            if _LOCAL.explain is not None:
+                _LOCAL.explain.on_kept(scope.cache, (scope.block, index))
+        break
+    return tensor
+
+
+# -- the numbering of policy blocks, for remat.manual._frames (see NOTE [selective recompute])
+def recording_block(root: Any, span: Any, policy: Policy) -> contextlib.AbstractContextManager[Any]:
+    """The first forward of a block with `policy` in the frame `root`; `span` gets its ordinal."""
+    if numbers(policy):
+        if root.cache is None:
+            root.cache = OpCache()
+        span.policy_key = root.policy_blocks
+        root.policy_blocks += 1
+    if root.cache is None:
+        return contextlib.nullcontext()
+    return recording(root.cache, span.policy_key, policy)
+
+
+def next_block(frame: Any, options: Any) -> int | None:
+    """The ordinal of a nested block met while `frame` recomputes (None: it keeps nothing)."""
+    if frame.root.cache is None or not numbers(options.policy):
+        return None
+    frame.policy_cursor += 1
+    return int(frame.policy_cursor - 1)
+
+
+def replaying_block(
+    root: Any, block: int | None, options: Any, *, consume: bool = False
+) -> contextlib.AbstractContextManager[Any]:
+    """A recompute of policy block `block` of the frame `root` (`consume`: see :func:`replaying`)."""
+    if root.cache is None:
+        return contextlib.nullcontext()
+    return replaying(root.cache, block, replay_rng=options.preserve_rng_state, consume=consume)

@@ -1,0 +1,528 @@
+"""Selective recompute: policies decide per operation, gradients stay bit for bit.
+
+Each decision is asserted by counting, per ATen operation, how many times it ran in the
+forward, again in backward (a recompute) and as a gradient: a kept output's operation must
+never run twice, a recomputed one must run again. Gradients, outputs and buffers are
+compared with plain autograd with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import RematError, policies
+from remat.policies import Decision
+
+pytestmark = pytest.mark.usefixtures("clean_remat_state")
+
+
+# ----------------------------------------------------------------------------- helpers
+class OpCounter(TorchDispatchMode):
+    """Counts ATen operations by name, in the forward, in recomputes and in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.counts: dict[str, Counter[str]] = {"forward": Counter(), "recompute": Counter(), "backward": Counter()}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        phase = "recompute" if remat.is_recomputing() else self.phase
+        if not func.is_view and func is not torch.ops.aten.detach.default:
+            self.counts[phase][func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run_step(forward: Callable[[], Any], leaves: list[torch.Tensor], seed: int = 7) -> tuple[Any, list, OpCounter]:
+    """One forward and backward: the output, the gradients of `leaves`, the op counts."""
+    for leaf in leaves:
+        leaf.grad = None
+    torch.manual_seed(seed)
+    with OpCounter() as counter:
+        out = forward()
+        counter.phase = "backward"
+        weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        (out * weights).sum().backward()
+    grads = [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
+    return out.detach(), grads, counter
+
+
+def assert_same(expected: tuple[Any, list, OpCounter], got: tuple[Any, list, OpCounter]) -> None:
+    assert torch.equal(expected[0], got[0])
+    assert len(expected[1]) == len(got[1])
+    for a, b in zip(expected[1], got[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16, p: float = 0.25) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.drop(self.fc2(self.drop(self.act(self.fc1(x))))))
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = remat.tag(q @ k.transpose(-2, -1) / (c // self.heads) ** 0.5, "scores")
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        probs = F.dropout(scores.masked_fill(~mask, float("-inf")).softmax(-1), 0.2, training=self.training)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class ConvBN(nn.Module):
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout2d(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.act(self.bn(self.conv(x))))
+
+
+def mlp_case() -> tuple[nn.Module, torch.Tensor]:
+    return MLP(), torch.randn(4, 16, requires_grad=True)
+
+
+def attention_case() -> tuple[nn.Module, torch.Tensor]:
+    return Attention(), torch.randn(2, 5, 16, requires_grad=True)
+
+
+def conv_case() -> tuple[nn.Module, torch.Tensor]:
+    return ConvBN(), torch.randn(2, 4, 6, 6, requires_grad=True)
+
+
+CASES = {"mlp": mlp_case, "attention": attention_case, "conv_bn": conv_case}
+
+POLICIES: dict[str, Any] = {
+    "save_nothing": policies.save_nothing,
+    "save_all": policies.save_all,
+    "save_matmuls": policies.save_matmuls,
+    "recompute_gelu": policies.recompute_ops(torch.ops.aten.gelu),
+    "recompute_functional_dropout": policies.recompute_ops(F.dropout, "softmax"),
+    "save_addmm_overload": policies.save_ops(torch.ops.aten.addmm.default, "aten.convolution"),
+    "save_names": policies.save_names("scores"),
+    "either": policies.either(policies.save_matmuls, policies.save_names("scores")),
+    "both": policies.both(policies.save_matmuls, policies.save_ops(torch.ops.aten.bmm)),
+    "true": True,
+    "false": False,
+    "callable": lambda op, *args, **kwargs: op.overloadpacket.__name__ in ("addmm", "_softmax", "bmm"),
+}
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_gives_plain_autograd_gradients_and_buffers(case: str, name: str) -> None:
+    model, x = CASES[case]()
+    twin = copy.deepcopy(model)
+    leaves = [x, *model.parameters()]
+    plain = run_step(lambda: model(x), leaves)
+    got = run_step(lambda: remat.recompute(twin, x, policy=POLICIES[name]), [x, *twin.parameters()])
+    assert_same(plain, got)
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+        assert torch.equal(a, b)  # running statistics updated once, as in plain autograd
+
+
+@pytest.mark.parametrize("name", ["save_matmuls", "recompute_gelu", "callable"])
+def test_marked_applied_and_sequential_forms_take_a_policy(name: str) -> None:
+    model, x = mlp_case()
+    marked, applied = copy.deepcopy(model), copy.deepcopy(model)
+    plain = run_step(lambda: model(x), [x, *model.parameters()])
+    remat.mark(marked, policy=POLICIES[name])
+    remat.apply(applied, MLP, policy=POLICIES[name])
+    assert_same(plain, run_step(lambda: marked(x), [x, *marked.parameters()]))
+    assert_same(plain, run_step(lambda: applied(x), [x, *applied.parameters()]))
+    chain = nn.Sequential(copy.deepcopy(model), copy.deepcopy(model))
+    twin = copy.deepcopy(chain)
+    expected = run_step(lambda: chain(x), [x, *chain.parameters()])
+    got = run_step(lambda: remat.recompute_sequential(twin, 2, x, policy=POLICIES[name]), [x, *twin.parameters()])
+    assert_same(expected, got)
+
+
+# ----------------------------------------------------------------------------- decisions
+def test_save_matmuls_never_runs_a_matmul_twice_and_recomputes_the_rest_once() -> None:
+    model, x = attention_case()
+    _, _, counter = run_step(lambda: remat.recompute(model, x, policy=policies.save_matmuls), [x])
+    forward, again = counter.counts["forward"], counter.counts["recompute"]
+    assert forward["addmm"] == 2 and forward["bmm"] == 2
+    for matmul in ("mm", "addmm", "bmm", "matmul"):
+        assert again[matmul] == 0
+    assert again["_softmax"] == 1 and again["masked_fill"] == 1
+
+
+def test_whole_block_recompute_runs_every_operation_again() -> None:
+    model, x = mlp_case()
+    _, _, counter = run_step(lambda: remat.recompute(model, x), [x])
+    forward, again = counter.counts["forward"], counter.counts["recompute"]
+    # the last LayerNorm's own output is not needed by its backward: early stop ends there
+    assert again["addmm"] == forward["addmm"] == 2
+    assert again["gelu"] == 1 and again["bernoulli_"] == 2
+
+
+def test_recompute_ops_recomputes_only_the_marked_operation() -> None:
+    model, x = mlp_case()
+    _, _, counter = run_step(lambda: remat.recompute(model, x, policy=policies.recompute_ops("gelu")), [x])
+    again = counter.counts["recompute"]
+    assert again["gelu"] == 1
+    assert again["addmm"] == 0 and again["native_layer_norm"] == 0 and again["mul"] == 0
+    # the dropout masks are made in place (bernoulli_ on an empty tensor): never kept, so made again
+    assert again["bernoulli_"] == 2
+
+
+def test_a_torch_function_name_matches_every_operation_it_runs() -> None:
+    model, x = mlp_case()
+    _, _, counter = run_step(lambda: remat.recompute(model, x, policy=policies.recompute_ops(F.dropout)), [x])
+    again = counter.counts["recompute"]
+    assert again["bernoulli_"] == 2 and again["empty_like"] == 2
+    assert again["gelu"] == 0 and again["addmm"] == 0
+
+
+def test_save_names_keeps_the_tagged_tensor_and_recomputes_the_rest() -> None:
+    model, x = attention_case()
+    _, _, counter = run_step(lambda: remat.recompute(model, x, policy=policies.save_names("scores")), [x])
+    forward, again = counter.counts["forward"], counter.counts["recompute"]
+    assert forward["div"] == 1
+    assert again["div"] == 0  # the tagged division's output is handed to the recompute
+    assert again["bmm"] == 2  # both products (scores, and probabilities @ values) run again
+    assert again["addmm"] == 1
+
+
+def test_tag_outside_a_recompute_returns_the_tensor_itself() -> None:
+    x = torch.randn(3)
+    assert remat.tag(x, "name") is x
+    with pytest.raises(TypeError, match="non-empty string"):
+        remat.tag(x, "")
+
+
+def test_combinators_follow_must_before_prefer() -> None:
+    mm = torch.ops.aten.mm.default
+    gelu = torch.ops.aten.gelu.default
+    either = policies.either(policies.recompute_ops(gelu), policies.save_matmuls)
+    assert either(mm) is Decision.MUST_SAVE
+    assert either(gelu) is Decision.MUST_RECOMPUTE
+    assert either(torch.ops.aten.sin.default) is Decision.PREFER_SAVE
+    both = policies.both(policies.recompute_ops(gelu), policies.save_matmuls)
+    assert both(mm) is Decision.MUST_SAVE
+    assert both(torch.ops.aten.sin.default) is Decision.PREFER_RECOMPUTE
+    assert policies.either(policies.save_all, policies.save_nothing).saves_everything
+    assert policies.both(policies.save_all, policies.save_nothing).recomputes_everything
+
+
+def test_bool_and_callable_policies_are_normalised() -> None:
+    assert policies.as_policy(True) is policies.save_all
+    assert policies.as_policy(False) is policies.save_nothing
+    assert policies.as_policy(None) is policies.save_nothing
+    custom = policies.as_policy(lambda op, *args, **kwargs: op is torch.ops.aten.mm.default)
+    assert custom(torch.ops.aten.mm.default) is Decision.MUST_SAVE
+    assert custom(torch.ops.aten.add.Tensor) is Decision.PREFER_RECOMPUTE
+    with pytest.raises(RematError, match="policy must be"):
+        policies.as_policy(3)  # type: ignore[arg-type]
+    wrong = policies.as_policy(lambda op, *args, **kwargs: "yes")
+    with pytest.raises(RematError, match="returned 'yes'"):
+        remat.recompute(lambda t: t.sin() @ t, torch.randn(2, 2, requires_grad=True), policy=wrong)
+
+
+@pytest.mark.parametrize(
+    ("factory", "argument", "message"),
+    [
+        (policies.save_ops, None, "at least one operation"),
+        (policies.save_ops, "aten.no_such_op", "no ATen operation"),
+        (policies.recompute_ops, "aten.mm.nope", "not an overload"),
+        (policies.recompute_ops, "definitely_not_an_op", "names no torch function"),
+        (policies.save_ops, 3, "takes ATen operations"),
+    ],
+)
+def test_bad_operation_names_are_refused(factory: Any, argument: Any, message: str) -> None:
+    with pytest.raises(RematError, match=message):
+        factory() if argument is None else factory(argument)
+
+
+def test_policies_print_as_they_are_written() -> None:
+    assert repr(policies.save_matmuls) == "remat.policies.save_matmuls"
+    assert "aten.gelu" in repr(policies.recompute_ops(torch.ops.aten.gelu))
+    assert repr(policies.save_names("a")) == "remat.policies.save_names('a')"
+
+
+def test_the_reentrant_implementation_refuses_a_selective_policy() -> None:
+    x = torch.randn(3, 3, requires_grad=True)
+    with pytest.raises(RematError, match="needs the hook-based implementation"):
+        remat.recompute(torch.sin, x, use_reentrant=True, policy=policies.save_matmuls)
+    # keeping everything needs no recompute at all: the block just runs
+    assert torch.equal(remat.recompute(torch.sin, x, use_reentrant=True, policy=True), torch.sin(x))
+
+
+# ----------------------------------------------------------------------------- exactness traps
+def test_a_kept_random_operation_leaves_the_generator_where_the_forward_did() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        noisy = x * torch.rand_like(x)  # kept: the recompute does not draw these numbers
+        return F.dropout(noisy.sin(), 0.5, training=True)  # recomputed: must draw the same mask
+
+    x = torch.randn(6, 6, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    policy = policies.save_ops(torch.ops.aten.rand_like)
+    got = run_step(lambda: remat.recompute(block, x, policy=policy), [x])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["rand_like"] == 0 and got[2].counts["recompute"]["bernoulli_"] == 1
+
+
+def test_is_recomputing_is_true_in_a_selective_recompute() -> None:
+    seen: list[bool] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(remat.is_recomputing())
+        return (x @ x).sin()
+
+    x = torch.randn(3, 3, requires_grad=True)
+    remat.recompute(block, x, policy=policies.save_matmuls).sum().backward()
+    assert seen == [False, True]
+
+
+def test_a_kept_output_changed_in_place_in_the_forward_is_computed_again() -> None:
+    def block(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = a @ w
+        y.add_(1)
+        return (y * 2).sin()
+
+    a, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    plain = run_step(lambda: block(a, w), [a, w])
+    got = run_step(lambda: remat.recompute(block, a, w, policy=policies.save_matmuls), [a, w])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["mm"] == 1  # its kept output no longer held the product
+
+
+def test_a_kept_output_changed_after_the_block_returned_is_computed_again() -> None:
+    def block(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = a @ w
+        return y, (y * 3).sin()
+
+    a, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+    def forward(recomputed: bool) -> torch.Tensor:
+        y, z = remat.recompute(block, a, w, policy=policies.save_matmuls) if recomputed else block(a, w)
+        y.mul_(5)  # the block's output, changed by the caller
+        return y + z
+
+    plain = run_step(lambda: forward(False), [a, w])
+    got = run_step(lambda: forward(True), [a, w])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["mm"] == 1
+
+
+@pytest.mark.parametrize(("outer", "inner"), [(None, "save_matmuls"), ("save_matmuls", None)])
+def test_a_nested_block_decides_for_its_own_operations(outer: str | None, inner: str | None) -> None:
+    first, second = MLP(), MLP()
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        t = first(t)
+        t = remat.recompute(second, t, policy=POLICIES[inner] if inner else None)
+        return t.cos()
+
+    leaves = [x, *first.parameters(), *second.parameters()]
+    plain = run_step(lambda: second(first(x)).cos(), leaves)
+    got = run_step(lambda: remat.recompute(body, x, policy=POLICIES[outer] if outer else None), leaves)
+    assert_same(plain, got)
+    again = got[2].counts["recompute"]
+    # the outer block's two matmuls run again only when it keeps nothing; the inner's never do
+    # when it saves them, and once more each (for the outer's own recompute) otherwise
+    assert again["addmm"] == (2 if outer is None else 0) + (0 if inner else 4)
+
+
+def test_retained_graphs_recompute_again_with_the_kept_outputs() -> None:
+    model, x = mlp_case()
+    twin = copy.deepcopy(model)
+    torch.manual_seed(1)
+    expected = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    torch.manual_seed(1)
+    out = remat.recompute(twin, x, policy=policies.save_matmuls).sum()
+    first = torch.autograd.grad(out, [x, *twin.parameters()], retain_graph=True)
+    second = torch.autograd.grad(out, [x, *twin.parameters()])
+    for a, b, c in zip(expected, first, second, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- memory
+def _kept_after_forward(policy: Any) -> int:
+    """Bytes alive after the forward of a 4-layer MLP, beyond its input and output."""
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(32, 64, requires_grad=True)
+    with remat.MemoryTracker() as tracker:
+        out = remat.recompute(layers, x, policy=policy) if policy != "plain" else layers(x)
+        live = tracker.live_bytes
+    del out
+    return live - 32 * 64 * 4  # the output itself
+
+
+def test_the_memory_kept_is_what_the_policy_keeps() -> None:
+    activation = 32 * 64 * 4
+    # tanh keeps its output (the next layer's input too); a product's output is not needed
+    assert _kept_after_forward("plain") == 3 * activation
+    assert _kept_after_forward(policies.save_nothing) == 0
+    # the four products' outputs: more than plain autograd keeps for this network
+    assert _kept_after_forward(policies.save_matmuls) == 4 * activation
+    assert _kept_after_forward(policies.recompute_ops(torch.ops.aten.tanh)) == 4 * activation
+
+
+@pytest.mark.parametrize("case", ["mlp", "attention"])
+def test_the_peak_matches_torch_selective_checkpointing_at_equal_policy(case: str) -> None:
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from remat.manual._selective import unnumbered
+
+    model, x = CASES[case]()
+    policy = policies.save_matmuls
+
+    def same_decisions(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if unnumbered(op):  # remat never keeps views and in-place outputs
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy[policy(op, *args, **kwargs).name]
+
+    runs = {
+        "remat": lambda: remat.recompute(model, x, policy=policy),
+        "torch": lambda: checkpoint(
+            model,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(same_decisions),
+        ),
+    }
+    peaks = {}
+    for name, run in runs.items():
+        torch.manual_seed(0)
+        with remat.MemoryTracker() as tracker:
+            out = run()
+            out.sum().backward()
+            del out
+        peaks[name] = tracker.peak_bytes
+    assert peaks["remat"] == peaks["torch"]
+
+
+# ----------------------------------------------------------------------------- explain and residuals
+def test_explain_lists_each_operation_with_what_becomes_of_its_output() -> None:
+    model, x = mlp_case()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = torch.get_rng_state()
+    explanation = remat.explain(model, x, policy=policies.save_matmuls)
+    forward = {(o.op, o.status) for o in explanation.forward()}
+    assert ("aten.addmm.default", "kept") in forward
+    assert ("aten.mul.Tensor", "recomputed") in forward  # dropout's output, the next layer's input
+    gelu = next(o for o in explanation.forward() if o.op == "aten.gelu.default")
+    assert gelu.status == "freed" and gelu.reruns == 1  # no backward needs it, the recompute does
+    assert explanation.counts("recompute")["addmm"] == 0
+    assert explanation.counts("recompute", status="served")["addmm"] == 2
+    assert explanation.counts("recompute")["gelu"] == 1
+    totals = explanation.totals
+    assert totals["kept_bytes"] == 4 * 32 * 4 + 4 * 16 * 4
+    assert totals["recomputed_ops"] > 0 and totals["gradient_ops"] > 0
+    json.dumps(explanation.to_dict())
+    text = str(explanation)
+    assert "addmm" in text and "kept by the policy" in text
+    # nothing is left behind: gradients, parameters, the generator
+    assert all(p.grad is None for p in model.parameters()) and x.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_explain_of_a_plain_model_shows_what_autograd_saves() -> None:
+    model, x = mlp_case()
+    explanation = remat.explain(model, x)
+    statuses = Counter(o.status for o in explanation.forward())
+    assert statuses["saved"] > 0 and statuses["recomputed"] == 0 and statuses["kept"] == 0
+    assert explanation.totals["recomputed_ops"] == 0
+
+
+def test_explain_of_a_marked_model_shows_the_recomputed_block() -> None:
+    model = nn.Sequential(MLP(), MLP())
+    remat.mark(model[1], policy=policies.recompute_ops("gelu"))
+    explanation = remat.explain(model, torch.randn(4, 16, requires_grad=True))
+    again = explanation.counts("recompute")
+    assert again["gelu"] == 1 and again["addmm"] == 0
+
+
+def test_saved_residuals_reports_per_policy() -> None:
+    model, x = mlp_case()
+    plain = remat.saved_residuals(model, x)
+    whole = remat.saved_residuals(model, x, policy=None)
+    matmuls = remat.saved_residuals(model, x, policy=policies.save_matmuls)
+
+    def activation_bytes(saved: list[remat.SavedTensor]) -> int:
+        return sum(s.nbytes for s in saved if s.kind == "activation" and not s.shared)
+
+    assert activation_bytes(whole) == 0 and [s.kind for s in whole] == ["input"]
+    assert activation_bytes(matmuls) == 4 * 32 * 4 + 4 * 16 * 4
+    assert {s.module for s in matmuls if s.kind == "activation"} == {"fc1", "fc2"}
+    assert activation_bytes(plain) > activation_bytes(matmuls)
+
+
+# ----------------------------------------------------------------------------- automatic mode
+def test_enable_with_a_policy_recomputes_every_stage_under_it() -> None:
+    model = remat.models.gpt2(vocab_size=50, n_positions=16, d_model=32, n_heads=2, n_layers=3, dropout=0.1)
+    twin = copy.deepcopy(model)
+    tokens = torch.randint(0, 50, (2, 16))
+    plain = run_step(lambda: model(tokens), list(model.parameters()))
+    remat.enable(twin, policy=policies.recompute_ops("gelu"))
+    got = run_step(lambda: twin(tokens), list(twin.parameters()))
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["gelu"] == 3
+    assert got[2].counts["recompute"]["addmm"] == 0 and got[2].counts["recompute"]["bmm"] == 0
+
+
+def test_enable_with_a_policy_per_stage() -> None:
+    model = nn.Sequential(MLP(), MLP(), MLP())
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    plain = run_step(lambda: model(x), [x, *model.parameters()])
+    remat.enable(twin, policy={"1": policies.save_matmuls, 2: None})
+    got = run_step(lambda: twin(x), [x, *twin.parameters()])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["gelu"] == 1 and got[2].counts["recompute"]["addmm"] == 0
+
+
+def test_enable_refuses_what_it_cannot_do_with_a_policy() -> None:
+    with pytest.raises(NotImplementedError, match="budget"):
+        remat.enable(nn.Sequential(MLP(), MLP()), 0.5, policy=policies.save_matmuls)
+    model = nn.Sequential(MLP(), MLP())
+    remat.enable(model, policy={"nope": policies.save_matmuls})
+    with pytest.raises(RematError, match="not in the model's chain"):
+        model(torch.randn(4, 16, requires_grad=True))
+    assert not any("_call_impl" in m.__dict__ for m in model.modules() if m is not model)
+
+
+def test_a_kept_output_changed_by_the_code_around_a_nested_block_is_computed_again() -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        y = remat.recompute(torch.mm, x, w, policy=policies.save_matmuls)
+        y.add_(1)  # the outer block changes the inner one's kept output, then lets it go
+        return y.sin()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    plain = run_step(lambda: torch.mm(x, w).add_(1).sin(), [x, w])
+    got = run_step(lambda: remat.recompute(outer, x), [x, w])
+    assert_same(plain, got)
