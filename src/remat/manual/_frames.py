@@ -528,16 +528,18 @@ def _first_forward(
             _debug.traced(options.debug) as root.trace,
             _selective.recording_block(root, root.span, options.policy),
         ):
+            # known before the block runs: a backward inside it may recompute it already
+            root.policy_key = root.span.policy_key
+            root.policy_start = root.policy_cursor = 0 if root.policy_key is None else root.policy_key + 1
             out = function(*args, **kwargs)
     finally:
         _STACK.pop()
         root.open_spans.clear()
         root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
     root.stop = root.span.stop = len(root.handles)
-    root.policy_key = root.span.policy_key
-    root.policy_start = root.policy_cursor = 0 if root.policy_key is None else root.policy_key + 1
     if root.cache is not None:
-        root.cache.seal()
+        with _selective.internal():
+            root.cache.seal()
     if output_recompute:
         register_outputs(root, out)
     return out

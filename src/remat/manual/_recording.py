@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from remat.manual import _selective
 from remat.manual._frames import _STACK, _Context, _Root
 from remat.manual._tensors import RecomputeOptions
 
@@ -50,6 +51,7 @@ class _DiscardingStage:
     def __init__(self, root: _Root) -> None:
         self._root = root
         self._recording: Any = None
+        self._unnumbered: Any = None  # while the glue after the stage runs
 
     def __enter__(self) -> None:
         _STACK.push(_Context("discard", self._root))
@@ -65,6 +67,8 @@ class _DiscardingStage:
         recording, self._recording = self._recording, None
         if recording is not None:
             recording.__exit__(None, None, None)
+            self._unnumbered = _selective.blocks_unnumbered()
+            self._unnumbered.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
@@ -72,4 +76,7 @@ class _DiscardingStage:
                 self._recording.__exit__(*exc)
                 self._recording = None
         finally:
+            if self._unnumbered is not None:
+                self._unnumbered.__exit__(None, None, None)
+                self._unnumbered = None
             _STACK.pop()

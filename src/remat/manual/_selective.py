@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
 from remat.manual.policies import Decision, OpCall, Policy, _normalised
+from remat.memory import note_kept_for_backward
 
 __all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
 
@@ -63,31 +64,32 @@ class _Kept:
     others are gone, and nothing can change them any more.
     """
 
-    __slots__ = ("op", "value", "versions", "rng_after", "originals")
+    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions")
 
     def __init__(self, op: Any, out: Any, rng_after: dict[str, Any] | None) -> None:
         self.op = op
         self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-        self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.versions: tuple[int, ...] | None = None  # set when the first forward ends
         self.rng_after = rng_after
+        # every tensor of the first forward sharing its storage (the outputs, their views)
+        self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # once sealed: aliases sharing the version counters of those still alive, and their versions
+        self.watchers: list[torch.Tensor] = []
+        self.versions: tuple[int, ...] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in tree_leaves(self.value) if isinstance(t, torch.Tensor)]
 
     def seal(self) -> None:
-        """Its block's first forward ended: alias the outputs still alive so that later changes show."""
+        """Its block's first forward ended: watch the tensors still alive so that later changes show."""
         if self.versions is not None:
             return
-        originals = [ref() for ref in self.originals]
+        alive = [t for t in (ref() for ref in self.originals) if t is not None]
         self.originals = []
-        if any(o is not None for o in originals):
-            aliases = iter(o.detach() if o is not None else t for o, t in zip(originals, self.tensors(), strict=True))
-            self.value = tree_map(lambda t: next(aliases) if isinstance(t, torch.Tensor) else t, self.value)
-        self.versions = tuple(t._version for t in self.tensors())
+        self.watchers = [t.detach() for t in alive]  # above autograd: the same version counter
+        self.versions = tuple(t._version for t in self.watchers)
 
     def intact(self) -> bool:
-        return self.versions is None or tuple(t._version for t in self.tensors()) == self.versions
+        return self.versions is None or tuple(t._version for t in self.watchers) == self.versions
 
     def served(self) -> Any:
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.value)
@@ -96,25 +98,39 @@ class _Kept:
 class OpCache:
     """The outputs a root frame's policies kept: ``entries[block][index]``."""
 
-    __slots__ = ("entries", "storages", "__weakref__")
+    __slots__ = ("entries", "storages", "ops", "__weakref__")
 
     def __init__(self) -> None:
         self.entries: dict[int, dict[int, _Kept]] = {}
+        self.ops: dict[int, list[Any]] = {}  # each policy block's numbered operations, in order
         # while the first forward runs: storage -> the entries holding it
         self.storages: dict[int, list[tuple[int, int]]] | None = {}
 
     def keep(self, block: int, index: int, kept: _Kept) -> None:
         self.entries.setdefault(block, {})[index] = kept
+        for t in kept.tensors():  # measured as kept for backward, as a saved tensor is
+            note_kept_for_backward(t)
         if self.storages is not None:
             for t in kept.tensors():
                 if t.layout == torch.strided:
-                    self.storages.setdefault(t.untyped_storage().data_ptr(), []).append((block, index))
+                    self.storages.setdefault(_storage_key(t), []).append((block, index))
 
     def changed(self, tensor: torch.Tensor) -> None:
         """`tensor` is changed in place during the first forward: entries holding its storage go."""
         if self.storages and tensor.layout == torch.strided:
-            for block, index in self.storages.pop(tensor.untyped_storage().data_ptr(), ()):
+            for block, index in self.storages.pop(_storage_key(tensor), ()):
                 self.drop(block, index)
+
+    def sharing(self, out: Any) -> None:
+        """The outputs of an operation of the first forward: those sharing a kept storage are watched too."""
+        if not self.storages:
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                for block, index in self.storages.get(_storage_key(t), ()):
+                    kept = self.get(block, index)
+                    if kept is not None and kept.versions is None:
+                        kept.originals.append(weakref.ref(t))
 
     def get(self, block: int, index: int) -> _Kept | None:
         entries = self.entries.get(block)
@@ -139,20 +155,9 @@ class OpCache:
                 for kept in entries.values():
                     kept.seal()
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the kept outputs (shared storages counted once)."""
-        seen: set[int] = set()
-        total = 0
-        for entries in self.entries.values():
-            for kept in entries.values():
-                for t in tree_leaves(kept.value):
-                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                        key = t.untyped_storage().data_ptr()
-                        if key not in seen:
-                            seen.add(key)
-                            total += t.untyped_storage().nbytes()
-        return total
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
 
 
 class _Scope:
@@ -181,6 +186,7 @@ class _Local(threading.local):
         self.explain: Any = None  # remat.manual.explain's observer, while explaining
         self.pending: Any = None  # (key, decision) of the operation the observer sees next
         self.mode_active = False  # whether the selective mode is on this thread's mode stack
+        self.unnumbered_blocks = 0  # see blocks_unnumbered
 
 
 _LOCAL = _Local()
@@ -238,8 +244,27 @@ def take_pending() -> Any:
 
 def numbers(policy: Policy) -> bool:
     """Whether a block with `policy` is a numbered policy block (see NOTE [selective recompute])."""
+    if _LOCAL.unnumbered_blocks:
+        return False
     return not policy.recomputes_everything or _LOCAL.explain is not None
 
+
+@contextlib.contextmanager
+def blocks_unnumbered() -> Iterator[None]:
+    """Recomputed blocks entered inside keep nothing: code that is replayed as torch calls.
+
+    The executor replays the model's code between two stages (its glue) as the torch calls
+    it made, not through the blocks it called: a block there with a policy would be
+    numbered in the first forward and never met by the replay.
+    """
+    _LOCAL.unnumbered_blocks += 1
+    try:
+        yield
+    finally:
+        _LOCAL.unnumbered_blocks -= 1
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
 
 # op -> "unnumbered" (views, in-place, out=), "random" or "plain"
 _KINDS: dict[Any, str] = {}
@@ -270,7 +295,8 @@ def _kind(op: Any) -> str:
     kind = _KINDS.get(op)
     if kind is None:
         schema = getattr(op, "_schema", None)
-        if schema is None or any(r.alias_info is not None for r in schema.returns) or not schema.returns:
+        returns = schema.returns if schema is not None else []
+        if not any("Tensor" in str(r.type) for r in returns) or any(r.alias_info is not None for r in returns):
             kind = "unnumbered"
         elif torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             kind = "random"
@@ -319,30 +345,46 @@ class _Mode(TorchDispatchMode):
                 if recording.policy is not None and recording.cache is not None and recording.cache.storages:
                     for tensor in written:
                         recording.cache.changed(tensor)
-        if scope is None or scope.block is None or _kind(func) == "unnumbered":
-            return self._run(func, args, kwargs, None, None)
+        if (
+            scope is None
+            or scope.block is None
+            or _kind(func) == "unnumbered"
+            or not torch.is_grad_enabled()  # saves nothing: code guarded by is_recomputing() runs here
+            or func is _TO_COPY  # a cast autocast may take from its cache in one run and not the other
+        ):
+            out = self._run(func, args, kwargs, None, None)
+            if scope is not None and scope.policy is not None and scope.cache is not None:
+                scope.cache.sharing(out)
+            return out
         index = scope.next_index
         scope.next_index += 1
-        cache = scope.cache
-        assert cache is not None
+        assert scope.cache is not None
         if scope.policy is not None:
-            return self._record(scope, cache, index, func, args, kwargs)
+            return self._record(scope, scope.cache, index, func, args, kwargs)
+        return self._replay(scope, scope.cache, index, func, args, kwargs)
+
+    def _replay(self, scope: _Scope, cache: OpCache, index: int, func: Any, args: Any, kwargs: Any) -> Any:
+        assert scope.block is not None
+        ran = cache.ops.get(scope.block)
+        if ran is not None and (index >= len(ran) or ran[index] is not func):
+            raise NondeterministicRecompute(
+                f"operation #{index} of the recomputed block is {func}, the first forward ran "
+                f"{ran[index] if index < len(ran) else 'no more operations'} there; the block must run the "
+                "same operations when it is recomputed (with a policy, code guarded by "
+                "remat.is_recomputing() must run under torch.no_grad())"
+            )
         kept = cache.get(scope.block, index)
-        if kept is not None:
-            if kept.op is not func:
-                raise NondeterministicRecompute(
-                    f"operation #{index} of the recomputed block is {func}, the first forward ran {kept.op} "
-                    "there; the block must run the same operations when it is recomputed"
-                )
-            if kept.intact():
-                if kept.rng_after is not None and scope.replay_rng:
-                    _set_rng_state(kept.rng_after)
+        if kept is not None and kept.intact():
+            if kept.rng_after is not None and scope.replay_rng:
+                _set_rng_state(kept.rng_after)
+            with internal():
                 out = kept.served()
-                if scope.consume:
-                    cache.drop(scope.block, index)
-                if _LOCAL.explain is not None:
-                    _LOCAL.explain.on_served(func, out, (id(cache), scope.block, index))
-                return out
+            if scope.consume:
+                cache.drop(scope.block, index)
+            if _LOCAL.explain is not None:
+                _LOCAL.explain.on_served(func, out, (id(cache), scope.block, index))
+            return out
+        if kept is not None:
             cache.drop(scope.block, index)  # changed in place after the block returned
         return self._run(func, args, kwargs, (id(cache), scope.block, index), None)
 
@@ -351,10 +393,13 @@ class _Mode(TorchDispatchMode):
         assert policy is not None and scope.block is not None
         decision = Decision.of(policy.decide(OpCall(func, args, kwargs, _LOCAL.function)), policy)
         out = self._run(func, args, kwargs, (id(cache), scope.block, index), decision)
+        cache.ops.setdefault(scope.block, []).append(func)
+        cache.sharing(out)
         random = _kind(func) == "random"
         if decision.saves:
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
-                cache.keep(scope.block, index, _Kept(func, out, _rng_state(out) if random else None))
+                with internal():
+                    cache.keep(scope.block, index, _Kept(func, out, _rng_state(out) if random else None))
                 if _LOCAL.explain is not None:
                     _LOCAL.explain.on_kept(cache, (scope.block, index))
         elif scope.made is not None:
@@ -363,8 +408,9 @@ class _Mode(TorchDispatchMode):
                 rng = _rng_state(out) if random else None
                 refs = tuple(weakref.ref(t) for t in leaves)
                 bare = isinstance(out, torch.Tensor)
+                versions = tuple(t._version for t in leaves)
                 for t in leaves:
-                    scope.made[id(t)] = (weakref.ref(t), index, func, refs, bare, rng)
+                    scope.made[id(t)] = (weakref.ref(t), index, func, refs, bare, rng, versions)
         return out
 
     @staticmethod
@@ -404,7 +450,8 @@ def _scope(scope: _Scope, functions: bool) -> Iterator[_Scope]:
             _LOCAL.scopes.pop()
             scope.made = None
             if scope.policy is not None and scope.cache is not None and scope.block is not None:
-                scope.cache.seal(scope.block)
+                with internal():
+                    scope.cache.seal(scope.block)
 
 
 def recording(cache: OpCache, block: int | None, policy: Policy) -> contextlib.AbstractContextManager[_Scope]:
@@ -448,11 +495,12 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
             continue
         decision = scope.policy.decide_name(name)
         if decision is not None and decision.saves:
-            _, index, op, refs, bare, rng = made
+            _, index, op, refs, bare, rng, versions = made
             outputs = [ref() for ref in refs]
-            if any(o is None for o in outputs):
-                break  # another output of the operation is gone: it is recomputed
-            scope.cache.keep(scope.block, index, _Kept(op, outputs[0] if bare else tuple(outputs), rng))
+            if any(o is None for o in outputs) or tuple(o._version for o in outputs) != versions:
+                break  # another output is gone, or one was changed in place: the operation is recomputed
+            with internal():
+                scope.cache.keep(scope.block, index, _Kept(op, outputs[0] if bare else tuple(outputs), rng))
             if _LOCAL.explain is not None:
                 _LOCAL.explain.on_kept(scope.cache, (scope.block, index))
         break

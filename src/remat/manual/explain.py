@@ -14,6 +14,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -271,14 +272,19 @@ class _Observer(TorchDispatchMode):
         self.phase = "backward"
 
 
-def explain(function: Callable[..., Any], *args: Any, policy: PolicyLike = None, **kwargs: Any) -> Explanation:
+def explain(
+    function: Callable[..., Any], *args: Any, policy: PolicyLike | EllipsisType = ..., **kwargs: Any
+) -> Explanation:
     """Runs one forward and backward of `function` and explains what recompute does.
 
-    With `policy`, `function` runs as :func:`remat.recompute` with that policy; without,
-    it runs as it is, with its marked modules and the plans of an enabled model. The
-    backward starts from the tensor outputs (``ones`` as their gradients; the ``loss`` of
-    an output that has one). Gradients of parameters and inputs, module buffers and the
-    random-number generators are left as they were.
+    With `policy` (None meaning whole-block recompute), `function` runs as
+    :func:`remat.recompute` with that policy; without, it runs as it is, with its marked
+    modules and the plans of an enabled model. The backward starts from the tensor
+    outputs (``ones`` as their gradients; the ``loss`` of an output that has one) and
+    gives no tensor a ``.grad``. The buffers of `function` (a module, or a module's
+    method) and of the modules among the arguments, and the random-number generators, are
+    left as they were; a module reached only through a closure keeps what its forward
+    changed (BatchNorm statistics).
 
     Example::
 
@@ -287,7 +293,7 @@ def explain(function: Callable[..., Any], *args: Any, policy: PolicyLike = None,
     from remat.manual.recompute import recompute
 
     def run() -> Any:
-        if policy is None:
+        if isinstance(policy, EllipsisType):
             return function(*args, **kwargs)
         return recompute(function, *args, policy=policy, **kwargs)
 
@@ -299,9 +305,12 @@ def explain(function: Callable[..., Any], *args: Any, policy: PolicyLike = None,
         roots = _backward_roots(out)
         with _selective.internal():
             grads = [torch.ones_like(t) for t in roots]
-        if roots:
-            torch.autograd.backward(roots, grads)
-        del out, roots, grads
+        leaves = _graph_leaves(roots)
+        if roots and leaves:
+            torch.autograd.grad(roots, leaves, grads, allow_unused=True)
+        elif roots:
+            torch.autograd.backward(roots, grads)  # no leaf: nothing gets a gradient
+        del out, roots, grads, leaves
     return Explanation(observer.ops)
 
 
@@ -321,22 +330,37 @@ def _backward_roots(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
 
 
+def _graph_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors the backward from `roots` reaches (so that none of them gets a ``.grad``)."""
+    leaves = [r for r in roots if r.grad_fn is None]
+    seen: set[Any] = set()
+    pending = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        pending += [following for following, _ in node.next_functions if following is not None]
+    return leaves
+
+
 @contextlib.contextmanager
 def _restored_state(function: Any, args: Any, kwargs: Any) -> Iterator[None]:
     module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
     modules = [module] if isinstance(module, nn.Module) else []
     modules += [m for m in tree_leaves((args, kwargs)) if isinstance(m, nn.Module)]
-    leaves: list[torch.Tensor] = [t for m in modules for t in m.parameters()]
-    leaves += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = [(t, t.grad) for t in leaves]
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-    devices = sorted({t.device.index for t in leaves if t.device.type == "cuda"} - {None})
+    devices = sorted(
+        {t.device.index for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+        | {p.device.index for m in modules for p in m.parameters() if p.device.type == "cuda"}
+    )
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
-        for t, grad in grads:
-            t.grad = grad
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
