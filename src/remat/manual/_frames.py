@@ -124,8 +124,9 @@ class _Frame:
                 self.versions.append(value._version)
                 if root is None:  # measured: kept until the block's backward, as if saved
                     note_kept_for_backward(value)
-                    if _selective.explain_observer() is not None:
-                        _selective.explain_observer().on_saved(value, discarded=False)
+                    explaining = _selective.explain_observer()
+                    if explaining is not None:
+                        explaining.on_saved(value, discarded=False)
             else:
                 self.inputs.append(value)
                 self.versions.append(None)
@@ -357,8 +358,9 @@ def _pack(tensor: torch.Tensor) -> Any:
     if context.mode == "discard":
         if root.observer is not None:
             root.observer.on_discarded(tensor)
-        if _selective.explain_observer() is not None:
-            _selective.explain_observer().on_saved(tensor, discarded=True)
+        explaining = _selective.explain_observer()
+        if explaining is not None:
+            explaining.on_saved(tensor, discarded=True)
         index = len(root.handles)
         handle = _Handle(root, index)
         root.handles.append(weakref.ref(handle))

@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
+from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised
 from remat.memory import note_kept_for_backward
 
@@ -113,12 +114,12 @@ class OpCache:
         if self.storages is not None:
             for t in kept.tensors():
                 if t.layout == torch.strided:
-                    self.storages.setdefault(_storage_key(t), []).append((block, index))
+                    self.storages.setdefault(storage_key(t), []).append((block, index))
 
     def changed(self, tensor: torch.Tensor) -> None:
         """`tensor` is changed in place during the first forward: entries holding its storage go."""
         if self.storages and tensor.layout == torch.strided:
-            for block, index in self.storages.pop(_storage_key(tensor), ()):
+            for block, index in self.storages.pop(storage_key(tensor), ()):
                 self.drop(block, index)
 
     def sharing(self, out: Any) -> None:
@@ -127,7 +128,7 @@ class OpCache:
             return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                for block, index in self.storages.get(_storage_key(t), ()):
+                for block, index in self.storages.get(storage_key(t), ()):
                     kept = self.get(block, index)
                     if kept is not None and kept.versions is None:
                         kept.originals.append(weakref.ref(t))
@@ -154,10 +155,6 @@ class OpCache:
             if block is None or key == block:
                 for kept in entries.values():
                     kept.seal()
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage()._cdata)
 
 
 class _Scope:

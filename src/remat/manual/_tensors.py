@@ -13,7 +13,14 @@ import torch
 from remat.errors import RematError
 from remat.manual.policies import Policy, save_nothing
 
-__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "graph_retained"]
+__all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "graph_retained", "storage_key"]
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage while it lives: tensors sharing storage (views, aliases) share it."""
+    if tensor.layout != torch.strided:
+        return id(tensor)
+    return int(tensor.untyped_storage()._cdata)
 
 
 def graph_retained() -> bool:

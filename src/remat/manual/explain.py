@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.manual import _selective, _state
+from remat.manual._tensors import storage_key
 from remat.manual.policies import PolicyLike
 from remat.units import format_bytes
 
@@ -208,7 +209,7 @@ class _Observer(TorchDispatchMode):
         for t in tensors:
             if t.layout != torch.strided:
                 continue
-            known = self.by_storage.get(t.untyped_storage().data_ptr())
+            known = self.by_storage.get(storage_key(t))
             alive = known is not None and known[1]() is not None
             if not alive:
                 fresh.append(t)
@@ -229,7 +230,7 @@ class _Observer(TorchDispatchMode):
             if key is not None:
                 self.by_key[key] = index
             for t in fresh:
-                self.by_storage[t.untyped_storage().data_ptr()] = (index, weakref.ref(t))
+                self.by_storage[storage_key(t)] = (index, weakref.ref(t))
             return
         phase = "recompute" if _state.is_recomputing() else "backward"
         status = status or ("recomputed" if phase == "recompute" else "gradient")
@@ -251,7 +252,7 @@ class _Observer(TorchDispatchMode):
     def on_saved(self, tensor: torch.Tensor, discarded: bool) -> None:
         if self.phase != "forward" or tensor.layout != torch.strided:
             return
-        known = self.by_storage.get(tensor.untyped_storage().data_ptr())
+        known = self.by_storage.get(storage_key(tensor))
         if known is None:
             return
         index = known[0]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from remat.manual import _selective
+from remat.manual._tensors import storage_key
 from remat.manual.policies import PolicyLike
 from remat.units import format_bytes
 
@@ -95,13 +96,13 @@ class _Listing:
         root = function if isinstance(function, nn.Module) else None
         self.names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         self.stack: list[str] = []
-        self.parameter_keys = {_key(p) for p in root.parameters()} if root is not None else set()
-        self.input_keys = {_key(v) for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
+        self.parameter_keys = {storage_key(p) for p in root.parameters()} if root is not None else set()
+        self.input_keys = {storage_key(v) for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
         self.seen: set[int] = set()
         self.found: list[SavedTensor] = []
 
     def note(self, tensor: torch.Tensor, module: str) -> None:
-        key = _key(tensor)
+        key = storage_key(tensor)
         if key in self.input_keys:
             kind = "input"
         elif key in self.parameter_keys or (tensor.is_leaf and tensor.requires_grad):
@@ -163,9 +164,3 @@ def format_saved_residuals(saved: list[SavedTensor]) -> str:
     total = sum(s.nbytes for s in saved if s.kind == "activation" and not s.shared)
     lines.append(f"activations kept for backward: {format_bytes(total)}")
     return "\n".join(lines)
-
-
-def _key(tensor: torch.Tensor) -> int:
-    if tensor.layout != torch.strided:
-        return id(tensor)
-    return int(tensor.untyped_storage()._cdata)
