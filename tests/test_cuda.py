@@ -61,16 +61,60 @@ def test_cuda_allocator_peak_is_within_the_plan(fraction: float) -> None:
     planned = wrapped.compute_sequence()
     for _ in range(2):  # warm the allocator up
         loss_fn(wrapped(x), target).backward()
-    wrapped.zero_grad(set_to_none=False)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss_fn(wrapped(x), target).backward()
-    torch.cuda.synchronize()
-    allocator_peak = torch.cuda.max_memory_allocated() - base
-    # The allocator rounds every block up to 512 bytes and keeps the gradients (already
-    # allocated at `base`): its peak of activations is the plan's, up to that rounding.
-    assert allocator_peak <= planned.budget_bytes * 1.02 + 512 * 1024
     with remat.MemoryTracker(device="cuda") as tracker:
         loss_fn(wrapped(x), target).backward()
-    assert tracker.peak_bytes <= planned.budget_bytes
+    peaks = {}
+    for set_to_none in (False, True):
+        wrapped.zero_grad(set_to_none=set_to_none)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss_fn(wrapped(x), target).backward()
+        torch.cuda.synchronize()
+        peaks[set_to_none] = torch.cuda.max_memory_allocated() - base
+    gradient_bytes = [p.numel() * p.element_size() for p in wrapped.parameters()]
+    figures = (
+        f"budget {planned.budget_bytes}, predicted {planned.predicted_peak_bytes}, tracker {tracker.peak_bytes}, "
+        f"allocator with gradients allocated {peaks[False]}, from none {peaks[True]} "
+        f"(gradients {sum(gradient_bytes)})"
+    )
+    print(figures)
+    assert tracker.peak_bytes <= planned.budget_bytes, figures
+    # The allocator rounds every block up to 512 bytes. From no gradients, they are counted
+    # as they come (the budget leaves them out). With gradients allocated before the step
+    # (accumulation), autograd adds each new one into the old: one parameter's gradient is
+    # alive twice for a moment, which the budget also leaves out (README: what the budget counts).
+    rounding = 512 * 1024
+    assert peaks[True] <= planned.budget_bytes + sum(gradient_bytes) + rounding, figures
+    assert peaks[False] <= planned.budget_bytes + max(gradient_bytes) + rounding, figures
+
+
+_MIN_UNDER_PREDICTED = pytest.mark.xfail(
+    reason="known: on CUDA the smallest budget's plan peaks one activation above its prediction "
+    "(1 MiB here; 24 MiB on a 12-layer GPT-2), on both ways of measuring; the CPU's does not",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75, pytest.param("min", marks=_MIN_UNDER_PREDICTED)])
+@pytest.mark.parametrize("measure", ["sized", "plain"])
+def test_cuda_prediction_matches_the_step(measure: str, fraction: float | str) -> None:
+    """The plan's predicted peak against the exact tracker on CUDA, for both ways of measuring
+    (the sized one rehearses on fake CUDA tensors: their bytes must be counted as CUDA's)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=8192, n_positions=512)
+    model = transformers.GPT2LMHeadModel(config).cuda().train()
+    tokens = torch.randint(0, config.vocab_size, (4, 512), device="cuda")
+    batch = {"input_ids": tokens, "labels": tokens, "use_cache": False}
+    wrapped = remat.Checkpointable(
+        copy.deepcopy(model), fraction, loss_fn=lambda out: out.loss, output_kept=False, measure=measure
+    )
+    wrapped(**batch).loss.backward()
+    wrapped.zero_grad(set_to_none=True)
+    with remat.MemoryTracker(device="cuda") as tracker:
+        wrapped(**batch).loss.backward()
+    plan = wrapped.plan
+    print(measure, fraction, plan.predicted_peak_bytes, tracker.peak_bytes, plan.budget_bytes)
+    assert tracker.peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - tracker.peak_bytes) <= 0.05 * tracker.peak_bytes

@@ -112,3 +112,32 @@ def test_the_loss_the_output_carries_is_the_measured_loss(name: str) -> None:
     plan = control.plan
     assert plan is not None and plan.measurement is not None and plan.measurement.loss_from_output
     assert plan.budget.loss_allowance_bytes == 0 and control.margin == 0.0
+
+
+def test_a_bottleneck_resnet_whose_code_adds_into_an_earlier_stage_output_trains_exactly() -> None:
+    """HF's bottleneck block: ``h = layer(x); r = shortcut(x); h += r``. The code after
+    ``shortcut`` changes ``layer``'s output in place, so that stage cannot be replayed: it
+    is pinned (never recomputed), and the smallest budget trains with plain gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[16, 32], depths=[1, 5], layer_type="bottleneck", num_labels=5
+    )
+    model = transformers.ResNetForImageClassification(config).train()
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([1, 3])}
+    plain = copy.deepcopy(model)
+    enabled = copy.deepcopy(model)
+    remat.enable(enabled, "min")
+    expected = plain(**batch).loss
+    expected.backward()
+    actual = enabled(**batch).loss
+    actual.backward()
+    assert torch.equal(expected, actual)
+    for (name, a), b in zip(plain.named_parameters(), enabled.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    for a, b in zip(plain.buffers(), enabled.buffers(), strict=True):
+        assert torch.equal(a, b)
+    plan = remat.controller(enabled).plan
+    assert plan.schedule.profile.pinned_stages
+    assert any(count > 1 for count in plan.forward_counts)
+    assert "never recomputed" in str(plan.report())

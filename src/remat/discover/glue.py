@@ -20,6 +20,14 @@ them again (statistics are updated once), so such a call is replayed on a copy o
 constant, and what the glue then reads of that constant is the constant itself, as the
 forward left it. This is exact for calls whose result does not depend on the old value
 of what they change (a normalisation in training uses the batch's statistics).
+
+NOTE [glue that changes an earlier activation]
+The glue may change in place a tensor that needs a gradient and is not one of the stage's
+own values: an earlier stage's output (``h = layer(x); r = shortcut(x); h += r``, with
+``layer`` and ``shortcut`` two stages). A replay has only the stage's own values: on the
+forward's tensor it would add twice, on a copy it would lose the gradient. Such a glue is
+not replayable; measurement pins its stage (it is always stored, never recomputed), and
+a replay of it raises.
 """
 
 from __future__ import annotations
@@ -77,7 +85,9 @@ class Glue:
         next_sources: tuple[tuple[int, Any], ...],
         next_spec: Any,
         constants: list[tuple[torch.Tensor, int | None]],
+        replayable: bool = True,
     ) -> None:
+        self.replayable = replayable  # NOTE [glue that changes an earlier activation]
         self._n_inputs = n_inputs
         self._returned = returned
         self._n_stage_values = n_stage_values
@@ -109,6 +119,12 @@ class Glue:
             RecomputeInputModified: a constant was changed in place since it was recorded.
             NondeterministicRecompute: the replayed stage gave another number of tensors.
         """
+        if not self.replayable:
+            raise UnsupportedModel(
+                "the model's code after a recomputed stage changes in place a tensor that needs a "
+                "gradient and was made before that stage; it cannot be replayed. Plan this model "
+                "again (its stage is then always stored), or make that change out of place"
+            )
         if len(stage_values) != self._n_stage_values:
             raise NondeterministicRecompute(
                 f"a replayed stage took and gave {len(stage_values)} tensors where its first forward took "
@@ -170,6 +186,7 @@ class GlueRecorder(TorchFunctionMode):
         self._calls: list[_Call] = []
         self._constants: dict[int, torch.Tensor] = {}
         self._read: set[int] = set()  # the constants read as they are (not only changed on a copy)
+        self._replayable = True  # NOTE [glue that changes an earlier activation]
         self._entered = False
 
     # -- recording
@@ -197,6 +214,8 @@ class GlueRecorder(TorchFunctionMode):
             return out  # a question about a tensor (its shape, a flag): nothing to replay
         # NOTE [constants the glue changes]: replayed on a copy
         copied = {id(t) for t in changed if self._slots.get(t) is None}
+        if any(t.requires_grad for t in changed if self._slots.get(t) is None):
+            self._replayable = False
         if func in _UPDATES_STATISTICS:
             copied |= {id(t) for t in tensors_in if self._slots.get(t) is None and not t.requires_grad}
         sources = tuple(
@@ -252,4 +271,5 @@ class GlueRecorder(TorchFunctionMode):
             sources,
             spec,
             constants,
+            self._replayable,
         )

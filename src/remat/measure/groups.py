@@ -35,7 +35,9 @@ def region_limits(stages: list[StageMeasurement], groups: list[tuple[int, int]])
     break: a region may start there but not cross it. A group with such a stage inside
     (it also modifies that input itself, so it was fused) can be neither replayed nor
     start a region: it is pinned; so is the first group when the chain input is changed
-    in place (there is no group before to fuse it with).
+    in place (there is no group before to fuse it with), and a group after one of whose
+    stages the model's code cannot be replayed (NOTE [glue that changes an earlier
+    activation]).
     """
     breaks: list[int] = []
     pinned: list[int] = []
@@ -43,8 +45,10 @@ def region_limits(stages: list[StageMeasurement], groups: list[tuple[int, int]])
         if index > 0 and stages[first].input_changed:
             breaks.append(index)
         # the first group's input changed in place cannot be kept for a region either
-        if any(stages[stage].input_changed for stage in range(first + 1, stop)) or (
-            index == 0 and stages[0].modifies_input
+        if (
+            any(stages[stage].input_changed for stage in range(first + 1, stop))
+            or (index == 0 and stages[0].modifies_input)
+            or not all(stages[stage].glue_replayable for stage in range(first, stop))
         ):
             pinned.append(index)
     return breaks, pinned

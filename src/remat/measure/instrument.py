@@ -63,6 +63,8 @@ class StageMeasurement:
         kept_constants: allocation id -> bytes of the tensors made since the chain began
             that the model's code after it (or the next stage) takes as they are: the
             executor keeps them for the replay when it recomputes the stage.
+        glue_replayable: whether the model's code after it can be replayed (NOTE [glue
+            that changes an earlier activation]); if not, the stage is pinned.
     """
 
     name: str
@@ -80,6 +82,7 @@ class StageMeasurement:
     input_requires_grad: tuple[bool, ...] = ()
     forward_flops: int = 0
     kept_constants: dict[int, int] = field(default_factory=dict)
+    glue_replayable: bool = True
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -251,6 +254,7 @@ class StageWatch:
         start_time, start_event, start_saved, start_flops = self._started
         if glue is not None and args is not None and kwargs is not None:
             recorded = glue.finish(args, kwargs)
+            stage.glue_replayable = recorded.replayable
             made = recorded.made(args, kwargs)
             if tracker is not None:
                 # what the executor keeps for the replay of this stage's glue: the tensors

@@ -222,8 +222,8 @@ def _sized_measurement(
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
             rehearsal = time_groups(
-                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, torch.device("cpu"),
-                run_loss=run_loss, track_all=True,
+                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device,
+                run_loss=run_loss, track_all=True, rehearsal=True,
             )  # fmt: skip
     # the real pass runs on copies of the inputs the model changes in place (on aliases
     # of the others), which the rehearsal did not count

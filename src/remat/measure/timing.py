@@ -224,6 +224,7 @@ def time_groups(
     run_loss: Callable[[list[Any]], None] | None = None,
     *,
     track_all: bool = False,
+    rehearsal: bool = False,
 ) -> TimingPass:
     """The seconds of each stage call from one timing pass (see the module), and its suffix's bytes.
 
@@ -241,8 +242,11 @@ def time_groups(
             computes the loss and runs its backward (None: the suffix is not measured).
         track_all: track the whole pass, not only the suffix: the peak of each group (a
             rehearsal on fake tensors gives what the real pass will need).
+        rehearsal: a pass on fake tensors of ``device``: nothing to synchronise (its
+            trackers count that device's storages all the same).
     """
-    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    on_device = device.type == "cuda" and not rehearsal
+    synchronize = (lambda: torch.cuda.synchronize(device)) if on_device else None
     every = frozenset(range(len(groups)))
     chosen = every if backward_groups is None else backward_groups
     timer = _GroupTimer(chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None)

@@ -175,7 +175,10 @@ class PlanReport:
             )
         if profile.pinned_stages:
             names = ", ".join(f"{g} {profile.names[g]!r}" for g in profile.pinned_stages)
-            lines.append(f"  never recomputed: stages {names} (they change such an input in place themselves)")
+            lines.append(
+                f"  never recomputed: stages {names} (they, or the model's code after them, change in place"
+                " a tensor a replay would need as it was)"
+            )
         return [""] + lines if lines else []
 
     def _memory_lines(self) -> list[str]:

@@ -1,0 +1,313 @@
+"""remat on a CUDA device: exactness, the allocator's peak against the plan, and step times.
+
+On a Hugging Face GPT-2 (dropout on) and a Hugging Face ResNet (BatchNorm), this checks what
+only a GPU shows:
+
+* dropout replayed bit for bit on CUDA: the gradients of remat at a low budget against plain
+  autograd, with ``torch.use_deterministic_algorithms`` (and a plain-against-plain control, so
+  that a difference is remat's and not the kernels');
+* BatchNorm running statistics updated once per step;
+* ``torch.cuda.max_memory_allocated`` during a step against the plan's predicted peak and its
+  budget (the allocator counts above what is allocated before the step: parameters and
+  gradients), and the exact tracker's peak on the same step;
+* ``mem_limit=None``: the budget taken from the device's free memory;
+* median step times of plain training, Hugging Face gradient checkpointing, torch's selective
+  checkpointing saving matrix products, and remat at several budgets.
+
+Run ``python benchmarks/gpu.py [--small]`` on a machine with a CUDA device (``--small`` and
+``--device cpu`` check the script itself elsewhere). It writes ``results/gpu.json`` and
+``gpu.md`` (or into ``--out``), named with the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat.units import format_bytes
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpt2(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    transformers: Any = importlib.import_module("transformers")
+
+    torch.manual_seed(0)
+    if small:
+        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+        batch, length = 2, 32
+    else:
+        config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
+        batch, length = 8, 1024
+    model = transformers.GPT2LMHeadModel(config).to(device).train()
+    tokens = torch.randint(0, config.vocab_size, (batch, length), device=device)
+    return model, {"input_ids": tokens, "labels": tokens, "use_cache": False}
+
+
+def resnet(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    transformers: Any = importlib.import_module("transformers")
+
+    torch.manual_seed(0)
+    if small:
+        config = transformers.ResNetConfig(
+            embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=10
+        )
+        batch, size = 2, 32
+    else:
+        config = transformers.ResNetConfig(num_labels=100)  # ResNet-50's layout
+        batch, size = 32, 224
+    model = transformers.ResNetForImageClassification(config).to(device).train()
+    pixels = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(0, 100 if not small else 10, (batch,), device=device)
+    return model, {"pixel_values": pixels, "labels": labels}
+
+
+def train_step(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    model(**kwargs).loss.backward()
+
+
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def run_seeded(model: nn.Module, kwargs: dict[str, Any], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    train_step(model, kwargs)
+    buffers = [b.detach().clone() for b in model.buffers()]
+    return gradients(model), buffers
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def exactness(
+    name: str,
+    factory: Callable[..., tuple[nn.Module, dict[str, Any]]],
+    small: bool,
+    device: torch.device,
+    budget: float | str,
+) -> dict[str, Any]:
+    """remat at ``budget`` against plain autograd, same seed, deterministic kernels."""
+    model, kwargs = factory(small, device)
+    plain = copy.deepcopy(model)
+    control = copy.deepcopy(model)
+    wrapped = remat.Checkpointable(copy.deepcopy(model), budget, loss_fn=lambda out: out.loss, output_kept=False)
+    train_step(wrapped, kwargs)  # measures and plans
+    # a fresh copy of the start state for each compared step
+    for target in (plain, control):
+        target.load_state_dict(model.state_dict())
+    wrapped.load_state_dict(model.state_dict())
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected, expected_buffers = run_seeded(plain, kwargs, 1234)
+        again, _ = run_seeded(control, kwargs, 1234)
+        actual, actual_buffers = run_seeded(wrapped, kwargs, 1234)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    plan = wrapped.plan
+    assert plan is not None
+    buffers_equal = all(torch.equal(x, y) for x, y in zip(expected_buffers, actual_buffers, strict=True))
+    return {
+        "model": name,
+        "budget": budget,
+        "recomputed_stages": sum(count > 1 for count in plan.forward_counts),
+        "stages": len(plan.forward_counts),
+        "control_equal": all(torch.equal(x, y) for x, y in zip(expected, again, strict=True)),
+        "gradients_equal": all(torch.equal(x, y) for x, y in zip(expected, actual, strict=True)),
+        "max_abs_difference": max_difference(expected, actual),
+        "buffers_equal": buffers_equal,
+    }
+
+
+def allocator_peak(step: Callable[[], None], device: torch.device) -> int:
+    """The allocator's peak during ``step`` above what was allocated before it (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def median_time(step: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def selective_matmuls(model: nn.Module) -> nn.Module:
+    """Every GPT-2 block under torch's checkpoint with a policy saving matrix products."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    kept = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    }
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    copied: Any = copy.deepcopy(model)
+    for block in copied.transformer.h:
+        forward = block.forward
+
+        def checkpointed(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            return checkpoint(
+                _forward,
+                *args,
+                use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+                **kwargs,
+            )
+
+        block.forward = checkpointed
+    return copied
+
+
+def memory_and_time(small: bool, device: torch.device, repeats: int) -> dict[str, Any]:
+    model, kwargs = gpt2(small, device)
+    hf: Any = copy.deepcopy(model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    strategies: dict[str, nn.Module] = {
+        "no recompute": model,
+        "HF checkpointing": hf,
+        "torch selective (save matmuls)": selective_matmuls(model),
+    }
+    strategies["remat policy save_matmuls"] = remat.Checkpointable(
+        copy.deepcopy(model), policy=remat.policies.save_matmuls
+    )
+    for fraction in (1.0, 0.5, 0.25, "min"):
+        wrapped = remat.Checkpointable(copy.deepcopy(model), fraction, loss_fn=lambda out: out.loss, output_kept=False)
+        try:
+            wrapped.measure(**kwargs)
+            wrapped.compute_sequence()
+        except remat.BudgetTooSmall as error:
+            print(f"remat {fraction}: {error}")
+            continue
+        strategies[f"remat {fraction}"] = wrapped
+    rows = []
+    for name, module in strategies.items():
+        step = functools.partial(train_step, module, kwargs)
+        for _ in range(2):  # measures, plans and warms the allocator up
+            step()
+        module.zero_grad(set_to_none=False)  # gradients allocated before the measured step
+        peak = allocator_peak(step, device)
+        with remat.MemoryTracker(device=device.type) as tracker:
+            step()
+        seconds = median_time(step, device, repeats)
+        row: dict[str, Any] = {
+            "strategy": name,
+            "allocator_peak_bytes": peak,
+            "tracker_peak_bytes": tracker.peak_bytes,
+            "median_step_s": seconds,
+        }
+        if isinstance(module, remat.Checkpointable):
+            plan = module.plan
+            if plan is None:  # a policy: nothing planned
+                rows.append(row)
+                module.zero_grad(set_to_none=True)
+                continue
+            row["budget_bytes"] = plan.budget_bytes
+            row["predicted_peak_bytes"] = plan.predicted_peak_bytes
+            row["recomputed_stages"] = sum(count > 1 for count in plan.forward_counts)
+            row["stages"] = len(plan.forward_counts)
+            if peak:
+                row["allocator_vs_predicted"] = peak / plan.predicted_peak_bytes
+        rows.append(row)
+        module.zero_grad(set_to_none=True)
+    plain_s = rows[0]["median_step_s"]
+    for row in rows:
+        row["vs_no_recompute"] = row["median_step_s"] / plain_s
+    return {"rows": rows}
+
+
+def free_memory_budget(small: bool, device: torch.device) -> dict[str, Any]:
+    model, kwargs = gpt2(small, device)
+    wrapped = remat.Checkpointable(model, None, loss_fn=lambda out: out.loss, output_kept=False)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else remat.budget.available_memory_bytes()
+    train_step(wrapped, kwargs)
+    plan = wrapped.plan
+    assert plan is not None
+    return {
+        "free_bytes_before": int(free),
+        "budget_bytes": plan.budget_bytes,
+        "recomputed_stages": sum(count > 1 for count in plan.forward_counts),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true", help="tiny models, to check the script")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    options = parser.parse_args()
+    device = torch.device(options.device)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result: dict[str, Any] = {"device": name, "torch": torch.__version__}
+    result["exactness"] = [
+        exactness("gpt2", gpt2, options.small, device, "min"),
+        exactness("resnet", resnet, options.small, device, "min"),
+    ]
+    print(json.dumps(result["exactness"], indent=1), flush=True)
+    result["free_memory_budget"] = free_memory_budget(options.small, device)
+    print(json.dumps(result["free_memory_budget"]), flush=True)
+    result["gpt2"] = memory_and_time(options.small, device, options.repeats)
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "gpu.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"remat on {name} (torch {torch.__version__}), HF GPT-2 training step",
+        "",
+        "| strategy | allocator peak | tracker peak | predicted | budget | median step | vs no recompute |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["gpt2"]["rows"]:
+        predicted = format_bytes(row["predicted_peak_bytes"]) if "predicted_peak_bytes" in row else ""
+        budget = format_bytes(row["budget_bytes"]) if "budget_bytes" in row else ""
+        lines.append(
+            f"| {row['strategy']} | {format_bytes(row['allocator_peak_bytes'])} | "
+            f"{format_bytes(row['tracker_peak_bytes'])} | {predicted} | {budget} | "
+            f"{row['median_step_s'] * 1e3:.1f} ms | x{row['vs_no_recompute']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (options.out / "gpu.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
