@@ -431,3 +431,25 @@ def test_measuring_fits_the_smallest_budget() -> None:
         peak, limit = _tracked(wrapped, lambda: wrapped(x).square().mean().backward())
         assert peak <= limit
         model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: a Hugging Face GPT-2 whose head and loss set the smallest budget peaks 1 MiB "
+    "above it, in the loss (the code after the chain is predicted 1 MiB short at the loss, "
+    "1 MiB long elsewhere); README, Known limits",
+)
+def test_the_smallest_budget_holds_where_the_loss_sets_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=8192, n_positions=512)
+    model = transformers.GPT2LMHeadModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (4, 512))
+    batch = {"input_ids": tokens, "labels": tokens, "use_cache": False}
+    wrapped = remat.Checkpointable(model, "min", loss_fn=lambda out: out.loss, output_kept=False)
+    wrapped(**batch).loss.backward()
+    wrapped.zero_grad(set_to_none=True)
+    with remat.MemoryTracker() as tracker:
+        wrapped(**batch).loss.backward()
+    assert tracker.peak_bytes <= wrapped.plan.budget_bytes

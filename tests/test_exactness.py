@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -1128,3 +1129,29 @@ def test_a_recompute_context_that_swallows_the_blocks_error_is_refused(mode: str
     )
     with pytest.raises(RematError, match="context_fn suppressed an exception raised by the block '.*fails_when"):
         out.sum().backward()
+
+
+@pytest.mark.slow
+def test_the_smallest_budget_of_a_long_chain_nests_deeper_than_python_recursion() -> None:
+    """At the smallest budget a 400-stage chain's plan nests ~200 regions: each body's
+    replay replays the next one within it, past Python's default recursion limit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(200)])
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = copy.deepcopy(model)
+    wrapped = remat.Checkpointable(copy.deepcopy(model), "min", loss_fn=lambda out: out.sum(), output_kept=False)
+    limit = sys.getrecursionlimit()
+    wrapped(x).sum().backward()
+    expected_x_grad = x.grad.clone()
+    x.grad = None
+    plain(x).sum().backward()
+    assert torch.equal(x.grad, expected_x_grad)
+    for a, b in zip(wrapped.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    depth, levels = 0, [(wrapped.plan.schedule.items, 1)]
+    while levels:
+        items, level = levels.pop()
+        depth = max(depth, level)
+        levels.extend((item.body, level + 1) for item in items if isinstance(item, Region))
+    assert depth > 150
+    assert sys.getrecursionlimit() == limit

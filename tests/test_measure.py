@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.discover.chain import discover_chain
 from remat.measure import ChainMeasurement, measure_chain
 from remat.measure.groups import group_stages
 from remat.measure.instrument import StageMeasurement
+from remat.measure.timing import FORWARD_REPEATS
 from remat.memory import MemoryTracker, Window
 from remat.models import mlp_chain
 
@@ -108,3 +112,28 @@ def test_the_tracker_notes_what_autograd_saves() -> None:
         assert tracker.allocations_of([hidden, weight]) == {saved[0]: 4 * 8 * FLOAT}
         out.sum().backward()
     assert weight.grad is not None
+
+
+class _SlowOnce(nn.Module):
+    """Sleeps 60 ms at its first call on real tensors, 1 ms at the others (a cold start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.real_calls: list[None] = []  # not a number: measuring puts those back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, FakeTensor):
+            self.real_calls.append(None)
+            time.sleep(0.06 if len(self.real_calls) == 1 else 0.001)
+        return torch.tanh(x)
+
+
+def test_a_short_stage_is_timed_as_the_median_of_several_runs() -> None:
+    """One sample of a short stage is at the mercy of a cold start; the median is not."""
+    slow = _SlowOnce()
+    model = nn.Sequential(nn.Linear(16, 16), slow, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    chain = discover_chain(model, (torch.randn(8, 16),), {})
+    measurement = measure_chain(model, chain, (torch.randn(8, 16),), {}, sized=True)
+    stage = next(index for index, module in enumerate(chain.modules) if module is slow)
+    assert len(slow.real_calls) == 1 + FORWARD_REPEATS
+    assert measurement.stages[stage].forward_time_s < 0.03

@@ -51,6 +51,6 @@ def test_report_dict_is_json_able() -> None:
     assert data["overhead_fraction"] == schedule.overhead_s / report.baseline.time_s
     assert [stage["kept"] for stage in data["stages"]] == [False] * 5 + [True]
     assert [stage["forward_runs"] for stage in data["stages"]] == [2] * 5 + [1]
-    assert data["plan"][0] == {"region": [0, 1], "body": [{"store": 0}]}
+    assert data["plan"][:3] == [{"region": [0, 1]}, {"store": 0}, {"end": [0, 1]}]
     assert "budget:          unlimited" in str(report)
     assert "PlanReport(solver='inputs'" in repr(report)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from remat.plan import (
@@ -236,8 +238,34 @@ def test_plan_data_round_trip() -> None:
         data = plan_to_data(plan)
         assert plan_from_data(data) == plan
     assert plan_to_data((Region(0, 1, (Store(0),)), Store(1))) == [
-        {"region": [0, 1], "body": [{"store": 0}]},
+        {"region": [0, 1]},
+        {"store": 0},
+        {"end": [0, 1]},
         {"store": 1},
     ]
+    # the nested form of earlier versions is read too
+    nested = [{"region": [0, 2], "body": [{"region": [0, 1], "body": [{"store": 0}]}, {"store": 1}]}, {"store": 2}]
+    assert plan_from_data(nested) == (Region(0, 2, (Region(0, 1, (Store(0),)), Store(1))), Store(2))
     with pytest.raises(InvalidPlan, match="plan entry 0"):
         plan_from_data([{"keep": 0}])
+    with pytest.raises(InvalidPlan, match="plan entry 2"):
+        plan_from_data([{"region": [0, 2]}, {"store": 0}, {"end": [0, 1]}])
+    with pytest.raises(InvalidPlan, match="has no end"):
+        plan_from_data([{"region": [0, 1]}, {"store": 0}])
+
+
+def test_a_plan_nested_as_deep_as_a_long_chain_needs_no_recursion() -> None:
+    """The smallest budget of a long chain nests a region in every body: 3,000 levels here."""
+    n = 3000
+    body: tuple[Store | Region, ...] = (Store(0),)
+    for stop in range(2, n):
+        body = (Region(0, stop - 1, body), Store(stop - 1))
+    plan = (Region(0, n - 1, body), Store(n - 1))
+    validate_plan(plan, n)
+    data = plan_to_data(plan)
+    copy = plan_from_data(json.loads(json.dumps(data)))
+    assert copy == plan and hash(copy) == hash(plan) and copy is not plan
+    ops = operations(plan)
+    assert ops[0] == Operation(OperationKind.FORWARD_CHECKPOINT, 0) and ops[-1] == Operation(OperationKind.BACKWARD, 0)
+    assert sum(op.kind is OperationKind.BACKWARD for op in ops) == n
+    assert simulate(random_chain(0, n), plan).peak_bytes > 0

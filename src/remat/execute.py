@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -307,6 +308,28 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
+#: Python frames one level of nested regions may take, replayed or read (with room to spare).
+_FRAMES_PER_LEVEL = 64
+
+
+@contextlib.contextmanager
+def _room_for(levels: int) -> Iterator[None]:
+    """Raises Python's recursion limit, while inside, for ``levels`` more nested levels.
+
+    A plan for the smallest budget of a long chain nests a region in every body: replaying
+    one body replays every body inside it, level by level, one call within another. The
+    limit is put back on the way out, unless someone else changed it meanwhile.
+    """
+    before = sys.getrecursionlimit()
+    wanted = before + _FRAMES_PER_LEVEL * levels
+    sys.setrecursionlimit(wanted)
+    try:
+        yield
+    finally:
+        if sys.getrecursionlimit() == wanted:
+            sys.setrecursionlimit(before)
+
+
 class _Replay:
     """Replays a region body: the function behind a recompute frame."""
 
@@ -316,7 +339,8 @@ class _Replay:
         self.__qualname__ = f"stages {body.steps[0].start}.."
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.run.run_level(self.body, args, kwargs)
+        with _room_for(1):
+            return self.run.run_level(self.body, args, kwargs)
 
 
 class ChainExecutor:
@@ -351,7 +375,8 @@ class ChainExecutor:
         self.operations = tuple(ops)
         self.preserve_rng_state = preserve_rng_state
         self.observer = observer
-        level = _read_schedule(self.operations, len(chain))
+        with _room_for(len(chain)):  # the levels nest at most as deep as the chain is long
+            level = _read_schedule(self.operations, len(chain))
         # How the first forward runs each stage call, and the region it belongs to.
         self.first_forward: list[tuple[OperationKind, _Step]] = []
         for step in level.steps:

@@ -10,7 +10,10 @@ holds between stages: the pass fits in any budget that a schedule of the chain f
 (:func:`timing_need_bytes` gives the bound before the pass runs).
 
 Each stage's forward is timed alone (on a GPU, with the device synchronised around it),
-and each group's backward as a whole (charged to its last stage). A group whose backward
+and each group's backward as a whole (charged to its last stage). A short stage's forward
+(one of few floating-point operations in the sized step: a norm, an activation, a small
+product) is a few microseconds that one sample times badly: it runs ``FORWARD_REPEATS``
+more times without grad, and its time is the median of all its samples. A group whose backward
 would not fit in the budget runs its forward without grad and its backward is estimated at
 ``BACKWARD_PER_FORWARD`` times its forward.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -33,7 +37,16 @@ from remat.errors import UnsupportedModel
 from remat.measure.instrument import StageMeasurement, tensors_in
 from remat.memory import MemoryTracker
 
-__all__ = ["BACKWARD_PER_FORWARD", "TimingPass", "time_groups"]
+__all__ = ["BACKWARD_PER_FORWARD", "FORWARD_REPEATS", "REPEATED_BELOW_FLOPS", "TimingPass", "time_groups"]
+
+#: Extra runs, without grad, of the forward of a stage below ``REPEATED_BELOW_FLOPS``.
+FORWARD_REPEATS = 4
+
+#: A stage whose forward made fewer floating-point operations than this in the sized step
+#: (about a millisecond of a CPU core) is timed as the median of ``1 + FORWARD_REPEATS`` runs.
+#: Chosen from the sized step's figures, the same in the pass and its rehearsal on fake
+#: tensors, which counts the repeats' outputs into what the pass needs.
+REPEATED_BELOW_FLOPS = 50_000_000
 
 #: A backward's time per forward's, for a group whose backward cannot be timed within the
 #: budget (a matrix product's backward makes two products).
@@ -140,6 +153,15 @@ class _GroupTimer:
         started = self._now()
         out = call_original(module, args, kwargs)
         forward_s = self._now() - started
+        stage = self.stages[index]
+        if stage.forward_flops < REPEATED_BELOW_FLOPS and not stage.modifies_input:
+            samples = [forward_s]
+            with torch.no_grad():  # nothing kept: only the repeat's outputs, freed at once
+                for _ in range(FORWARD_REPEATS):
+                    started = self._now()
+                    call_original(module, args, kwargs)
+                    samples.append(self._now() - started)
+            forward_s = statistics.median(samples)
         backward_s = 0.0
         if suffix_follows:
             self._watch_output_gradient(out)  # grad stays on: the pass's no_grad block puts it back

@@ -49,7 +49,7 @@ class Store:
     stage: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Region:
     """Run stages ``[start, stop)`` keeping only ``x_start``; re-run them as ``body`` later.
 
@@ -67,6 +67,37 @@ class Region:
     start: int
     stop: int
     body: tuple[Store | Region, ...]
+
+    # A plan for the smallest budget nests a region in every body: a chain of 1,000 stages
+    # gives a tree 1,000 deep, beyond what recursive hashing and comparison allow.
+    def _key(self) -> tuple[int, ...]:
+        """The tree as a flat tuple (iteratively): a stage s is (s,), a region (-1, start, stop, ..., -2)."""
+        key = self.__dict__.get("_cached_key")
+        if key is not None:
+            return key
+        out: list[int] = []
+        pending: list[PlanItem | None] = [self]
+        while pending:
+            item = pending.pop()
+            if item is None:
+                out.append(-2)
+            elif isinstance(item, Store):
+                out.append(item.stage)
+            else:
+                out += (-1, item.start, item.stop)
+                pending.append(None)
+                pending.extend(reversed(item.body))
+        key = tuple(out)
+        object.__setattr__(self, "_cached_key", key)
+        return key
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Region):
+            return NotImplemented
+        return self is other or self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 PlanItem = Store | Region
@@ -138,25 +169,29 @@ def operations(plan: PlanTree) -> list[Operation]:
         The operations, forward pass first, with one ``loss`` marker.
     """
     result: list[Operation] = []
-    _append_operations(plan, result, top_level=True)
+    # Iterative (a plan for the smallest budget nests as deep as the chain is long): each
+    # level's forwards in order, the loss marker at the top level, then its backwards in
+    # reverse, a region's backward being its body's level.
+    pending: list[tuple[Sequence[PlanItem], bool] | int] = [(plan, True)]
+    while pending:
+        work = pending.pop()
+        if isinstance(work, int):
+            result.append(Operation(OperationKind.BACKWARD, work))
+            continue
+        items, top_level = work
+        for item in items:
+            if isinstance(item, Store):
+                result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
+            else:
+                result.append(Operation(OperationKind.FORWARD_CHECKPOINT, item.start))
+                result.extend(
+                    Operation(OperationKind.FORWARD_DISCARD, stage) for stage in range(item.start + 1, item.stop)
+                )
+        if top_level:
+            result.append(_LOSS)
+        # the last item's backward comes first: pushed last
+        pending.extend(item.stage if isinstance(item, Store) else (item.body, False) for item in items)
     return result
-
-
-def _append_operations(items: Sequence[PlanItem], result: list[Operation], *, top_level: bool) -> None:
-    # Iterative over the items of one level: forwards in order, then backwards reversed.
-    for item in items:
-        if isinstance(item, Store):
-            result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
-        else:
-            result.append(Operation(OperationKind.FORWARD_CHECKPOINT, item.start))
-            result.extend(Operation(OperationKind.FORWARD_DISCARD, stage) for stage in range(item.start + 1, item.stop))
-    if top_level:
-        result.append(_LOSS)
-    for item in reversed(items):
-        if isinstance(item, Store):
-            result.append(Operation(OperationKind.BACKWARD, item.stage))
-        else:
-            _append_operations(item.body, result, top_level=False)
 
 
 def validate_plan(plan: PlanTree, n_stages: int) -> None:
@@ -174,13 +209,19 @@ def validate_plan(plan: PlanTree, n_stages: int) -> None:
         raise InvalidPlan(f"a chain has at least one stage, got n_stages={n_stages}")
     if not isinstance(plan, tuple):
         raise InvalidPlan(f"a plan is a tuple of Store and Region items, got {type(plan).__name__}")
-    _validate_items(plan, 0, n_stages, "plan")
+    pending: list[tuple[tuple[PlanItem, ...], int, int, str]] = [(plan, 0, n_stages, "plan")]
+    while pending:  # iterative: plans nest as deep as the chain is long
+        pending.extend(_validate_items(*pending.pop()))
 
 
-def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: str) -> None:
+def _validate_items(
+    items: tuple[PlanItem, ...], start: int, stop: int, where: str
+) -> list[tuple[tuple[PlanItem, ...], int, int, str]]:
+    """Checks one level; returns the bodies of its regions, to check in turn."""
     if not isinstance(items, tuple) or not items:
         raise InvalidPlan(f"{where} must be a non-empty tuple covering stages [{start}, {stop})")
     position = start
+    bodies = []
     for index, item in enumerate(items):
         label = f"{where}[{index}]"
         if isinstance(item, Store):
@@ -192,7 +233,7 @@ def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: s
             position += 1
         elif isinstance(item, Region):
             _check_region(item, position, start, stop, label)
-            _validate_items(item.body, item.start, item.stop, f"{label}.body")
+            bodies.append((item.body, item.start, item.stop, f"{label}.body"))
             position = item.stop
         else:
             raise InvalidPlan(f"{label} is {item!r}, not a Store or a Region")
@@ -200,6 +241,7 @@ def _validate_items(items: tuple[PlanItem, ...], start: int, stop: int, where: s
             raise InvalidPlan(f"{label} reaches stage {position - 1}, past the end {stop - 1}")
     if position != stop:
         raise InvalidPlan(f"{where} covers stages [{start}, {position}) but must cover [{start}, {stop})")
+    return bodies
 
 
 def _check_region(item: Region, position: int, start: int, stop: int, label: str) -> None:
@@ -220,35 +262,66 @@ def _check_region(item: Region, position: int, start: int, stop: int, label: str
 
 
 def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
-    """Returns a plan as JSON-able data: ``{"store": i}`` or ``{"region": [s, t], "body": [...]}``.
+    """Returns a plan as flat JSON-able data: ``{"store": i}``, or ``{"region": [s, t]}``
+    followed by the entries of its body and ``{"end": [s, t]}``.
 
-    See :func:`plan_from_data` for the way back.
+    Flat, so that a plan nested as deep as a long chain (the smallest budget's) is written
+    and read without recursion. See :func:`plan_from_data` for the way back.
     """
     data: list[dict[str, Any]] = []
-    for item in plan:
+    pending: list[PlanItem | Region] = list(reversed(plan))
+    closing: set[int] = set()  # ids of the regions whose body was written (their end is due)
+    while pending:
+        item = pending.pop()
         if isinstance(item, Store):
             data.append({"store": item.stage})
+        elif id(item) in closing:
+            data.append({"end": [item.start, item.stop]})
         else:
-            data.append({"region": [item.start, item.stop], "body": plan_to_data(item.body)})
+            data.append({"region": [item.start, item.stop]})
+            closing.add(id(item))
+            pending.append(item)
+            pending.extend(reversed(item.body))
     return data
 
 
 def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
     """Builds a plan from the data :func:`plan_to_data` returns (not validated here).
 
+    The nested form of earlier versions (``{"region": [s, t], "body": [...]}``) is read too.
+
     Raises:
-        InvalidPlan: an entry is neither a store nor a region.
+        InvalidPlan: an entry is neither a store, a region nor a region's end, or the
+            regions and their ends do not match.
     """
-    items: list[PlanItem] = []
-    for index, entry in enumerate(data):
-        if isinstance(entry, Mapping) and set(entry) == {"store"}:
-            items.append(Store(int(entry["store"])))
-        elif isinstance(entry, Mapping) and set(entry) == {"region", "body"}:
-            start, stop = entry["region"]
-            items.append(Region(int(start), int(stop), plan_from_data(entry["body"])))
+    levels: list[tuple[list[PlanItem], tuple[int, int] | None]] = [([], None)]
+    pending: list[Mapping[str, Any] | None] = list(reversed(data))
+    nested: list[tuple[int, int]] = []  # the regions of the nested form, closed by a None
+    index = 0
+    while pending:
+        entry = pending.pop()
+        if entry is None:  # the end of a nested region's body
+            entry = {"end": list(nested.pop())}
+        else:
+            index += 1
+        keys = set(entry) if isinstance(entry, Mapping) else set()
+        if keys == {"store"}:
+            levels[-1][0].append(Store(int(entry["store"])))
+        elif keys in ({"region"}, {"region", "body"}):
+            start, stop = (int(value) for value in entry["region"])
+            levels.append(([], (start, stop)))
+            if "body" in keys:
+                nested.append((start, stop))
+                pending.append(None)
+                pending.extend(reversed(list(entry["body"])))
+        elif keys == {"end"} and len(levels) > 1 and levels[-1][1] == tuple(int(v) for v in entry["end"]):
+            body, (start, stop) = levels.pop()  # type: ignore[misc]
+            levels[-1][0].append(Region(start, stop, tuple(body)))
         else:
             raise InvalidPlan(
-                f"plan entry {index} is {entry!r}; expected {{'store': i}} or "
-                "{'region': [start, stop], 'body': [...]}"
+                f"plan entry {index - 1} is {entry!r}; expected {{'store': i}}, {{'region': [start, stop]}} "
+                "opening a region's body, or {'end': [start, stop]} closing it"
             )
-    return tuple(items)
+    if len(levels) != 1:
+        raise InvalidPlan(f"the plan's region {levels[-1][1]} has no end entry")
+    return tuple(levels[0][0])
