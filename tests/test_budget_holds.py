@@ -434,13 +434,10 @@ def test_measuring_fits_the_smallest_budget() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: a Hugging Face GPT-2 whose head and loss set the smallest budget peaks 1 MiB "
-    "above it, in the loss (the code after the chain is predicted 1 MiB short at the loss, "
-    "1 MiB long elsewhere); README, Known limits",
-)
 def test_the_smallest_budget_holds_where_the_loss_sets_it() -> None:
+    """HF GPT-2 keeps its token embedding to the end of the forward; it dies in the loss of a
+    plain step, but a region that starts the chain keeps it (its glue adds it) through the
+    loss, which the smallest budget's plan must count there."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=8192, n_positions=512)
@@ -453,3 +450,4 @@ def test_the_smallest_budget_holds_where_the_loss_sets_it() -> None:
     with remat.MemoryTracker() as tracker:
         wrapped(**batch).loss.backward()
     assert tracker.peak_bytes <= wrapped.plan.budget_bytes
+    assert wrapped.plan.predicted_peak_bytes - tracker.peak_bytes <= 0.01 * tracker.peak_bytes

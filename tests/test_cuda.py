@@ -89,14 +89,7 @@ def test_cuda_allocator_peak_is_within_the_plan(fraction: float) -> None:
     assert peaks[False] <= planned.budget_bytes + max(gradient_bytes) + rounding, figures
 
 
-_MIN_UNDER_PREDICTED = pytest.mark.xfail(
-    reason="known: where the head and the loss set the smallest budget, the step peaks 1 MiB above "
-    "it (the loss's accounting; the CPU test test_the_smallest_budget_holds_where_the_loss_sets_it)",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("fraction", [1.0, 0.75, pytest.param("min", marks=_MIN_UNDER_PREDICTED)])
+@pytest.mark.parametrize("fraction", [1.0, 0.75, "min"])
 @pytest.mark.parametrize("measure", ["sized", "plain"])
 def test_cuda_prediction_matches_the_step(measure: str, fraction: float | str) -> None:
     """The plan's predicted peak against the exact tracker on CUDA, for both ways of measuring

@@ -471,7 +471,14 @@ def _suffix(step: TrackedStep) -> _Suffix:
     chain_start = watch.stages[0].forward_window[0]
     # (what outlives the forward is counted as escaped, and autocast's casts apart)
     counted = saved | step.output_allocations | step.cast_allocations | step.alive_after_forward.keys()
-    made = tracker.allocation_freed_events(set(tracker.allocations_since(chain_start)) - counted)
+    # What the code before the chain made and the model's code between stages takes as it
+    # is (an embedding added to the first stage's output) dies in the suffix of a plain
+    # step, but the executor keeps it while a stage whose glue takes it may be replayed:
+    # through the loss, for a region that starts the chain. It is counted like the rest.
+    replayed_constants = {key for stage in watch.stages for key in stage.glue_constants}
+    made = tracker.allocation_freed_events(
+        (set(tracker.allocations_since(chain_start)) | replayed_constants) - counted
+    )
     records = tracker.allocation_records(made)
     uncounted = sum(
         records[key].nbytes

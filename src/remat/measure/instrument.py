@@ -65,6 +65,9 @@ class StageMeasurement:
             executor keeps them for the replay when it recomputes the stage.
         glue_replayable: whether the model's code after it can be replayed (NOTE [glue
             that changes an earlier activation]); if not, the stage is pinned.
+        glue_constants: allocation ids of every tensor the model's code after it (or the
+            next stage) takes as it is, made before the chain too: the executor keeps
+            them while the stage may be replayed.
     """
 
     name: str
@@ -83,6 +86,7 @@ class StageMeasurement:
     forward_flops: int = 0
     kept_constants: dict[int, int] = field(default_factory=dict)
     glue_replayable: bool = True
+    glue_constants: frozenset[int] = frozenset()
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -261,6 +265,7 @@ class StageWatch:
                 # made since the chain began that the glue or the next stage take as they are
                 chain_start = self.stages[0].forward_window[0] if index > 0 else start_event
                 records = tracker.allocation_records(tracker.allocations_of(recorded.constants))
+                stage.glue_constants = frozenset(records)
                 stage.kept_constants = {key: r.nbytes for key, r in records.items() if r.allocated_event >= chain_start}
         self.current = None
         if self.synchronize is not None:
