@@ -476,9 +476,7 @@ def _suffix(step: TrackedStep) -> _Suffix:
     # step, but the executor keeps it while a stage whose glue takes it may be replayed:
     # through the loss, for a region that starts the chain. It is counted like the rest.
     replayed_constants = {key for stage in watch.stages for key in stage.glue_constants}
-    made = tracker.allocation_freed_events(
-        (set(tracker.allocations_since(chain_start)) | replayed_constants) - counted
-    )
+    made = tracker.allocation_freed_events((set(tracker.allocations_since(chain_start)) | replayed_constants) - counted)
     records = tracker.allocation_records(made)
     uncounted = sum(
         records[key].nbytes
