@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import remat
+from peers import checkpoint_selectively
 from remat.units import format_bytes
 
 RESULTS = Path(__file__).parent / "results"
@@ -163,36 +164,9 @@ def median_time(step: Callable[[], None], device: torch.device, repeats: int) ->
 
 
 def selective_matmuls(model: nn.Module) -> nn.Module:
-    """Every GPT-2 block under torch's checkpoint with a policy saving matrix products."""
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    kept = {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default,
-    }
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
-
+    """A copy with every GPT-2 block under torch's checkpoint with a policy saving matrix products."""
     copied: Any = copy.deepcopy(model)
-    for block in copied.transformer.h:
-        forward = block.forward
-
-        def checkpointed(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
-            return checkpoint(
-                _forward,
-                *args,
-                use_reentrant=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
-                **kwargs,
-            )
-
-        block.forward = checkpointed
+    checkpoint_selectively(copied.transformer.h)
     return copied
 
 

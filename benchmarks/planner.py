@@ -64,14 +64,10 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    checkpoint_sequential,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint_sequential
 
 import remat
+from peers import checkpoint_selectively
 from remat.discover.chain import sequential_chain
 from remat.models import BasicBlock, resnet18
 from remat.units import format_bytes
@@ -80,19 +76,6 @@ RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parent.parent / "docs"
 FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 MLP_WIDTHS = (256, 1024, 512, 2048)
-#: Operations torch's selective checkpointing keeps (every overload).
-KEPT_PACKETS = frozenset(
-    {
-        torch.ops.aten.mm,
-        torch.ops.aten.addmm,
-        torch.ops.aten.bmm,
-        torch.ops.aten.convolution,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-        torch.ops.aten._scaled_dot_product_flash_attention,
-        torch.ops.aten._scaled_dot_product_efficient_attention,
-        torch.ops.aten._scaled_dot_product_cudnn_attention,
-    }
-)
 PLAIN = "no recompute"
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
@@ -230,22 +213,10 @@ def recompute_sequentially(workload: Workload) -> Strategy:
     return Strategy(row_of("checkpoint_sequential", strategy), forward, copied)
 
 
-def keep_matmuls(context: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op.overloadpacket in KEPT_PACKETS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def recompute_selectively(workload: Workload) -> Strategy:
     """Strategy 3: every block under torch's checkpoint with a policy keeping matrix products."""
     copied = copy.deepcopy(workload.model)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
-    for block in workload.blocks(copied):
-
-        def checkpointed(*args: Any, _forward: Callable[..., Any] = block.forward, **kwargs: Any) -> Any:
-            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-        block.forward = checkpointed
+    checkpoint_selectively(workload.blocks(copied))
     strategy = f"torch selective, {len(workload.blocks(copied))} blocks, keep matmuls"
     return Strategy(row_of("torch selective", strategy), functools.partial(workload.call, copied), copied)
 
