@@ -213,8 +213,9 @@ class GlueRecorder(TorchFunctionMode):
         if not out_tensors and not changed:
             return out  # a question about a tensor (its shape, a flag): nothing to replay
         # NOTE [constants the glue changes]: replayed on a copy
-        copied = {id(t) for t in changed if self._slots.get(t) is None}
-        if any(t.requires_grad for t in changed if self._slots.get(t) is None):
+        outside = [t for t in changed if self._slots.get(t) is None]  # none of the stage's values
+        copied = {id(t) for t in outside}
+        if any(t.requires_grad for t in outside):
             self._replayable = False
         if func in _UPDATES_STATISTICS:
             copied |= {id(t) for t in tensors_in if self._slots.get(t) is None and not t.requires_grad}

@@ -13,7 +13,7 @@ runs. :func:`tree_of` reads the tree back from the operations.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,22 +71,16 @@ class Region:
     # A plan for the smallest budget nests a region in every body: a chain of 1,000 stages
     # gives a tree 1,000 deep, beyond what recursive hashing and comparison allow.
     def _key(self) -> tuple[int, ...]:
-        """The tree as a flat tuple (iteratively): a stage s is (s,), a region (-1, start, stop, ..., -2)."""
+        """The tree as a flat tuple: a stage s is s, a region (-1, start, stop), its end -2."""
         key = self.__dict__.get("_cached_key")
         if key is not None:
             return key
         out: list[int] = []
-        pending: list[PlanItem | None] = [self]
-        while pending:
-            item = pending.pop()
-            if item is None:
-                out.append(-2)
-            elif isinstance(item, Store):
+        for kind, item in _walk((self,)):
+            if isinstance(item, Store):
                 out.append(item.stage)
             else:
-                out += (-1, item.start, item.stop)
-                pending.append(None)
-                pending.extend(reversed(item.body))
+                out += (-1, item.start, item.stop) if kind == "region" else (-2,)
         key = tuple(out)
         object.__setattr__(self, "_cached_key", key)
         return key
@@ -102,6 +96,23 @@ class Region:
 
 PlanItem = Store | Region
 """One item of a plan tree."""
+
+
+def _walk(items: Sequence[PlanItem]) -> Iterator[tuple[str, PlanItem]]:
+    """The items of a tree in order, flat, without recursion: ``("store", Store)``, and
+    ``("region", Region)`` before the region's body, ``("end", Region)`` after it."""
+    pending: list[tuple[bool, PlanItem]] = [(False, item) for item in reversed(items)]
+    while pending:
+        body_done, item = pending.pop()
+        if isinstance(item, Store):
+            yield "store", item
+        elif body_done:
+            yield "end", item
+        else:
+            yield "region", item
+            pending.append((True, item))
+            pending.extend((False, child) for child in reversed(item.body))
+
 
 PlanTree = tuple[PlanItem, ...]
 """A plan tree: items covering the stages of a chain in order."""
@@ -268,21 +279,10 @@ def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
     Flat, so that a plan nested as deep as a long chain (the smallest budget's) is written
     and read without recursion. See :func:`plan_from_data` for the way back.
     """
-    data: list[dict[str, Any]] = []
-    pending: list[PlanItem | Region] = list(reversed(plan))
-    closing: set[int] = set()  # ids of the regions whose body was written (their end is due)
-    while pending:
-        item = pending.pop()
-        if isinstance(item, Store):
-            data.append({"store": item.stage})
-        elif id(item) in closing:
-            data.append({"end": [item.start, item.stop]})
-        else:
-            data.append({"region": [item.start, item.stop]})
-            closing.add(id(item))
-            pending.append(item)
-            pending.extend(reversed(item.body))
-    return data
+    return [
+        {"store": item.stage} if isinstance(item, Store) else {kind: [item.start, item.stop]}
+        for kind, item in _walk(plan)
+    ]
 
 
 def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
