@@ -547,11 +547,11 @@ class Checkpointable(ModelStandIn):
         """The whole-step budget in bytes that `mem_limit` stands for."""
         if mem_limit == MINIMUM:
             return self._minimum_budget_bytes(key, planning)
-        # A fraction is of the budget that stores everything, margin included: 1.0
-        # always plans no recompute.
+        # A fraction is of the budget that stores everything, margin included, with what
+        # lives part of the step counted where it lives: 1.0 always plans no recompute.
         store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
         device = planning.profile.metadata.get("device", "cpu")
-        reference = planning.total_for(store_all.peak_bytes)
+        reference = planning.total_holding(store_all)
         total = parse_budget(mem_limit, reference_bytes=reference, device=device)
         if mem_limit is None and str(device) == "cpu" and not self._default_budget_warned:
             # An honest default: on the CPU, None is the host's available memory.

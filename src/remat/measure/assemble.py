@@ -69,6 +69,9 @@ class ChainMeasurement:
         cached_cast_bytes: per planned stage, autocast's casts that it made and that no
             stage keeps for its backward, held by autocast's cache until its region ends
             (counted in ``fixed_bytes``).
+        glue_constants: what the executor keeps for the replay of a stage's glue that
+            the model does not hold on its own (NOTE [glue constants]): ``(bytes, planned
+            stages whose glue takes it)``, counted in ``fixed_bytes``.
         suffix_backward_excess_bytes: how much the chain output's gradient in the
             profile exceeds the peak of the suffix's forward part (until the loss is
             computed; autocast's region ends there in a training loop).
@@ -101,6 +104,7 @@ class ChainMeasurement:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
+    glue_constants: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def chain_activation_bytes(self) -> int:
@@ -141,6 +145,7 @@ class ChainMeasurement:
             loss_only_bytes=self.suffix_transient_bytes,
             held_inputs=self.held_inputs(),
             suffix_backward_excess_bytes=self.suffix_backward_excess_bytes,
+            glue_constants=self.glue_constants,
         )
 
     def held_inputs(self) -> tuple[HeldInput, ...]:
@@ -286,6 +291,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in freed_by),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
+        glue_constants=_glue_constants(step, group_of),
     )
 
 
@@ -382,6 +388,26 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
                 if taker is not None:
                     freed_by.append((taker, records[key].nbytes))
     return fixed_bytes + sum(leftovers), leftovers, freed_by
+
+
+# NOTE [glue constants]
+# The glue after a recomputed stage keeps what it takes as it is (a residual stream that a
+# nested chain adds back after its block's inner stages, a shortcut's input) for its
+# replay, from the stage's first forward until the chain's backward is done. Planning
+# counts it as held through the whole step (in fixed_bytes: the safe side), and so does
+# the prediction of a schedule that recomputes anything (remat.plan.lifetimes); one that
+# stores everything keeps none. What the model itself holds through the backward (an
+# escaped output) stays fixed.
+def _glue_constants(step: TrackedStep, group_of: list[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per glue constant the model does not hold by itself: its bytes and the groups keeping it."""
+    stages = step.watch.stages
+    held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    keepers: dict[int, tuple[int, set[int]]] = {}
+    for index, stage in enumerate(stages):
+        for key, nbytes in stage.kept_constants.items():
+            if key not in held:
+                keepers.setdefault(key, (nbytes, set()))[1].add(group_of[index])
+    return tuple((nbytes, tuple(sorted(groups))) for nbytes, groups in keepers.values())
 
 
 def _cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:

@@ -19,6 +19,8 @@ schedule for the prediction:
   container of blocks, until its last block returns: NOTE [inputs the model holds] in
   ``remat.measure.timing``), through the first forward, where the schedule would have
   freed it;
+* what the glue after a recomputed stage keeps for its replay (NOTE [glue constants] in
+  ``remat.measure.assemble``), counted through the step when anything is recomputed;
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
   ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
@@ -83,6 +85,8 @@ class Lifetimes:
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
         leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
+        glue_constants: ``(bytes, planned stages whose glue keeps it)``: alive through
+            the step when a stage is recomputed.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -93,16 +97,21 @@ class Lifetimes:
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: Sequence[int] = ()
     leftover_freed: Sequence[tuple[int, int]] = ()
+    glue_constants: Sequence[tuple[int, tuple[int, ...]]] = ()
 
     @property
     def total_bytes(self) -> int:
         """All of it held outside the chain (what planning counts as held through the step)."""
-        return sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes) + sum(self.cached_cast_bytes)
+        constants = sum(nbytes for nbytes, _ in self.glue_constants)
+        return (
+            sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes) + sum(self.cached_cast_bytes)
+        ) + constants
 
 
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
     """The chain's simulated peak with what `lifetimes` describes added while it lives."""
     alive = _Alive(lifetimes, len(simulation.forward_counts))
+    alive.bytes += _replayed_glue_constants(simulation, lifetimes)
     peak = 0
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
@@ -122,6 +131,18 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
         elif stage is not None:
             alive.backward_ends(stage)
     return peak
+
+
+def _replayed_glue_constants(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
+    """The glue constants, when the schedule recomputes anything (none otherwise).
+
+    Each is counted through the step: the model's code holds it from when it is made until
+    its glue takes it, and the glue of a stage that is not stored keeps it until the chain's
+    backward is done. (All of them, also those of stored stages: the safe side.)
+    """
+    if any(count > 1 for count in simulation.forward_counts):
+        return sum(nbytes for nbytes, _ in lifetimes.glue_constants)
+    return 0
 
 
 class _Alive:

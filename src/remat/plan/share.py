@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
+from remat.plan.simulate import SimulationResult
 from remat.plan.solvers import Solver
 from remat.plan.step import BudgetSplit
 
@@ -61,9 +62,13 @@ class Planning(NamedTuple):
         where it lives (:meth:`BudgetSplit.chain_phase_peak_bytes`), and the peak after
         the chain's backward.
         """
-        minimum_chain = self.solver.minimum_bytes(self.profile)
-        least = self.solver(self.profile, minimum_chain)
-        needed = max(self.outside.chain_phase_peak_bytes(least.simulation), self.after_chain_peak_bytes)
+        least = self.solver(self.profile, self.solver.minimum_bytes(self.profile))
+        return self.total_holding(least.simulation)
+
+    def total_holding(self, simulation: SimulationResult) -> int:
+        """The smallest whole-step budget that holds a schedule simulated so, everything
+        counted where it lives, and the peak after the chain's backward."""
+        needed = max(self.outside.chain_phase_peak_bytes(simulation), self.after_chain_peak_bytes)
         total = math.ceil(needed / (1.0 - self.margin))
         while int(total * (1.0 - self.margin)) < needed:
             total += 1
@@ -78,18 +83,6 @@ class Planning(NamedTuple):
         # it. A model measured with the real loss outside autocast has nothing
         # unattributed (Checkpointable._margin).
         return int(total_bytes * (1.0 - self.margin)) - self.held_outside_bytes
-
-    def total_for(self, needed: int) -> int:
-        """The smallest whole-step budget whose chain share is at least `needed` bytes and
-        that keeps the margin above the peak after the chain's backward."""
-        after_chain = math.ceil(self.after_chain_peak_bytes / (1.0 - self.margin))
-        minimum = max(after_chain, math.ceil((needed + self.held_outside_bytes) / (1.0 - self.margin)))
-        # The smallest such budget, whatever the float rounding.
-        while self.chain_bytes(minimum) < needed:
-            minimum += 1
-        while minimum > max(1, after_chain) and self.chain_bytes(minimum - 1) >= needed:
-            minimum -= 1
-        return minimum
 
     def solve(self, split: BudgetSplit) -> tuple[Schedule, BudgetSplit]:
         """The fastest schedule found whose predicted whole-step peak fits the budget.

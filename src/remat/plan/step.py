@@ -74,6 +74,10 @@ class BudgetSplit:
         held_inputs: stage inputs the model's own code holds beyond their stage in the
             first forward, where the schedule would free them: not in the figures
             above; the prediction counts them where they live.
+        glue_constants: ``(bytes, planned stages)``: what the glue after one of those
+            stages keeps for its replay when the stage is not stored (NOTE [glue
+            constants] in ``remat.measure.assemble``): in ``held_outside_bytes``; the
+            prediction counts it from then on.
     """
 
     total_bytes: int | None
@@ -91,6 +95,7 @@ class BudgetSplit:
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: tuple[int, ...] = ()
     leftover_freed: tuple[tuple[int, int], ...] = ()
+    glue_constants: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
@@ -98,6 +103,8 @@ class BudgetSplit:
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
         object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
         object.__setattr__(self, "leftover_freed", tuple((int(g), int(n)) for g, n in self.leftover_freed))
+        constants = tuple((int(n), tuple(int(g) for g in groups)) for n, groups in self.glue_constants)
+        object.__setattr__(self, "glue_constants", constants)
 
     @property
     def part_time_bytes(self) -> int:
@@ -110,6 +117,7 @@ class BudgetSplit:
             + self.loss_only_bytes
             + sum(self.cast_bytes)
             + sum(self.cached_cast_bytes)
+            + sum(nbytes for nbytes, _ in self.glue_constants)
         )
 
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
@@ -123,6 +131,7 @@ class BudgetSplit:
             self.suffix_backward_excess_bytes,
             self.cached_cast_bytes,
             self.leftover_freed,
+            self.glue_constants,
         )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
