@@ -20,7 +20,8 @@ Strategies, each on its own copy of the same weights:
 4. ``torch.compile`` (inductor, CPU) with ``torch._functorch.config.activation_memory_budget``
    at each fraction; its overhead is also taken against its own budget 1.0;
 5. ``remat.Checkpointable`` at each fraction, at the smallest feasible budget (``"min"``),
-   and at the peak strategy 2 measured, in bytes.
+   and at the peak strategy 2 measured, in bytes; with ``--nested``, the same points again
+   with ``nested=True`` (blocks split into their submodules), in the same run.
 
 Peaks are those of one training step (forward, loss, backward), parameter gradients
 excluded, from the exact tracker :class:`remat.MemoryTracker`, except for compiled code:
@@ -39,8 +40,9 @@ model share theirs, so a ``torch._dynamo.reset()`` between points would leave ev
 copy running the graph compiled last. Inductor's cache is a fresh directory per run: the
 first point compiles from cold, later ones may reuse the kernels earlier ones compiled.
 
-Run ``python benchmarks/planner.py --workload gpt2|resnet|mlp [--steps 7]``; it writes
-``results/planner_<workload>.json`` and ``.md``, and the curve as ``docs/planner_<workload>.png``.
+Run ``python benchmarks/planner.py --workload gpt2|resnet|mlp [--steps 7] [--nested]
+[--no-compile]``; it writes ``results/planner_<workload>.json`` and ``.md``, and the curve as
+``docs/planner_<workload>.png`` (``planner_<workload>_nested`` with ``--nested``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ DOCS = Path(__file__).parent.parent / "docs"
 FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 MLP_WIDTHS = (256, 1024, 512, 2048)
 PLAIN = "no recompute"
+REMAT_NESTED = "remat nested"
+REMAT_FAMILIES = ("remat", REMAT_NESTED)
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
 GRADIENT_MARK = "planner: gradient handed over"
@@ -246,10 +250,12 @@ def compiled(workload: Workload, budget: float) -> Strategy:
     return strategy
 
 
-def rematerialized(workload: Workload, budget: float | int | str, label: str) -> Strategy:
+def rematerialized(workload: Workload, budget: float | int | str, label: str, *, nested: bool = False) -> Strategy:
     """Strategy 5 at one budget; infeasible budgets come back with ``feasible`` False."""
-    wrapped = remat.Checkpointable(copy.deepcopy(workload.model), budget, loss_fn=workload.loss_fn, output_kept=False)
-    row = row_of("remat", label, budget)
+    wrapped = remat.Checkpointable(
+        copy.deepcopy(workload.model), budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested
+    )
+    row = row_of(REMAT_NESTED if nested else "remat", label, budget)
     strategy = Strategy(row, functools.partial(workload.call, wrapped), wrapped)
     try:
         train_step(workload, strategy)  # measures and plans
@@ -400,7 +406,9 @@ def dynamo_frames() -> int:
 
 
 # ---------------------------------------------------------------------------- the run
-def build_strategies(workload: Workload, fractions: list[float]) -> tuple[list[Strategy], dict[str, Any]]:
+def build_strategies(
+    workload: Workload, fractions: list[float], *, nested: bool = False, with_compile: bool = True
+) -> tuple[list[Strategy], dict[str, Any]]:
     plain = Strategy(row_of("plain", PLAIN), functools.partial(workload.call, workload.model), workload.model)
     second = recompute_sequentially(workload)
     strategies = [plain, second, recompute_selectively(workload)]
@@ -411,17 +419,18 @@ def build_strategies(workload: Workload, fractions: list[float]) -> tuple[list[S
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64
     frames_before = dynamo_frames()
-    for fraction in fractions:
+    for fraction in fractions if with_compile else []:
         strategy = compiled(workload, fraction)
         print(f"compiled at {fraction} in {strategy.row['compile_s']:.1f} s", flush=True)
         strategies.append(strategy)
     compile_info = {"frames_compiled": dynamo_frames() - frames_before}
-    budgets: list[tuple[float | int | str, str]] = [(f, f"remat {f}") for f in fractions]
-    budgets += [("min", "remat min"), (second.row["measured_peak_bytes"], f"remat at {second.row['family']} peak")]
-    for budget, label in budgets:
-        strategy = rematerialized(workload, budget, label)
-        print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
-        strategies.append(strategy)
+    points: list[tuple[float | int | str, str]] = [(f, str(f)) for f in fractions]
+    points += [("min", "min"), (second.row["measured_peak_bytes"], f"at {second.row['family']} peak")]
+    for family in ["remat", REMAT_NESTED] if nested else ["remat"]:
+        for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
+            strategy = rematerialized(workload, budget, label, nested=family == REMAT_NESTED)
+            print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
+            strategies.append(strategy)
     for strategy in strategies[3:]:
         if strategy.row["feasible"]:
             measure_peaks(workload, strategy)
@@ -453,7 +462,7 @@ def summarize(strategies: list[Strategy]) -> list[dict[str, Any]]:
                 "measured_peak_bytes"
             ]
             row["over_budget"] = row["measured_peak_bytes"] > row["budget_bytes"]
-        if row["strategy"].startswith("remat at "):
+        if row["family"] in REMAT_FAMILIES and " at " in row["strategy"]:
             row["vs_strategy_2"] = row["median_step_s"] / second["median_step_s"]
     if own is not None and own.get("median_step_s"):
         for row in (s.row for s in strategies if s.row["family"] == "torch.compile" and s.row.get("median_step_s")):
@@ -470,11 +479,11 @@ def verdict(value: float | None, limit: float | None) -> str:
     return "PASS" if value <= limit else "FAIL"
 
 
-def remat_at(rows: list[dict[str, Any]], budget: Any) -> dict[str, Any] | None:
-    return next((r for r in rows if r["family"] == "remat" and r["budget"] == budget and r.get("median_step_s")), None)
+def remat_at(rows: list[dict[str, Any]], budget: Any, family: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["family"] == family and r["budget"] == budget and r.get("median_step_s")), None)
 
 
-def targets(workload: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def targets(workload: str, rows: list[dict[str, Any]], family: str = "remat") -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def add(key: str, text: str, value: float | None, limit: float | None, shown: str, limit_text: str = "") -> None:
@@ -483,7 +492,7 @@ def targets(workload: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         found.append({"target": key, "text": text, "value": value, "limit": limit, "limit_text": limit_text})
         found[-1].update(shown=shown, verdict=verdict(value, limit))
 
-    second = next((r for r in rows if r["strategy"].startswith("remat at ")), None)
+    second = next((r for r in rows if r["family"] == family and " at " in r["strategy"]), None)
     ratio = second.get("vs_strategy_2") if second else None
     add(
         "a",
@@ -493,13 +502,13 @@ def targets(workload: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         f"x{ratio:.3f}" if ratio else "n/a",
         "<= x0.90",
     )
-    half = remat_at(rows, 0.5)
+    half = remat_at(rows, 0.5, family)
     overhead = half["vs_plain"] - 1 if half else None
     add("b", "remat overhead at 50% of plain", overhead, 0.10 if workload == "gpt2" else None, percent(overhead))
-    whole = remat_at(rows, 1.0)
+    whole = remat_at(rows, 1.0, family)
     overhead = whole["vs_plain"] - 1 if whole else None
     add("c", "remat overhead at 100% of plain", overhead, 0.01, percent(overhead))
-    remat_rows = [r for r in rows if r["family"] == "remat" and r.get("median_step_s")]
+    remat_rows = [r for r in rows if r["family"] == family and r.get("median_step_s")]
     compiled_rows = [r for r in rows if r["family"] == "torch.compile" and r.get("vs_own_baseline")]
     # both sides on the allocator's ruler: the one that sees compiled code
     for level in sorted({r["allocator_peak_bytes"] for r in compiled_rows}):
@@ -518,7 +527,7 @@ def targets(workload: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         share = percent(nearest["allocator_peak_vs_plain"], signed=False)
         text += f"nearest point at or below it is {nearest['strategy']!r} at {share}"
         add("d", text, remat_overhead, compile_overhead, percent(remat_overhead), "<= compile's own overhead")
-    minimum = next((r for r in rows if r["family"] == "remat" and r["budget"] == "min"), None)
+    minimum = next((r for r in rows if r["family"] == family and r["budget"] == "min"), None)
     smallest = minimum.get("budget_vs_plain") if minimum else None
     limit = {"resnet": 0.30, "gpt2": 0.10}.get(workload)
     add("e", "smallest feasible remat budget, of plain", smallest, limit, percent(smallest, signed=False))
@@ -595,10 +604,14 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [table_row(row) for row in result["rows"]]
-    lines += ["", "## targets", ""]
-    for target in result["targets"]:
-        shown_limit = f" (target {target['limit_text']})" if target["limit_text"] else ""
-        lines.append(f"- ({target['target']}) {target['text']}: {target['shown']}{shown_limit} -> {target['verdict']}")
+    for key, title in (("targets", "targets"), ("targets_nested", f"targets of {REMAT_NESTED}")):
+        if key not in result:
+            continue
+        lines += ["", f"## {title}", ""]
+        for target in result[key]:
+            shown_limit = f" (target {target['limit_text']})" if target["limit_text"] else ""
+            line = f"- ({target['target']}) {target['text']}: {target['shown']}{shown_limit} -> {target['verdict']}"
+            lines.append(line)
     if check:
         lines += [
             "",
@@ -625,6 +638,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "torch selective": ("tab:green", "^"),
         "torch.compile": ("tab:red", "v"),
         "remat": ("tab:blue", "o"),
+        REMAT_NESTED: ("tab:purple", "P"),
     }
     rows = [r for r in result["rows"] if r.get("median_step_s")]
     for family, (colour, marker) in styles.items():
@@ -669,6 +683,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--nested", action="store_true", help="remat with nested=True too, in the same run")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile's points out")
     parser.add_argument(
         "--fractions", default=",".join(map(str, FRACTIONS)), help="comma-separated budgets for compile and remat"
     )
@@ -678,7 +694,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="planner_inductor_", ignore_cleanup_errors=True) as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         workload = WORKLOADS[options.workload]()
-        strategies, compile_info = build_strategies(workload, fractions)
+        strategies, compile_info = build_strategies(
+            workload, fractions, nested=options.nested, with_compile=not options.no_compile
+        )
         timed = [s for s in strategies if s.row["feasible"]]
         frames_before = dynamo_frames()
         time_rounds(workload, timed, options.steps)
@@ -701,12 +719,15 @@ def main() -> None:
         "rows": rows,
     }
     result["targets"] = targets(workload.name, rows)
+    if options.nested:
+        result["targets_nested"] = targets(workload.name, rows, REMAT_NESTED)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"planner_{workload.name}"
+    name = f"{workload.name}_nested" if options.nested else workload.name
+    stem = RESULTS / f"planner_{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)
-    plot(result, DOCS / f"planner_{workload.name}.png")
+    plot(result, DOCS / f"planner_{name}.png")
     print(text)
 
 

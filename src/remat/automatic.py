@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -129,9 +130,11 @@ class Checkpointable(ModelStandIn):
             * ``"frugal"``: the same steps with the stages recomputed in segments of about
               sqrt(n) (see NOTE [frugal measurement]); its predictions err a little more
               on the safe side.
-        frugal_measure: kept for older code, where it asked for a measuring step in less
-            memory than a plain one: measuring stays within the budget now by default, so
-            True selects the default (``measure="sized"``) and warns (DeprecationWarning).
+        frugal_measure: deprecated; True selects the default (``measure="sized"``) and warns.
+        nested: plan inside blocks too: a block whose submodules run one after another (a
+            transformer block's norms, attention and MLP) is split into them, recursively, so
+            that a plan keeps part of a block and recomputes the rest, down to what the largest
+            indivisible call needs. More stages: measuring and solving take longer.
         plan: a plan to train with at every training call, without measuring or planning:
             a :class:`~remat.plan.Plan` or the path of one saved with ``plan.to_json()``
             (for production runs that must not change their schedule). It must plan this
@@ -172,6 +175,7 @@ class Checkpointable(ModelStandIn):
         plan: Plan | str | os.PathLike[str] | None = None,
         timed_shapes: int = 3,
         policy: Any = None,
+        nested: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -214,6 +218,7 @@ class Checkpointable(ModelStandIn):
         self._coverage_warned = False
         self._solver()  # fail now on an unknown solver name
         self.policy = policy
+        self.nested = bool(nested)
         self._selective = None if policy is None else SelectiveRuns(policy, mem_limit, plan, preserve_rng_state)
 
     # ------------------------------------------------------------------ public
@@ -428,8 +433,7 @@ class Checkpointable(ModelStandIn):
         else:
             if key not in self._measurements or self._shapes.must_retime(key):
                 self._measure(args, kwargs, training=True)
-            self._last_key = key
-            plan = self._plan(key, self.mem_limit)
+            self._last_key, plan = key, self._plan(key, self.mem_limit)
         executor = self._executor(key, plan, args, kwargs)
         if self._forced_plan is None and self._shapes.unverified(key):
             return self._shapes.verified_call(key, lambda: executor(self.model, args, kwargs), self.model)
@@ -440,10 +444,7 @@ class Checkpointable(ModelStandIn):
         """How many input shapes were timed, and how many had their times scaled (``timed_shapes``)."""
         return dict(self._shapes.counts)
 
-    @property
-    def frugal_measure(self) -> bool:
-        """Whether measuring avoids a plain step's memory (kept for older code; see ``measure``)."""
-        return self.measure_mode != "plain"
+    frugal_measure = property(lambda self: self.measure_mode != "plain", doc="Deprecated: measure != 'plain'.")
 
     # ------------------------------------------------------------------ internals
     @property
@@ -456,11 +457,9 @@ class Checkpointable(ModelStandIn):
     def _margin(self, key: Hashable, measurement: ChainMeasurement) -> float:
         if self._margin_option is not None:
             return self._margin_option
-        # A model measured with the real loss is predicted to the byte or above it: its
-        # own code around the chain is sized with the rest, and what runs after the chain
-        # is checked on real tensors (NOTE [suffix on real tensors]). One measured with the
-        # default loss (the sum of the outputs), or run under autocast (whose cache of casts lives across the step
-        # on its own terms, NOTE [autocast casts]), keeps a margin.
+        # A model measured with the real loss is predicted to the byte or above it (NOTE
+        # [suffix on real tensors]). One measured with the default loss (a sum), or under
+        # autocast (whose cache lives on its own terms, NOTE [autocast casts]), keeps a margin.
         autocast = isinstance(key, tuple) and len(key) > 3 and any(key[3])
         exact = (self._loss_fn is not None or measurement.loss_from_output) and not autocast
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
@@ -483,7 +482,7 @@ class Checkpointable(ModelStandIn):
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
         if chain is None:
-            if isinstance(self.model, nn.Sequential):
+            if isinstance(self.model, nn.Sequential) and not self.nested:
                 chain = discover_chain(self.model, args, kwargs)
             else:
                 devices = [p.device for p in self.model.parameters()]
@@ -494,15 +493,16 @@ class Checkpointable(ModelStandIn):
 
     def _discover(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         """The model's chain, found on fake tensors where it can (no device memory)."""
+        discover = functools.partial(discover_chain, self.model, loss_fn=self._loss_fn, nested=self.nested)
         if self.measure_mode == "sized":
             try:
                 with on_fake_tensors(self.model) as fake:
                     fake_args, fake_kwargs = fake.inputs(args, kwargs)
                     with fake.mode:
-                        return discover_chain(self.model, fake_args, fake_kwargs, loss_fn=self._loss_fn)
+                        return discover(fake_args, fake_kwargs)
             except FakeRunFailed:
                 pass  # found on the real inputs; measuring says why fake tensors do not do
-        return discover_chain(self.model, *isolated_inputs(args, kwargs), loss_fn=self._loss_fn)
+        return discover(*isolated_inputs(args, kwargs))
 
     def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
         executor = self._executors.get((key, plan))

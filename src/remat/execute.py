@@ -279,15 +279,17 @@ class _Run:
         """Replays a level from its first stage's inputs; returns the inputs of the stage after it."""
         for step in level.steps:
             if step.kind is _STORE:
-                args, kwargs = self._replay_stage(step.start, args, kwargs)
+                # the stage takes its inputs from the holder: what its glue does not use is
+                # freed before the glue runs, as in the first forward (NOTE [glue between stages])
+                holder = [(args, kwargs)]
+                del args, kwargs
+                args, kwargs = self._replay_stage(step.start, holder)
             else:
                 assert step.body is not None
                 args, kwargs = recompute(_Replay(self, step.body), args, kwargs)
         return args, kwargs
 
-    def _replay_stage(
-        self, stage: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _replay_stage(self, stage: int, holder: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # NOTE [random state of replayed stages]
         # The model's own code between stages may draw random numbers, so each stage of a
         # model's forward is replayed from the state it started with, its glue after it. In
@@ -296,12 +298,15 @@ class _Run:
         # would rewind it for the next one).
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
+        args, kwargs = holder.pop()
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
             out = call_stage(module, args, kwargs)
             glue = self.glues.get(stage)
             if glue is None:  # the chain's last stage: nothing follows it
                 return (out,), {}
-            return glue.replay(_tensors((args, kwargs)) + _tensors(out))
+            values = _tensors((args, kwargs)) + _tensors(out)
+            del args, kwargs, out
+            return glue.replay(values)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -138,6 +138,7 @@ def discover_chain(
     kwargs: dict[str, Any],
     *,
     loss_fn: Callable[[Any], Any] | None = None,
+    nested: bool = False,
 ) -> Chain:
     """Watches one forward of `model` (without grad) and returns its longest chain.
 
@@ -152,11 +153,14 @@ def discover_chain(
         kwargs: sample keyword inputs.
         loss_fn: the training step's ``loss_fn(output)``; None: the loss the output
             carries (``output.loss``), else every tensor of the output.
+        nested: split every stage whose own children form a chain into those children,
+            recursively (NOTE [nested chains]), so that a plan can keep part of a block and
+            recompute the rest.
 
     Raises:
         UnsupportedModel: no run of at least two linked submodule calls was found.
     """
-    if isinstance(model, nn.Sequential):
+    if isinstance(model, nn.Sequential) and not nested:
         return sequential_chain(model)
     names = {id(m): n for n, m in model.named_modules()}
     calls: list[_Call] = []
@@ -207,6 +211,8 @@ def discover_chain(
         on_loss_path = loss_from is None or bool(loss_from >> index & 1)
         call.eligible = call.eligible and call_counts[id(call.module)] == 1 and on_loss_path
     best = _join_runs(calls, _runs(calls))
+    if nested:
+        best = _deepen(calls, best)
     stages = _expand_sequentials([(calls[i].name, calls[i].module) for i in best])
     if len(stages) < 2:
         raise UnsupportedModel(
@@ -216,6 +222,42 @@ def discover_chain(
             "loop, or mark blocks to recompute by hand with remat.mark / remat.apply"
         )
     return Chain([n for n, _ in stages], [m for _, m in stages], whole_model=False)
+
+
+# NOTE [nested chains]
+# A stage whose own submodule calls form a chain (a transformer block's norms, attention
+# and MLP; a residual block's convolutions and norms) can be split into them: the model's
+# code around them (the residual additions, an activation, a shortcut) becomes the glue
+# between stages, recorded and replayed like any other. Planning over the finer chain
+# considers every plan of the coarse one (regions that start and end at the old
+# boundaries) and the nested ones: a block that stores its attention and recomputes its
+# MLP, a recompute inside a recomputed block. The smallest budget falls to what the
+# largest indivisible call needs. A stage is split only where its chain is linked to the
+# stages around it: its first call derives from the stage before, the stage after derives
+# from its last call. Their predictions err on the safe side: the residual streams the
+# glue keeps for its replays are counted through the step (NOTE [glue constants]).
+def _deepen(calls: list[_Call], chain: list[int]) -> list[int]:
+    """`chain` with every stage replaced by the chain of its own children where it has one, recursively."""
+    children: dict[int, list[int]] = {}
+    for index, call in enumerate(calls):
+        if call.eligible and call.parent is not None:
+            children.setdefault(call.parent, []).append(index)
+    out = list(chain)
+    position = 0
+    while position < len(out):
+        index = out[position]
+        siblings = children.get(index, [])
+        run = _longest_run(calls, siblings) if siblings else []
+        linked = (
+            _run_stages(calls, run) >= 2
+            and (position == 0 or bool(calls[run[0]].first_from >> out[position - 1] & 1))
+            and (position + 1 == len(out) or bool(calls[out[position + 1]].first_from >> run[-1] & 1))
+        )
+        if linked:
+            out[position : position + 1] = run  # its calls may split further: not advanced
+        else:
+            position += 1
+    return out
 
 
 def _loss_from(provenance: _Provenance, output: Any, loss_fn: Callable[[Any], Any] | None) -> int | None:

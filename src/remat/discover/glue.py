@@ -95,6 +95,9 @@ class Glue:
         self._next_sources = next_sources
         self._next_spec = next_spec
         self._constants = constants
+        # the stage's inputs its calls (or the next stage) take: the others are not kept
+        sources = [source for call in calls for source in call.sources] + list(next_sources)
+        self._used_inputs = frozenset(item for kind, item in sources if kind == _SLOT and item < n_inputs)
 
     @property
     def constants(self) -> list[torch.Tensor]:
@@ -113,7 +116,9 @@ class Glue:
 
     def replay(self, stage_values: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Runs the calls again on `stage_values` (the replayed stage's input tensors, then
-        its output tensors); returns the next stage's (args, kwargs).
+        its output tensors); returns the next stage's (args, kwargs). The inputs the calls do
+        not take are dropped from `stage_values` (the list is the glue's own from then on):
+        the first forward had freed them by then, unless the model's code held them.
 
         Raises:
             RecomputeInputModified: a constant was changed in place since it was recorded.
@@ -137,7 +142,10 @@ class Glue:
                     "stages uses was changed in place after the forward; its recompute would see other "
                     "values. Make that change out of place"
                 )
-        slots = list(stage_values)
+        slots: list[Any] = stage_values
+        for position in range(self._n_inputs):
+            if position not in self._used_inputs:
+                slots[position] = None
         aliases: dict[int, torch.Tensor] = {}
 
         def value(source: tuple[int, Any]) -> Any:

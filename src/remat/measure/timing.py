@@ -143,16 +143,20 @@ class _GroupTimer:
         if self.everything is not None:
             self.stage_starts.append(self._event())
             self.input_allocations.append(self.everything.allocations_of(tensors_in((args, kwargs))))
+        cut: list[torch.Tensor] = []
         if index in self.first:
             self._grad_mode = torch.is_grad_enabled()
             torch.set_grad_enabled(True)
             args, kwargs = _cut_inputs(args, kwargs, self.stages[index])
+            cut = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if self.tracker is not None and self.groups[-1][0] == index:
                 self.tracker.__enter__()
                 self.tracking = True
         started = self._now()
         out = call_original(module, args, kwargs)
         forward_s = self._now() - started
+        if cut:
+            out = _not_aliasing(out, cut)
         stage = self.stages[index]
         if stage.forward_flops < REPEATED_BELOW_FLOPS and not stage.modifies_input:
             samples = [forward_s]
@@ -227,6 +231,21 @@ def _cut_inputs(
                 leaf = cut.clone() if stage.modifies_input else cut.view_as(cut)
         out.append(leaf)
     return tree_unflatten(out, spec)
+
+
+def _not_aliasing(out: Any, cut: list[torch.Tensor]) -> Any:
+    """`out` with a copy of each tensor that aliases a cut input (a stage that returns its
+    input, an ``nn.Identity``): the model's code may change it in place, which a view of a
+    leaf that requires grad refuses."""
+    storages = {t.untyped_storage()._cdata for t in cut if t.layout == torch.strided}
+    leaves, spec = tree_flatten(out)
+    copied = [
+        leaf.clone()
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.untyped_storage()._cdata in storages
+        else leaf
+        for leaf in leaves
+    ]
+    return tree_unflatten(copied, spec)
 
 
 def _detached(value: Any) -> Any:

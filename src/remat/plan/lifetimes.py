@@ -19,8 +19,9 @@ schedule for the prediction:
   container of blocks, until its last block returns: NOTE [inputs the model holds] in
   ``remat.measure.timing``), through the first forward, where the schedule would have
   freed it;
-* what the glue after a recomputed stage keeps for its replay (NOTE [glue constants] in
-  ``remat.measure.assemble``), counted through the step when anything is recomputed;
+* what the glue after a stage that is not stored keeps for its replay (NOTE [glue
+  constants] in ``remat.measure.assemble``), from that stage's first forward on (before
+  it, the model's code holds it: a held input);
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
   ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
@@ -85,8 +86,8 @@ class Lifetimes:
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
         leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
-        glue_constants: ``(bytes, planned stages whose glue keeps it)``: alive through
-            the step when a stage is recomputed.
+        glue_constants: ``(bytes, planned stages whose glue keeps it)``: alive from the
+            first forward of the first of those stages that is not stored.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -111,7 +112,6 @@ class Lifetimes:
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
     """The chain's simulated peak with what `lifetimes` describes added while it lives."""
     alive = _Alive(lifetimes, len(simulation.forward_counts))
-    alive.bytes += _replayed_glue_constants(simulation, lifetimes)
     peak = 0
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
@@ -133,18 +133,6 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
     return peak
 
 
-def _replayed_glue_constants(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
-    """The glue constants, when the schedule recomputes anything (none otherwise).
-
-    Each is counted through the step: the model's code holds it from when it is made until
-    its glue takes it, and the glue of a stage that is not stored keeps it until the chain's
-    backward is done. (All of them, also those of stored stages: the safe side.)
-    """
-    if any(count > 1 for count in simulation.forward_counts):
-        return sum(nbytes for nbytes, _ in lifetimes.glue_constants)
-    return 0
-
-
 class _Alive:
     """What `Lifetimes` describes that is alive, along a schedule."""
 
@@ -160,6 +148,7 @@ class _Alive:
         self.stored: set[int] = set()  # stages whose activations are kept until their backward
         self.first_kinds: dict[int, OperationKind] = {}  # each stage's kind in the first forward
         self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
+        self.constants_waiting = list(lifetimes.glue_constants)  # glue constants no replay keeps yet
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
         if self.in_backward:
@@ -181,6 +170,9 @@ class _Alive:
             return
         self.first_kinds[stage] = kind
         self.bytes -= self.model_held.pop(stage, 0)
+        if kind is not OperationKind.FORWARD_STORE and self.constants_waiting:
+            self.bytes += sum(nbytes for nbytes, keepers in self.constants_waiting if stage in keepers)
+            self.constants_waiting = [c for c in self.constants_waiting if stage not in c[1]]
         for held in self.lifetimes.held_inputs:
             if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
                 self.bytes += held.nbytes
