@@ -220,6 +220,27 @@ def test_any_model_runs_without_the_sequential_baseline() -> None:
     assert row.measured_peak_bytes < baseline.measured_peak_bytes
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.inner = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(self.norm(x))
+
+
+def test_nested_plans_split_the_blocks() -> None:
+    blocks = [nn.Sequential(_Residual(), _Residual()) for _ in range(3)]
+    result = run_benchmark(
+        lambda: nn.Sequential(*blocks), make_batch, F.mse_loss, budgets=("min",), steps=1, nested=True
+    )
+    assert result.metadata["nested"] is True
+    # each residual block runs its norm and its product as two stages
+    assert result.metadata["n_planned_stages"] > 6
+    assert result.row("remat @ min").fits_budget
+
+
 def test_a_budget_that_cannot_be_planned_is_a_row_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Checkpointable.plan_for
 

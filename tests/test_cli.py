@@ -202,6 +202,23 @@ def test_plan_of_a_hugging_face_architecture_from_its_config(capsys: pytest.Capt
     assert document["predicted_peak_bytes"] <= document["budget_bytes"]
 
 
+def test_plan_nested_splits_the_blocks_into_their_submodules(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    argv = ["plan", "--hf", "gpt2", "--hf-config", "n_layer=2,n_embd=32", "--budget", "0.4", "--json", "--nested"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the use_cache note
+        code, out, _ = run(argv, capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    names = document["profile"]["names"]
+    # the blocks' own submodules are the stages: attention and MLP apart
+    assert any(n.startswith("transformer.h.0.attn.") for n in names)
+    assert any(n.startswith("transformer.h.1.mlp.") for n in names)
+    assert "transformer.h.0" not in names
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"]
+    assert max(document["forward_counts"]) > 1
+
+
 def test_an_unknown_hugging_face_architecture_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     code, _, err = run(["plan", "--hf", "lama"], capsys)

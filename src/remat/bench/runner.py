@@ -174,6 +174,7 @@ def run_benchmark(
     solver: str = "optimal",
     device: str | torch.device | None = None,
     model_name: str | None = None,
+    nested: bool = False,
 ) -> BenchmarkResult:
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
@@ -201,6 +202,7 @@ def run_benchmark(
         solver: the remat solver (see :func:`remat.plan.solvers.available_solvers`).
         device: where to run; default: the device of the model's parameters.
         model_name: a name for the metadata and tables.
+        nested: remat with ``nested=True`` (blocks split into their submodules).
 
     Returns:
         The rows, the timelines of "no recompute" and of the chosen remat strategy, and
@@ -222,6 +224,7 @@ def run_benchmark(
         torch.set_num_threads(threads)
     try:
         benchmark = _Benchmark(model, make_batch, loss_fn, steps=steps, warmup=warmup, progress=progress, device=device)
+        benchmark.nested = nested
         return benchmark.run(
             list(budgets),
             include_checkpoint_sequential=include_checkpoint_sequential,
@@ -260,6 +263,7 @@ class _Benchmark:
         self.runner = _Runner(model, copy.deepcopy(model.state_dict()), make_batch(), loss_fn, self.device)
         self.steps = steps
         self.warmup = warmup
+        self.nested = False  # remat's nested=True
         self.progress = progress
         self.rows: list[BenchmarkRow] = []
         self.strategies: list[_Strategy] = []
@@ -337,7 +341,12 @@ class _Benchmark:
         target = self.runner.target
         # The benchmark's steps drop the output once the loss is computed (output_kept=False).
         wrapper = Checkpointable(
-            self.model, None, solver=solver, loss_fn=lambda output: self.loss_fn(output, target), output_kept=False
+            self.model,
+            None,
+            solver=solver,
+            loss_fn=lambda output: self.loss_fn(output, target),
+            output_kept=False,
+            nested=self.nested,
         )
         self.measurement = call_with(wrapper.measure, self.runner.inputs)
         return wrapper
@@ -398,6 +407,7 @@ class _Benchmark:
             "steps": self.steps,
             "warmup": self.warmup,
             "solver": solver,
+            "nested": self.nested,
             "input_shapes": [list(x.shape) for x in input_tensors(self.runner.inputs)],
             "torch": torch.__version__,
             "python": platform.python_version(),

@@ -157,12 +157,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="for a factory: the input is a random float tensor of shape (batch, D1, D2, ...)",
     )
     parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument(
-        "--solver",
-        choices=_solver_names(),
-        default="optimal",
-        help="the planner (default optimal)",
-    )
+    parser.add_argument("--solver", choices=_solver_names(), default="optimal", help="the planner (default optimal)")
+    parser.add_argument("--nested", action="store_true", help="split blocks into their submodules (nested plans)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,12 +287,13 @@ def _budget(text: str, *, allow_minimum: bool) -> int | float | str:
         fail(EXIT_BAD_BUDGET, f"cannot read the budget {text!r}; use {BUDGET_FORMS}{also}")
 
 
-def _measure(workload: Workload, solver: str, output: Output) -> tuple[Any, Any]:
+def _measure(workload: Workload, solver: str, output: Output, nested: bool) -> tuple[Any, Any]:
     from remat.automatic import Checkpointable
     from remat.bench.runner import call_with
 
     inputs, target = workload.make_batch()
-    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=workload.measurement_loss(target))
+    loss_fn = workload.measurement_loss(target)
+    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=loss_fn, nested=nested)
     with measuring_progress(workload.name, output) as progress:
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             _warm_up(workload, inputs, target)
@@ -346,7 +343,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     workload = _workload(args)
-    wrapper, inputs = _measure(workload, args.solver, output)
+    wrapper, inputs = _measure(workload, args.solver, output, args.nested)
     try:
         plan = wrapper.plan_for(budget)
     except BudgetTooSmall as error:
@@ -384,6 +381,7 @@ def _run_bench(
     warmup: int,
     threads: int | None,
     solver: str,
+    nested: bool = False,
 ) -> BenchmarkResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -415,6 +413,7 @@ def _run_bench(
                 solver=solver,
                 device=workload.device,
                 model_name=workload.name,
+                nested=nested,
             )
 
 
@@ -485,6 +484,7 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
         warmup=args.warmup,
         threads=args.threads,
         solver=args.solver,
+        nested=args.nested,
     )
     print_bench(result, output)
     _save_outputs(result, output, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot)
