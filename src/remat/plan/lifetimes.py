@@ -20,8 +20,8 @@ schedule for the prediction:
   ``remat.measure.timing``), through the first forward, where the schedule would have
   freed it;
 * what the glue after a stage that is not stored keeps for its replay (NOTE [glue
-  constants] in ``remat.measure.assemble``), from that stage's first forward on (before
-  it, the model's code holds it: a held input);
+  constants] in ``remat.measure.assemble``), from that stage's first forward (before it,
+  the model's code holds it: a held input) to its backward;
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
   ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
@@ -87,7 +87,8 @@ class Lifetimes:
             makes them again until it ends.
         leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
         glue_constants: ``(bytes, planned stages whose glue keeps it)``: alive from the
-            first forward of the first of those stages that is not stored.
+            first forward of the first of those stages that is not stored until the
+            backward of the last of them.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -148,7 +149,8 @@ class _Alive:
         self.stored: set[int] = set()  # stages whose activations are kept until their backward
         self.first_kinds: dict[int, OperationKind] = {}  # each stage's kind in the first forward
         self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
-        self.constants_waiting = list(lifetimes.glue_constants)  # glue constants no replay keeps yet
+        # glue constants: the stages holding each (NOTE [glue released in backward] in remat.execute)
+        self.constant_holders: list[set[int]] = [set() for _ in lifetimes.glue_constants]
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
         if self.in_backward:
@@ -170,9 +172,11 @@ class _Alive:
             return
         self.first_kinds[stage] = kind
         self.bytes -= self.model_held.pop(stage, 0)
-        if kind is not OperationKind.FORWARD_STORE and self.constants_waiting:
-            self.bytes += sum(nbytes for nbytes, keepers in self.constants_waiting if stage in keepers)
-            self.constants_waiting = [c for c in self.constants_waiting if stage not in c[1]]
+        if kind is not OperationKind.FORWARD_STORE:
+            for (nbytes, keepers), holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+                if stage in keepers:
+                    self.bytes += nbytes if not holders else 0
+                    holders.add(stage)
         for held in self.lifetimes.held_inputs:
             if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
                 self.bytes += held.nbytes
@@ -192,6 +196,10 @@ class _Alive:
         if self.lifetimes.leftover_bytes:
             self.bytes += self.lifetimes.leftover_bytes[stage]
         self.bytes -= sum(nbytes for freed_by, nbytes in self.lifetimes.leftover_freed if freed_by == stage)
+        for (nbytes, _), holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+            if stage in holders:
+                holders.discard(stage)
+                self.bytes -= nbytes if not holders else 0
         if stage in self.cast_alive:
             self.cast_alive.discard(stage)
             self.stored.discard(stage)
