@@ -52,9 +52,16 @@ def _loop(
     return losses, peaks
 
 
+# nested=True: the blocks split into their submodules (a decoder, an encoder, an
+# encoder-decoder, a vision transformer, a CNN whose blocks add their input back)
+NESTED = ["gpt2", "llama", "bert", "t5", "vit", "resnet"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_enable_trains_hugging_face_models_with_default_settings(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "nested"), [(name, False) for name in CASES] + [(name, True) for name in NESTED if name in CASES]
+)
+def test_enable_trains_hugging_face_models_with_default_settings(name: str, nested: bool) -> None:
     factory, kwargs = CASES[name]()
     torch.manual_seed(0)
     plain = factory().train()
@@ -64,7 +71,7 @@ def test_enable_trains_hugging_face_models_with_default_settings(name: str) -> N
     # Hugging Face's own checkpointing): some models' kernels differ in the last bits with it
     if getattr(plain.config, "use_cache", False):
         plain.config.use_cache = False
-    control = remat.enable(model, 0.5)
+    control = remat.enable(model, 0.5, nested=nested)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
