@@ -70,7 +70,7 @@ def test_what_the_glue_keeps_for_replays_is_not_charged_to_a_plan_that_stores_ev
         model.zero_grad(set_to_none=True)
     plan = wrapped.plan
     assert plan is not None and plan.budget_bytes is not None
-    assert sum(nbytes for nbytes, _ in plan.budget.glue_constants) > 0
+    assert sum(constant.nbytes for constant in plan.budget.glue_constants) > 0
     assert plan.forward_counts == (1,) * len(plan.forward_counts)
     assert max(peaks) <= plan.budget_bytes == plan.predicted_peak_bytes
     # the prediction is exact but for what the U-Net's stages hold past their next stage

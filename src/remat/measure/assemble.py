@@ -28,7 +28,7 @@ from remat.manual._state import snapshot_bytes
 from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch
 from remat.memory import AllocationRecord, MemoryTracker
-from remat.plan.lifetimes import HeldInput
+from remat.plan.lifetimes import GlueConstant, HeldInput
 from remat.plan.profile import ChainProfile
 from remat.plan.step import BudgetSplit
 from remat.units import format_bytes
@@ -71,7 +71,8 @@ class ChainMeasurement:
             (counted in ``fixed_bytes``).
         glue_constants: what the executor keeps for the replay of a stage's glue that
             the model does not hold on its own (NOTE [glue constants]): ``(bytes, planned
-            stages whose glue takes it)``, counted in ``fixed_bytes``.
+            stages whose glue takes it, the planned stage whose input it is or -1)``,
+            counted in ``fixed_bytes``.
         suffix_backward_excess_bytes: how much the chain output's gradient in the
             profile exceeds the peak of the suffix's forward part (until the loss is
             computed; autocast's region ends there in a training loop).
@@ -104,7 +105,7 @@ class ChainMeasurement:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
-    glue_constants: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    glue_constants: tuple[tuple[int, tuple[int, ...], int], ...] = ()
 
     @property
     def chain_activation_bytes(self) -> int:
@@ -145,8 +146,19 @@ class ChainMeasurement:
             loss_only_bytes=self.suffix_transient_bytes,
             held_inputs=self.held_inputs(),
             suffix_backward_excess_bytes=self.suffix_backward_excess_bytes,
-            glue_constants=self.glue_constants,
+            glue_constants=self._glue_constants(),
         )
+
+    def _glue_constants(self) -> tuple[GlueConstant, ...]:
+        profile = self.profile
+        out = []
+        for nbytes, keepers, stage in self.glue_constants:
+            if stage < 0:
+                out.append(GlueConstant(nbytes, keepers))
+                continue
+            kept_before = stage > 0 and profile.saves_output[stage - 1]
+            out.append(GlueConstant(nbytes, keepers, stage, profile.saves_input[stage], kept_before))
+        return tuple(out)
 
     def held_inputs(self) -> tuple[HeldInput, ...]:
         """What the model holds beyond a planned stage: its input (see ``input_held_until``),
@@ -291,7 +303,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in freed_by),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
-        glue_constants=_glue_constants(step, group_of),
+        glue_constants=_glue_constants(step, groups, group_of),
     )
 
 
@@ -400,16 +412,20 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
 # charged. What the model itself holds through the backward (an escaped output) stays
 # fixed. (A replay frees the stage's inputs its glue does not take before running the
 # glue, as the first forward did: remat.discover.glue.Glue.replay.)
-def _glue_constants(step: TrackedStep, group_of: list[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Per glue constant the model does not hold by itself: its bytes and the groups keeping it."""
+def _glue_constants(
+    step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
+) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """Per glue constant the model does not hold by itself: its bytes, the groups keeping
+    it, and the group whose input it is (-1: none)."""
     stages = step.watch.stages
     held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    inputs = {key: group for group, (first, _) in enumerate(groups) for key in stages[first].input_storages}
     keepers: dict[int, tuple[int, set[int]]] = {}
     for index, stage in enumerate(stages):
         for key, nbytes in stage.kept_constants.items():
             if key not in held:
                 keepers.setdefault(key, (nbytes, set()))[1].add(group_of[index])
-    return tuple((nbytes, tuple(sorted(groups))) for nbytes, groups in keepers.values())
+    return tuple((nbytes, tuple(sorted(k)), inputs.get(key, -1)) for key, (nbytes, k) in keepers.items())
 
 
 def _cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:

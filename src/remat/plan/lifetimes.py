@@ -41,7 +41,7 @@ from typing import NamedTuple
 from remat.plan.operations import OperationKind
 from remat.plan.simulate import SimulationResult
 
-__all__ = ["HeldInput", "Lifetimes", "peak_with_lifetimes"]
+__all__ = ["GlueConstant", "HeldInput", "Lifetimes", "peak_with_lifetimes"]
 
 
 class HeldInput(NamedTuple):
@@ -67,6 +67,25 @@ class HeldInput(NamedTuple):
     kept_by_previous: bool = False
 
 
+class GlueConstant(NamedTuple):
+    """What the glue after some stages keeps as it is for their replays (NOTE [glue
+    constants] in ``remat.measure.assemble``).
+
+    Attributes:
+        nbytes: its size.
+        keepers: the planned stages whose glue takes it.
+        stage_input: the planned stage whose input it is, or -1 (made inside a stage).
+        kept_by_stage: whether that stage saves its input for its backward.
+        kept_by_previous: whether the stage before it saves its output.
+    """
+
+    nbytes: int
+    keepers: tuple[int, ...]
+    stage_input: int = -1
+    kept_by_stage: bool = False
+    kept_by_previous: bool = False
+
+
 @dataclass(frozen=True)
 class Lifetimes:
     """Bytes planned as living longer than they do.
@@ -86,9 +105,9 @@ class Lifetimes:
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
         leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
-        glue_constants: ``(bytes, planned stages whose glue keeps it)``: alive from the
-            first forward of the first of those stages that is not stored until the
-            backward of the last of them.
+        glue_constants: alive from the first forward of the first of their keepers that
+            is not stored until the backward of the last of them, unless the schedule
+            keeps them then anyway (a stage input it checkpoints or stores).
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -99,12 +118,12 @@ class Lifetimes:
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: Sequence[int] = ()
     leftover_freed: Sequence[tuple[int, int]] = ()
-    glue_constants: Sequence[tuple[int, tuple[int, ...]]] = ()
+    glue_constants: Sequence[GlueConstant] = ()
 
     @property
     def total_bytes(self) -> int:
         """All of it held outside the chain (what planning counts as held through the step)."""
-        constants = sum(nbytes for nbytes, _ in self.glue_constants)
+        constants = sum(constant.nbytes for constant in self.glue_constants)
         return (
             sum(self.leftover_bytes) + self.from_loss_bytes + sum(self.cast_bytes) + sum(self.cached_cast_bytes)
         ) + constants
@@ -173,9 +192,9 @@ class _Alive:
         self.first_kinds[stage] = kind
         self.bytes -= self.model_held.pop(stage, 0)
         if kind is not OperationKind.FORWARD_STORE:
-            for (nbytes, keepers), holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
-                if stage in keepers:
-                    self.bytes += nbytes if not holders else 0
+            for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+                if stage in constant.keepers and not _schedule_keeps_constant(constant, self.first_kinds):
+                    self.bytes += constant.nbytes if not holders else 0
                     holders.add(stage)
         for held in self.lifetimes.held_inputs:
             if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
@@ -196,14 +215,30 @@ class _Alive:
         if self.lifetimes.leftover_bytes:
             self.bytes += self.lifetimes.leftover_bytes[stage]
         self.bytes -= sum(nbytes for freed_by, nbytes in self.lifetimes.leftover_freed if freed_by == stage)
-        for (nbytes, _), holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+        for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
             if stage in holders:
                 holders.discard(stage)
-                self.bytes -= nbytes if not holders else 0
+                self.bytes -= constant.nbytes if not holders else 0
         if stage in self.cast_alive:
             self.cast_alive.discard(stage)
             self.stored.discard(stage)
             self.bytes -= self.casts[stage]
+
+
+def _schedule_keeps_constant(constant: GlueConstant, first_kinds: dict[int, OperationKind]) -> bool:
+    """Whether the schedule keeps a glue constant itself while a keeper's glue holds it.
+
+    A stage input the first forward checkpoints (a top-level region starts there) is kept
+    until that region's body is done, after the backward of every later stage; one a stored
+    stage saves (or the stored stage before it, as its output) until that backward.
+    """
+    stage = constant.stage_input
+    if stage < 0 or stage not in first_kinds:
+        return False
+    kind = first_kinds[stage]
+    if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and constant.kept_by_stage:
+        return True
+    return constant.kept_by_previous and first_kinds.get(stage - 1) is OperationKind.FORWARD_STORE
 
 
 def _schedule_keeps(held: HeldInput, first_kinds: dict[int, OperationKind]) -> bool:

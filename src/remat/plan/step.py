@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from remat.plan.lifetimes import HeldInput, Lifetimes, peak_with_lifetimes
+from remat.plan.lifetimes import GlueConstant, HeldInput, Lifetimes, peak_with_lifetimes
 from remat.plan.operations import InvalidPlan, plan_from_data
 from remat.plan.profile import ChainProfile
 from remat.plan.report import PlanReport
@@ -74,10 +74,9 @@ class BudgetSplit:
         held_inputs: stage inputs the model's own code holds beyond their stage in the
             first forward, where the schedule would free them: not in the figures
             above; the prediction counts them where they live.
-        glue_constants: ``(bytes, planned stages)``: what the glue after one of those
-            stages keeps for its replay when the stage is not stored (NOTE [glue
-            constants] in ``remat.measure.assemble``): in ``held_outside_bytes``; the
-            prediction counts it from then on.
+        glue_constants: what the glue after a stage keeps for its replays when the stage
+            is not stored (NOTE [glue constants] in ``remat.measure.assemble``): in
+            ``held_outside_bytes``; the prediction counts each where it lives.
     """
 
     total_bytes: int | None
@@ -95,7 +94,7 @@ class BudgetSplit:
     suffix_backward_excess_bytes: int = 0
     cached_cast_bytes: tuple[int, ...] = ()
     leftover_freed: tuple[tuple[int, int], ...] = ()
-    glue_constants: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    glue_constants: tuple[GlueConstant, ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
@@ -103,8 +102,8 @@ class BudgetSplit:
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
         object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
         object.__setattr__(self, "leftover_freed", tuple((int(g), int(n)) for g, n in self.leftover_freed))
-        constants = tuple((int(n), tuple(int(g) for g in groups)) for n, groups in self.glue_constants)
-        object.__setattr__(self, "glue_constants", constants)
+        constants = tuple(GlueConstant(*c) for c in self.glue_constants)  # lists when read back from JSON
+        object.__setattr__(self, "glue_constants", tuple(c._replace(keepers=tuple(c.keepers)) for c in constants))
 
     @property
     def part_time_bytes(self) -> int:
@@ -117,7 +116,7 @@ class BudgetSplit:
             + self.loss_only_bytes
             + sum(self.cast_bytes)
             + sum(self.cached_cast_bytes)
-            + sum(nbytes for nbytes, _ in self.glue_constants)
+            + sum(constant.nbytes for constant in self.glue_constants)
         )
 
     def chain_phase_peak_bytes(self, simulation: SimulationResult) -> int:
