@@ -71,8 +71,9 @@ class ChainMeasurement:
             (counted in ``fixed_bytes``).
         glue_constants: what the executor keeps for the replay of a stage's glue that
             the model does not hold on its own (NOTE [glue constants]): ``(bytes, planned
-            stages whose glue takes it, the planned stage whose input it is or -1)``,
-            counted in ``fixed_bytes``.
+            stages whose glue takes it, the planned stage whose input it is or -1, False)``,
+            and what a stored stage saves that was made earlier in the chain (the same,
+            True; NOTE [earlier activations saved]), counted in ``fixed_bytes``.
         suffix_backward_excess_bytes: how much the chain output's gradient in the
             profile exceeds the peak of the suffix's forward part (until the loss is
             computed; autocast's region ends there in a training loop).
@@ -105,7 +106,7 @@ class ChainMeasurement:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
-    glue_constants: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    glue_constants: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
 
     @property
     def chain_activation_bytes(self) -> int:
@@ -152,12 +153,12 @@ class ChainMeasurement:
     def _glue_constants(self) -> tuple[GlueConstant, ...]:
         profile = self.profile
         out = []
-        for nbytes, keepers, stage in self.glue_constants:
+        for nbytes, keepers, stage, saved in self.glue_constants:
             if stage < 0:
-                out.append(GlueConstant(nbytes, keepers))
+                out.append(GlueConstant(nbytes, keepers, saved=saved))
                 continue
             kept_before = stage > 0 and profile.saves_output[stage - 1]
-            out.append(GlueConstant(nbytes, keepers, stage, profile.saves_input[stage], kept_before))
+            out.append(GlueConstant(nbytes, keepers, stage, profile.saves_input[stage], kept_before, saved))
         return tuple(out)
 
     def held_inputs(self) -> tuple[HeldInput, ...]:
@@ -247,6 +248,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     fixed_bytes += suffix_kept_bytes
     cached_casts = _cached_casts(step, groups)
     fixed_bytes += sum(cached_casts)
+    constants = _glue_constants(step, groups, group_of)
+    fixed_bytes += sum(nbytes for nbytes, _, _, saved in constants if saved)  # the others are escaped bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
     measured_peak_bytes = tracker.window().peak_bytes
@@ -303,7 +306,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in freed_by),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
-        glue_constants=_glue_constants(step, groups, group_of),
+        glue_constants=constants,
     )
 
 
@@ -414,9 +417,11 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
 # glue, as the first forward did: remat.discover.glue.Glue.replay.)
 def _glue_constants(
     step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
-) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+) -> tuple[tuple[int, tuple[int, ...], int, bool], ...]:
     """Per glue constant the model does not hold by itself: its bytes, the groups keeping
-    it, and the group whose input it is (-1: none)."""
+    it, the group whose input it is (-1: none), and False; then, per tensor made earlier in
+    the chain that a group saves for its backward (NOTE [earlier activations saved]), the
+    same with True."""
     stages = step.watch.stages
     held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
     inputs = {key: group for group, (first, _) in enumerate(groups) for key in stages[first].input_storages}
@@ -425,7 +430,37 @@ def _glue_constants(
         for key, nbytes in stage.kept_constants.items():
             if key not in held:
                 keepers.setdefault(key, (nbytes, set()))[1].add(group_of[index])
-    return tuple((nbytes, tuple(sorted(k)), inputs.get(key, -1)) for key, (nbytes, k) in keepers.items())
+    out = [(nbytes, tuple(sorted(k)), inputs.get(key, -1), False) for key, (nbytes, k) in keepers.items()]
+    savers = _earlier_activations_saved(step, groups, held)
+    out += [(nbytes, tuple(sorted(k)), inputs.get(key, -1), True) for key, (nbytes, k) in savers.items()]
+    return tuple(out)
+
+
+# NOTE [earlier activations saved]
+# A stage (or its glue) may save for its backward a tensor made earlier in the chain that
+# is not its input: a residual block split into its submodules whose shortcut convolution
+# runs as glue after the block's last stage and saves the block's input. The model does not
+# hold it on its own: stored, the stage keeps it until its backward, whatever the schedule
+# does with the stage that made it. Its bytes are held outside the chain, and the
+# prediction counts them from that stage's first forward, stored, to its backward
+# (remat.plan.lifetimes; recomputed, the glue keeps it for its replays: a glue constant).
+def _earlier_activations_saved(
+    step: TrackedStep, groups: list[tuple[int, int]], held: set[int]
+) -> dict[int, tuple[int, set[int]]]:
+    """Per tensor made in the chain before a group and saved by it (not its input): its
+    bytes and the groups saving it."""
+    stages = step.watch.stages
+    chain_start = stages[0].forward_window[0]
+    savers: dict[int, tuple[int, set[int]]] = {}
+    for group, (first, stop) in enumerate(groups):
+        start = stages[first].forward_window[0]
+        for member in stages[first:stop]:
+            for key, (nbytes, allocated_event) in member.saved_storages.items():
+                made_before = chain_start <= allocated_event < start
+                if made_before and key not in stages[first].input_storages and key not in held:
+                    if key not in step.cast_allocations:
+                        savers.setdefault(key, (nbytes, set()))[1].add(group)
+    return savers
 
 
 def _cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:

@@ -77,6 +77,9 @@ class GlueConstant(NamedTuple):
         stage_input: the planned stage whose input it is, or -1 (made inside a stage).
         kept_by_stage: whether that stage saves its input for its backward.
         kept_by_previous: whether the stage before it saves its output.
+        saved: held by the keepers that are stored (they save it for their backward: NOTE
+            [earlier activations saved] in ``remat.measure.assemble``), not by those that
+            are not.
     """
 
     nbytes: int
@@ -84,6 +87,7 @@ class GlueConstant(NamedTuple):
     stage_input: int = -1
     kept_by_stage: bool = False
     kept_by_previous: bool = False
+    saved: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,11 +195,11 @@ class _Alive:
             return
         self.first_kinds[stage] = kind
         self.bytes -= self.model_held.pop(stage, 0)
-        if kind is not OperationKind.FORWARD_STORE:
-            for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
-                if stage in constant.keepers and not _schedule_keeps_constant(constant, self.first_kinds):
-                    self.bytes += constant.nbytes if not holders else 0
-                    holders.add(stage)
+        for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+            holds = (kind is OperationKind.FORWARD_STORE) is constant.saved
+            if holds and stage in constant.keepers and not _schedule_keeps_constant(constant, self.first_kinds):
+                self.bytes += constant.nbytes if not holders else 0
+                holders.add(stage)
         for held in self.lifetimes.held_inputs:
             if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
                 self.bytes += held.nbytes
@@ -226,27 +230,29 @@ class _Alive:
 
 
 def _schedule_keeps_constant(constant: GlueConstant, first_kinds: dict[int, OperationKind]) -> bool:
-    """Whether the schedule keeps a glue constant itself while a keeper's glue holds it.
-
-    A stage input the first forward checkpoints (a top-level region starts there) is kept
-    until that region's body is done, after the backward of every later stage; one a stored
-    stage saves (or the stored stage before it, as its output) until that backward.
-    """
+    """Whether the schedule keeps a glue constant itself while a keeper's glue holds it: a
+    stage input kept after its stage's first forward (see :func:`_keeps_stage_input`) is
+    kept until that stage's backward or its region's end, after every later stage's."""
     stage = constant.stage_input
     if stage < 0 or stage not in first_kinds:
         return False
-    kind = first_kinds[stage]
-    if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and constant.kept_by_stage:
-        return True
-    return constant.kept_by_previous and first_kinds.get(stage - 1) is OperationKind.FORWARD_STORE
+    return _keeps_stage_input(stage, constant.kept_by_stage, constant.kept_by_previous, first_kinds)
 
 
 def _schedule_keeps(held: HeldInput, first_kinds: dict[int, OperationKind]) -> bool:
     """Whether the schedule itself keeps a held stage input (or a tensor made inside the
     stage that the stage saves) after its stage's first forward."""
-    kind = first_kinds[held.stage]
     if not held.is_stage_input:
-        return held.kept_by_stage and kind is OperationKind.FORWARD_STORE
-    if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and held.kept_by_stage:
+        return held.kept_by_stage and first_kinds[held.stage] is OperationKind.FORWARD_STORE
+    return _keeps_stage_input(held.stage, held.kept_by_stage, held.kept_by_previous, first_kinds)
+
+
+def _keeps_stage_input(
+    stage: int, kept_by_stage: bool, kept_by_previous: bool, first_kinds: dict[int, OperationKind]
+) -> bool:
+    """Whether the first forward keeps a stage's input: it checkpoints it (a region starts
+    there), or stores the stage that saves it, or the stage before that saves its output."""
+    kind = first_kinds[stage]
+    if kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and kept_by_stage:
         return True
-    return held.kept_by_previous and first_kinds.get(held.stage - 1) is OperationKind.FORWARD_STORE
+    return kept_by_previous and first_kinds.get(stage - 1) is OperationKind.FORWARD_STORE
