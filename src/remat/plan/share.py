@@ -16,6 +16,10 @@ from remat.plan.step import BudgetSplit
 #: part of the step where it lives (see :meth:`Planning.solve`).
 TIGHTENINGS = 4
 
+#: Then at most this many solves bisect between the largest share whose plan fitted and
+#: the smallest one above it whose plan did not.
+BISECTIONS = 4
+
 __all__ = ["Planning"]
 
 
@@ -95,8 +99,10 @@ class Planning(NamedTuple):
         the budget with everything counted where it lives. The solver is first given
         the larger share that counts the part-time bytes where they live, and the
         share is lowered by the excess until the schedule fits (at most ``TIGHTENINGS``
-        times, then the solver's minimum is tried); the schedule planned within
-        ``split.chain_bytes`` is a candidate too. The fastest one that fits is taken.
+        times, then the solver's minimum is tried), then bisected between the largest
+        share that fitted and the smallest above it that did not (at most
+        ``BISECTIONS`` times); the schedule planned within ``split.chain_bytes`` is a
+        candidate too. The fastest one that fits is taken.
         The budget must be at least :meth:`minimum_total_bytes`.
         """
         assert split.total_bytes is not None and split.chain_bytes is not None
@@ -128,6 +134,12 @@ class Planning(NamedTuple):
             if excess <= 0 or share == minimum:
                 break
             share -= excess
+        for _ in range(BISECTIONS):
+            fitting = max((s for s, excess in tried.items() if excess <= 0), default=None)
+            above = [s for s, excess in tried.items() if excess > 0 and fitting is not None and s > fitting]
+            if fitting is None or not above or min(above) - fitting <= max(1, fitting // 200):
+                break
+            attempt((fitting + min(above)) // 2)
         if best is None:
             raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
         return best
