@@ -169,8 +169,6 @@ class _Run:
         self.states: dict[int, ForwardState] = {}
         #: the glue recorded after each recomputed stage (NOTE [glue between stages])
         self.glues: dict[int, Glue] = {}
-        #: the stages whose glue was let go once their backward began (never replayed again)
-        self.released: set[int] = set()
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
 
@@ -246,28 +244,7 @@ class _Run:
             recorder = GlueRecorder(_tensors((args, kwargs)), _tensors(out))
             recorder.start()
             self._open = (discarding, recorder, step)
-            self._release_glue_in_backward(index, out)
         return out
-
-    # NOTE [glue released in backward]
-    # A stage's glue (and what it keeps as it is: a residual stream it adds back) is needed
-    # by every replay that runs the stage, the last of them the one that gives its glue's
-    # backward its saved tensors. When the whole gradient of the stage's own output is
-    # there, its glue's backward has run and no replay runs the stage again: the glue is
-    # let go then, not at the end of the step (remat.plan.lifetimes counts it until the
-    # stage's backward ends).
-    def _release_glue_in_backward(self, index: int, out: Any) -> None:
-        outputs = [t for t in _tensors(out) if t.requires_grad]
-        pending = [len(outputs)]
-
-        def arrived(grad: torch.Tensor) -> None:
-            pending[0] -= 1
-            if pending[0] == 0:
-                self.released.add(index)
-                self.glues.pop(index, None)
-
-        for tensor in outputs:
-            tensor.register_hook(arrived)
 
     def _end_glue(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Ends the glue of the stage before (if it is recomputed): the next stage is called."""
@@ -325,13 +302,8 @@ class _Run:
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
             out = call_stage(module, args, kwargs)
             glue = self.glues.get(stage)
-            if glue is None:
-                if stage in self.released:
-                    raise RematError(
-                        f"internal error: stage {stage} was replayed after its backward; please report this "
-                        "with the plan (control.plan.to_json())"
-                    )
-                return (out,), {}  # the chain's last stage: nothing follows it
+            if glue is None:  # the chain's last stage: nothing follows it
+                return (out,), {}
             values = _tensors((args, kwargs)) + _tensors(out)
             del args, kwargs, out
             return glue.replay(values)

@@ -408,13 +408,13 @@ def _bytes_held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, lis
 # NOTE [glue constants]
 # The glue after a recomputed stage keeps what it takes as it is (a residual stream that a
 # nested chain adds back after its block's inner stages, a shortcut's input) for its
-# replays, from the stage's first forward until its backward (NOTE [glue released in
-# backward] in remat.execute). Planning counts it as held through the whole step (in
-# fixed_bytes: the safe side); the prediction counts it while a stage that keeps it and
-# is not stored holds it (remat.plan.lifetimes), so a plan that stores those stages is not
-# charged. What the model itself holds through the backward (an escaped output) stays
-# fixed. (A replay frees the stage's inputs its glue does not take before running the
-# glue, as the first forward did: remat.discover.glue.Glue.replay.)
+# replays, from the stage's first forward until the chain's backward is done. Planning
+# counts it as held through the whole step (in fixed_bytes: the safe side); the
+# prediction counts it from the first forward of the first stage that keeps it and is not
+# stored (remat.plan.lifetimes), so a plan that stores those stages is not charged. What
+# the model itself holds through the backward (an escaped output) stays fixed. (A replay
+# frees the stage's inputs its glue does not take before running the glue, as the first
+# forward did: remat.discover.glue.Glue.replay.)
 def _glue_constants(
     step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
 ) -> tuple[tuple[int, tuple[int, ...], int, bool], ...]:

@@ -21,7 +21,7 @@ schedule for the prediction:
   freed it;
 * what the glue after a stage that is not stored keeps for its replay (NOTE [glue
   constants] in ``remat.measure.assemble``), from that stage's first forward (before it,
-  the model's code holds it: a held input) to its backward;
+  the model's code holds it: a held input) to the end of the chain's backward;
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
   ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
@@ -109,9 +109,10 @@ class Lifetimes:
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
         leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
-        glue_constants: alive from the first forward of the first of their keepers that
-            is not stored until the backward of the last of them, unless the schedule
-            keeps them then anyway (a stage input it checkpoints or stores).
+        glue_constants: what the glue keeps for replays, alive from the first forward of
+            the first of its keepers that is not stored to the end of the chain's backward;
+            what stored stages save of an earlier stage's output (``saved``), from the first
+            of them to the backward of the last, unless the schedule keeps it anyway.
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -172,7 +173,7 @@ class _Alive:
         self.stored: set[int] = set()  # stages whose activations are kept until their backward
         self.first_kinds: dict[int, OperationKind] = {}  # each stage's kind in the first forward
         self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
-        # glue constants: the stages holding each (NOTE [glue released in backward] in remat.execute)
+        # the stages holding each glue constant (saved ones are let go at their backward)
         self.constant_holders: list[set[int]] = [set() for _ in lifetimes.glue_constants]
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
@@ -197,7 +198,8 @@ class _Alive:
         self.bytes -= self.model_held.pop(stage, 0)
         for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
             holds = (kind is OperationKind.FORWARD_STORE) is constant.saved
-            if holds and stage in constant.keepers and not _schedule_keeps_constant(constant, self.first_kinds):
+            covered = constant.saved and _schedule_keeps_constant(constant, self.first_kinds)
+            if holds and stage in constant.keepers and not covered:
                 self.bytes += constant.nbytes if not holders else 0
                 holders.add(stage)
         for held in self.lifetimes.held_inputs:
@@ -220,7 +222,7 @@ class _Alive:
             self.bytes += self.lifetimes.leftover_bytes[stage]
         self.bytes -= sum(nbytes for freed_by, nbytes in self.lifetimes.leftover_freed if freed_by == stage)
         for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
-            if stage in holders:
+            if constant.saved and stage in holders:  # the glue keeps the others to the end
                 holders.discard(stage)
                 self.bytes -= constant.nbytes if not holders else 0
         if stage in self.cast_alive:
@@ -230,9 +232,9 @@ class _Alive:
 
 
 def _schedule_keeps_constant(constant: GlueConstant, first_kinds: dict[int, OperationKind]) -> bool:
-    """Whether the schedule keeps a glue constant itself while a keeper's glue holds it: a
-    stage input kept after its stage's first forward (see :func:`_keeps_stage_input`) is
-    kept until that stage's backward or its region's end, after every later stage's."""
+    """Whether the schedule keeps a tensor a stored stage saves anyway: a stage input kept
+    after its stage's first forward (see :func:`_keeps_stage_input`) is kept until that
+    stage's backward or its region's end, after every later stage's."""
     stage = constant.stage_input
     if stage < 0 or stage not in first_kinds:
         return False
