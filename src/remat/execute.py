@@ -415,7 +415,7 @@ class ChainExecutor:
 
 def _warn_backward_under_autocast(device_types: frozenset[str], grad: torch.Tensor) -> None:
     """Warns when the backward runs inside the autocast region of the forward."""
-    # NOTE [autocast casts] (remat.measure.assemble): the plan counts autocast's cache of
+    # NOTE [autocast casts] (remat.measure.outside): the plan counts autocast's cache of
     # weight casts as emptied when the autocast region ends, before the backward, as in
     # the training loop PyTorch recommends. A backward inside the region keeps it.
     if not is_recomputing() and any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):

@@ -349,7 +349,7 @@ class MemoryTracker(TorchDispatchMode):
         """Allocation ids of autocast's casts of leaves that require grad (weights).
 
         Autocast caches such a cast until its region ends, whatever the cast's users keep:
-        it lives on its own terms (NOTE [autocast casts] in ``remat.measure.assemble``).
+        it lives on its own terms (NOTE [autocast casts] in ``remat.measure.outside``).
         """
         with self._lock:
             return set(self._cast_ids)

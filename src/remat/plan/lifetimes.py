@@ -20,10 +20,10 @@ schedule for the prediction:
   ``remat.measure.timing``), through the first forward, where the schedule would have
   freed it;
 * what the glue after a stage that is not stored keeps for its replay (NOTE [glue
-  constants] in ``remat.measure.assemble``), from that stage's first forward (before it,
+  constants] in ``remat.measure.outside``), from that stage's first forward (before it,
   the model's code holds it: a held input) to the end of the chain's backward;
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
-  ``remat.measure.assemble``): its cache keeps every cast made in the forward until the
+  ``remat.measure.outside``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
   loop; the executor warns about a backward inside the region); from then on the casts of a stage that
   stored its activations live until its backward. A stage run again in the backward
@@ -69,7 +69,7 @@ class HeldInput(NamedTuple):
 
 class GlueConstant(NamedTuple):
     """What the glue after some stages keeps as it is for their replays (NOTE [glue
-    constants] in ``remat.measure.assemble``).
+    constants] in ``remat.measure.outside``).
 
     Attributes:
         nbytes: its size.
@@ -78,7 +78,7 @@ class GlueConstant(NamedTuple):
         kept_by_stage: whether that stage saves its input for its backward.
         kept_by_previous: whether the stage before it saves its output.
         saved: held by the keepers that are stored (they save it for their backward: NOTE
-            [earlier activations saved] in ``remat.measure.assemble``), not by those that
+            [earlier activations saved] in ``remat.measure.outside``), not by those that
             are not.
     """
 

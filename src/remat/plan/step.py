@@ -75,7 +75,7 @@ class BudgetSplit:
             first forward, where the schedule would free them: not in the figures
             above; the prediction counts them where they live.
         glue_constants: what the glue after a stage keeps for its replays when the stage
-            is not stored (NOTE [glue constants] in ``remat.measure.assemble``): in
+            is not stored (NOTE [glue constants] in ``remat.measure.outside``): in
             ``held_outside_bytes``; the prediction counts each where it lives.
     """
 

@@ -1,0 +1,226 @@
+"""What a measured step holds outside the chain's stages, and when.
+
+Part of the assembly (:mod:`remat.measure.assemble`): the prefix's activations, outputs
+that escape to the model's code and side effects, what backwards leave behind, autocast's
+casts, what the glue keeps for its replays, and what a stage saves that an earlier stage
+made.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING
+
+from remat.discover.chain import Chain
+from remat.units import format_bytes
+
+if TYPE_CHECKING:
+    from remat.measure.assemble import TrackedStep
+
+__all__ = [
+    "cached_casts",
+    "glue_constants",
+    "held_outside_chain",
+    "recomputed",
+    "sum_except",
+]
+
+
+def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
+    """Frugal mode: which of `allocations` a span's recompute made.
+
+    A span's recompute brings back the saved tensors of all its stages at once; they
+    outlive the first stage's backward, but are not left over.
+    """
+    windows = step.watch.recompute_windows
+    if not windows:
+        return set()
+    records = step.tracker.allocation_records(allocations)
+    return {
+        key for key, record in records.items() if any(start <= record.allocated_event < stop for start, stop in windows)
+    }
+
+
+def held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int], list[tuple[int, int]]]:
+    """The prefix's live bytes, escaped outputs and side effects, and backward leftovers
+    (all of it, the leftovers of each stage's backward, and which of them a later stage's
+    backward frees: ``(stage, bytes)``)."""
+    stages, tracker = step.watch.stages, step.tracker
+    fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
+    fixed_bytes += escaped_bytes(chain, step)
+    # NOTE [autocast casts]
+    # Under autocast, the cast of a weight (a leaf) is cached until the autocast region
+    # ends, and every use in the region shares it: that is how plain autograd builds the
+    # graph, so a recomputed block keeps the cache as it is (exact gradients). A stage's
+    # casts therefore outlive its discarded forward, up to the end of the region; stored,
+    # they live until its backward; recomputed, they are made again. The planner counts
+    # every stage's casts as held through the whole step: an upper bound at every moment
+    # (each stage has at most one copy of its casts alive at a time), exact at the end of
+    # the forward. The prediction follows their lifetimes (remat.plan.lifetimes).
+    casts = {
+        key: nbytes
+        for stage in stages
+        for key, (nbytes, _) in stage.saved_storages.items()
+        if key in step.cast_allocations
+    }
+    fixed_bytes += sum(casts.values())
+    # What a stage's backward leaves behind besides its input's gradient (the partial
+    # gradient of a weight used twice, waiting for the other use) lives on after it.
+    leftovers = [0] * len(stages)
+    for index, stage in enumerate(stages):
+        if stage.backward_window is not None:
+            leftover = tracker.surviving_allocations(*stage.backward_window)
+            leftovers[index] = sum_except(leftover, step.watch.gradient_allocations | recomputed(step, leftover))
+    # A gradient a stage's backward received that outlives it: a U-Net's up block passes
+    # its skip's gradient back as a view of its input's gradient, which then lives until
+    # the down block's backward takes it. It is left over from that stage's backward on.
+    gradients = tracker.allocation_freed_events(step.watch.gradient_allocations)
+    records = tracker.allocation_records(gradients)
+    windows = [stage.backward_window for stage in stages]
+    freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
+    for index, window in enumerate(windows):
+        if window is None:
+            continue
+        after = windows[index + 1] if index + 1 < len(windows) else None
+        received_from = after[0] if after is not None else 0
+        own = step.watch.input_gradient_allocations.get(index, set())
+        for key, (allocated, freed) in gradients.items():
+            if received_from <= allocated < window[0] and (freed is None or freed > window[1]) and key not in own:
+                leftovers[index] += records[key].nbytes
+                taker = next(
+                    (k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None
+                )
+                if taker is not None:
+                    freed_by.append((taker, records[key].nbytes))
+    return fixed_bytes + sum(leftovers), leftovers, freed_by
+
+
+# NOTE [glue constants]
+# The glue after a recomputed stage keeps what it takes as it is (a residual stream that a
+# nested chain adds back after its block's inner stages, a shortcut's input) for its
+# replays, from the stage's first forward until the chain's backward is done. Planning
+# counts it as held through the whole step (in fixed_bytes: the safe side); the
+# prediction counts it from the first forward of the first stage that keeps it and is not
+# stored (remat.plan.lifetimes), so a plan that stores those stages is not charged. What
+# the model itself holds through the backward (an escaped output) stays fixed. (A replay
+# frees the stage's inputs its glue does not take before running the glue, as the first
+# forward did: remat.discover.glue.Glue.replay.)
+def glue_constants(
+    step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
+) -> tuple[tuple[int, tuple[int, ...], int, bool], ...]:
+    """Per glue constant the model does not hold by itself: its bytes, the groups keeping
+    it, the group whose input it is (-1: none), and False; then, per tensor made earlier in
+    the chain that a group saves for its backward (NOTE [earlier activations saved]), the
+    same with True."""
+    stages = step.watch.stages
+    held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    inputs = {key: group for group, (first, _) in enumerate(groups) for key in stages[first].input_storages}
+    keepers: dict[int, tuple[int, set[int]]] = {}
+    for index, stage in enumerate(stages):
+        for key, nbytes in stage.kept_constants.items():
+            if key not in held:
+                keepers.setdefault(key, (nbytes, set()))[1].add(group_of[index])
+    out = [(nbytes, tuple(sorted(k)), inputs.get(key, -1), False) for key, (nbytes, k) in keepers.items()]
+    savers = earlier_activations_saved(step, groups, held)
+    out += [(nbytes, tuple(sorted(k)), inputs.get(key, -1), True) for key, (nbytes, k) in savers.items()]
+    return tuple(out)
+
+
+# NOTE [earlier activations saved]
+# A stage (or its glue) may save for its backward a tensor made earlier in the chain that
+# is not its input: a residual block split into its submodules whose shortcut convolution
+# runs as glue after the block's last stage and saves the block's input. The model does not
+# hold it on its own: stored, the stage keeps it until its backward, whatever the schedule
+# does with the stage that made it. Its bytes are held outside the chain, and the
+# prediction counts them from that stage's first forward, stored, to its backward
+# (remat.plan.lifetimes; recomputed, the glue keeps it for its replays: a glue constant).
+def earlier_activations_saved(
+    step: TrackedStep, groups: list[tuple[int, int]], held: set[int]
+) -> dict[int, tuple[int, set[int]]]:
+    """Per tensor made in the chain before a group and saved by it (not its input): its
+    bytes and the groups saving it."""
+    stages = step.watch.stages
+    chain_start = stages[0].forward_window[0]
+    savers: dict[int, tuple[int, set[int]]] = {}
+    for group, (first, stop) in enumerate(groups):
+        start = stages[first].forward_window[0]
+        for member in stages[first:stop]:
+            for key, (nbytes, allocated_event) in member.saved_storages.items():
+                made_before = chain_start <= allocated_event < start
+                if made_before and key not in stages[first].input_storages and key not in held:
+                    if key not in step.cast_allocations:
+                        savers.setdefault(key, (nbytes, set()))[1].add(group)
+    return savers
+
+
+def cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:
+    """Per group, autocast's casts that it made and no stage saved, alive when the forward
+    returned: the cache holds them until the autocast region ends (NOTE [autocast casts])."""
+    stages = step.watch.stages
+    saved = {key for stage in stages for key in stage.saved_storages}
+    cached = [0] * len(groups)
+    for key, record in step.alive_after_forward.items():
+        if key not in step.cast_allocations or key in saved:
+            continue
+        for index, (first, stop) in enumerate(groups):
+            if stages[first].forward_window[0] <= record.allocated_event < stages[stop - 1].forward_window[1]:
+                cached[index] += record.nbytes
+                break
+    return cached
+
+
+def escaped_bytes(chain: Chain, step: TrackedStep) -> int:
+    """Bytes allocated by the stages that the model holds through the backward on its own."""
+    stages, alive = step.watch.stages, step.alive_after_forward
+    # Outputs that escape to the model's code (a key/value cache, attention weights) and
+    # are still alive when the forward returns are held through the backward too.
+    escaped = {k: v for stage in stages for k, v in stage.escaped_storages.items() if k in alive}
+    # What the executor keeps for the replay of a stage's glue, as it is: made since the
+    # chain began (a U-Net's skip, an encoder's output that every decoder block takes), it
+    # is held until the backward ends when that stage is recomputed (NOTE [glue between
+    # stages] in remat.execute); counted for every stage, the safe side.
+    for stage in stages:
+        escaped.update(stage.kept_constants)
+    # Likewise for what a stage allocates and something else than autograd keeps (a
+    # cache object filled in place): alive after the forward, neither saved for
+    # backward nor passed on to the next stage.
+    # Autocast's cache holds casts that no stage saved (a bias's, a weight's whose input
+    # needs no gradient) until its region ends: planned apart (_cached_casts).
+    accounted = set(escaped) | step.cast_allocations
+    for stage in stages:
+        accounted.update(stage.saved_storages)
+        accounted.update(stage.output_storages)
+    side_effects: dict[str, int] = {}
+    for key, record in alive.items():
+        if key in accounted:
+            continue
+        for stage in stages:
+            start, stop = stage.forward_window
+            if start <= record.allocated_event < stop:
+                escaped[key] = record.nbytes
+                # module state is replayed: no side effect
+                if key not in step.state_allocations:
+                    side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
+                break
+    if side_effects:
+        warn_side_effects(side_effects)
+    return sum(escaped.values())
+
+
+def sum_except(allocations: dict[int, int], excluded: AbstractSet[int]) -> int:
+    """The bytes of `allocations` other than the `excluded` ones."""
+    return sum(nbytes for key, nbytes in allocations.items() if key not in excluded)
+
+
+def warn_side_effects(side_effects: dict[str, int]) -> None:
+    stages = ", ".join(f"{name!r} ({format_bytes(nbytes)})" for name, nbytes in side_effects.items())
+    warnings.warn(
+        f"stages {stages} allocate memory that outlives the forward without being their output "
+        "or saved for backward: state filled in place, such as a key/value cache. remat counts "
+        "it as fixed memory, but recomputing these stages repeats the side effect (a cache grows, "
+        "or the recompute computes something else). For Hugging Face models, build them with "
+        "use_cache=False (or pass use_cache=False) for training",
+        RuntimeWarning,
+        stacklevel=7,
+    )
