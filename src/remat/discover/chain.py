@@ -238,10 +238,7 @@ def discover_chain(
 # glue keeps for its replays are counted through the step (NOTE [glue constants]).
 def _deepen(calls: list[_Call], chain: list[int]) -> list[int]:
     """`chain` with every stage replaced by the chain of its own children where it has one, recursively."""
-    children: dict[int, list[int]] = {}
-    for index, call in enumerate(calls):
-        if call.eligible and call.parent is not None:
-            children.setdefault(call.parent, []).append(index)
+    children = _eligible_children(calls)
     out = list(chain)
     position = 0
     while position < len(out):
@@ -297,12 +294,8 @@ def _runs(calls: list[_Call]) -> list[list[int]]:
     the longest run of a module's children is found, the longest among the others follows
     (an encoder's blocks and a decoder's, called by one forward).
     """
-    children: dict[int | None, list[int]] = {}
-    for index, call in enumerate(calls):
-        if call.eligible:
-            children.setdefault(call.parent, []).append(index)
     runs = []
-    for siblings in children.values():
+    for siblings in _eligible_children(calls).values():
         left = list(siblings)
         while len(left) >= 2:
             run = _longest_run(calls, left)
@@ -310,6 +303,15 @@ def _runs(calls: list[_Call]) -> list[list[int]]:
             taken = set(run)
             left = [index for index in left if index not in taken]
     return sorted(runs, key=lambda run: -_run_stages(calls, run))
+
+
+def _eligible_children(calls: list[_Call]) -> dict[int | None, list[int]]:
+    """The calls that may be stages, by the call they run inside (None: the model's own forward)."""
+    children: dict[int | None, list[int]] = {}
+    for index, call in enumerate(calls):
+        if call.eligible:
+            children.setdefault(call.parent, []).append(index)
+    return children
 
 
 def _longest_run(calls: list[_Call], siblings: list[int]) -> list[int]:
