@@ -59,7 +59,8 @@ class _FakeModel:
         return fake
 
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Fake copies of the inputs (one that requires grad gets a graph of its own).
+        """Fake copies of the inputs (one that requires grad gets a graph of its own; a
+        leaf stays a leaf, as autocast caches its casts of leaves only).
 
         Call it outside the fake mode: the inputs are real tensors.
         """
@@ -70,7 +71,7 @@ class _FakeModel:
                 fake: torch.Tensor = self.mode.from_tensor(leaf.detach())
                 if leaf.requires_grad:
                     with self.mode:
-                        fake = fake.requires_grad_(True).clone()
+                        fake = fake.requires_grad_(True) if leaf.is_leaf else fake.requires_grad_(True).clone()
                 out.append(fake)
             else:
                 out.append(leaf)

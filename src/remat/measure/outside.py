@@ -155,17 +155,22 @@ def earlier_activations_saved(
 
 
 def cached_casts(step: TrackedStep, groups: list[tuple[int, int]]) -> list[int]:
-    """Per group, autocast's casts that it made and no stage saved, alive when the forward
-    returned: the cache holds them until the autocast region ends (NOTE [autocast casts])."""
+    """Per group, autocast's casts that it made and no stage saved (a bias's, a weight's
+    whose input needs no gradient) and that outlived its forward: the cache holds them
+    until the autocast region ends (NOTE [autocast casts]), which may come before the
+    model's forward returns (a region inside it); they are counted to the forward's end."""
     stages = step.watch.stages
     saved = {key for stage in stages for key in stage.saved_storages}
+    casts = step.cast_allocations - saved
+    records = step.tracker.allocation_records(casts)
+    freed = step.tracker.allocation_freed_events(casts)
     cached = [0] * len(groups)
-    for key, record in step.alive_after_forward.items():
-        if key not in step.cast_allocations or key in saved:
-            continue
+    for key, record in records.items():
         for index, (first, stop) in enumerate(groups):
-            if stages[first].forward_window[0] <= record.allocated_event < stages[stop - 1].forward_window[1]:
-                cached[index] += record.nbytes
+            start, end = stages[first].forward_window[0], stages[stop - 1].forward_window[1]
+            if start <= record.allocated_event < end:
+                freed_at = freed[key][1]
+                cached[index] += record.nbytes if freed_at is None or freed_at >= end else 0
                 break
     return cached
 

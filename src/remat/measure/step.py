@@ -546,9 +546,11 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.requires_grad:
+    # A leaf stays a leaf: autocast caches its casts of leaves that require grad (until
+    # its region ends), not those of activations (NOTE [autocast casts]).
+    if tensor.requires_grad and not tensor.is_leaf:
         return tensor.detach().requires_grad_(True).clone()
-    return tensor.detach().clone()
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
 
 
 def _check_no_cache(output: Any) -> None:
