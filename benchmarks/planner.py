@@ -80,7 +80,9 @@ FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 MLP_WIDTHS = (256, 1024, 512, 2048)
 PLAIN = "no recompute"
 REMAT_NESTED = "remat nested"
-REMAT_FAMILIES = ("remat", REMAT_NESTED)
+REMAT_COMPILED = "remat, compiled blocks"
+REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED)
+COMPILED_FAMILIES = ("torch.compile", REMAT_COMPILED)
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
 GRADIENT_MARK = "planner: gradient handed over"
@@ -250,15 +252,27 @@ def compiled(workload: Workload, budget: float) -> Strategy:
     return strategy
 
 
-def rematerialized(workload: Workload, budget: float | int | str, label: str, *, nested: bool = False) -> Strategy:
-    """Strategy 5 at one budget; infeasible budgets come back with ``feasible`` False."""
-    wrapped = remat.Checkpointable(
-        copy.deepcopy(workload.model), budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested
-    )
-    row = row_of(REMAT_NESTED if nested else "remat", label, budget)
+def rematerialized(
+    workload: Workload, budget: float | int | str, label: str, *, nested: bool = False, compiled: bool = False
+) -> Strategy:
+    """Strategy 5 at one budget; infeasible budgets come back with ``feasible`` False.
+
+    With `compiled`, each block of a fresh copy is compiled first (``block.compile()``,
+    inductor): the first step measures, plans and compiles (its wall time is ``compile_s``).
+    """
+    model = copy.deepcopy(workload.model)
+    if compiled:
+        for block in workload.blocks(model):
+            block.compile(dynamic=False)
+    wrapped = remat.Checkpointable(model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested)
+    row = row_of(REMAT_COMPILED if compiled else REMAT_NESTED if nested else "remat", label, budget)
     strategy = Strategy(row, functools.partial(workload.call, wrapped), wrapped)
+    started = time.perf_counter()
     try:
         train_step(workload, strategy)  # measures and plans
+        if compiled:
+            train_step(workload, strategy)  # the first step under the plan compiles
+            row["compile_s"] = time.perf_counter() - started
     except remat.BudgetTooSmall as error:
         row.update(feasible=False, error=str(error), budget_bytes=error.budget_bytes, minimum_bytes=error.minimum_bytes)
         return strategy
@@ -364,7 +378,12 @@ def allocator_peak_bytes(workload: Workload, strategy: Strategy) -> int:
 def measure_peaks(workload: Workload, strategy: Strategy) -> None:
     row = strategy.row
     row["allocator_peak_bytes"] = allocator_peak_bytes(workload, strategy)
-    if row["family"] == "torch.compile":
+    if row["family"] == REMAT_COMPILED:
+        # the tracker sees the plan run eagerly (remat does not call compiled blocks under a
+        # dispatch mode, which would make Dynamo skip them for good); the allocator, compiled
+        row["tracker_peak_bytes"] = tracker_peak_bytes(workload, strategy)
+        row["measured_peak_bytes"], row["peak_source"] = row["allocator_peak_bytes"], ALLOCATOR
+    elif row["family"] == "torch.compile":
         # under a TorchDispatchMode the compiled module runs (and stays) eager: no tracker here
         row["tracker_peak_bytes"] = None
         row["measured_peak_bytes"], row["peak_source"] = row["allocator_peak_bytes"], ALLOCATOR
@@ -407,7 +426,12 @@ def dynamo_frames() -> int:
 
 # ---------------------------------------------------------------------------- the run
 def build_strategies(
-    workload: Workload, fractions: list[float], *, nested: bool = False, with_compile: bool = True
+    workload: Workload,
+    fractions: list[float],
+    *,
+    nested: bool = False,
+    with_compile: bool = True,
+    compiled_blocks: bool = False,
 ) -> tuple[list[Strategy], dict[str, Any]]:
     plain = Strategy(row_of("plain", PLAIN), functools.partial(workload.call, workload.model), workload.model)
     second = recompute_sequentially(workload)
@@ -417,20 +441,23 @@ def build_strategies(
         measure_peaks(workload, strategy)
     print(f"plain peak {format_bytes(plain.row['measured_peak_bytes'])}", flush=True)
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.recompile_limit = 256
     frames_before = dynamo_frames()
     for fraction in fractions if with_compile else []:
         strategy = compiled(workload, fraction)
         print(f"compiled at {fraction} in {strategy.row['compile_s']:.1f} s", flush=True)
         strategies.append(strategy)
-    compile_info = {"frames_compiled": dynamo_frames() - frames_before}
     points: list[tuple[float | int | str, str]] = [(f, str(f)) for f in fractions]
     points += [("min", "min"), (second.row["measured_peak_bytes"], f"at {second.row['family']} peak")]
-    for family in ["remat", REMAT_NESTED] if nested else ["remat"]:
+    families = ["remat"] + ([REMAT_NESTED] if nested else []) + ([REMAT_COMPILED] if compiled_blocks else [])
+    for family in families:
         for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
-            strategy = rematerialized(workload, budget, label, nested=family == REMAT_NESTED)
+            strategy = rematerialized(
+                workload, budget, label, nested=family == REMAT_NESTED, compiled=family == REMAT_COMPILED
+            )
             print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
             strategies.append(strategy)
+    compile_info = {"frames_compiled": dynamo_frames() - frames_before}
     for strategy in strategies[3:]:
         if strategy.row["feasible"]:
             measure_peaks(workload, strategy)
@@ -639,6 +666,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "torch.compile": ("tab:red", "v"),
         "remat": ("tab:blue", "o"),
         REMAT_NESTED: ("tab:purple", "P"),
+        REMAT_COMPILED: ("tab:cyan", "X"),
     }
     rows = [r for r in result["rows"] if r.get("median_step_s")]
     for family, (colour, marker) in styles.items():
@@ -686,6 +714,9 @@ def main() -> None:
     parser.add_argument("--nested", action="store_true", help="remat with nested=True too, in the same run")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile's points out")
     parser.add_argument(
+        "--compiled-blocks", action="store_true", help="remat over blocks compiled one by one too, in the same run"
+    )
+    parser.add_argument(
         "--fractions", default=",".join(map(str, FRACTIONS)), help="comma-separated budgets for compile and remat"
     )
     options = parser.parse_args()
@@ -695,7 +726,11 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         workload = WORKLOADS[options.workload]()
         strategies, compile_info = build_strategies(
-            workload, fractions, nested=options.nested, with_compile=not options.no_compile
+            workload,
+            fractions,
+            nested=options.nested,
+            with_compile=not options.no_compile,
+            compiled_blocks=options.compiled_blocks,
         )
         timed = [s for s in strategies if s.row["feasible"]]
         frames_before = dynamo_frames()
@@ -722,7 +757,7 @@ def main() -> None:
     if options.nested:
         result["targets_nested"] = targets(workload.name, rows, REMAT_NESTED)
     RESULTS.mkdir(exist_ok=True)
-    name = f"{workload.name}_nested" if options.nested else workload.name
+    name = workload.name + ("_nested" if options.nested else "") + ("_compiled" if options.compiled_blocks else "")
     stem = RESULTS / f"planner_{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     text = markdown(result)

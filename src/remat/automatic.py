@@ -39,6 +39,7 @@ from remat.units import format_bytes
 from remat.wrapper import (
     CACHE_TURNED_OFF,
     ModelStandIn,
+    eager_under_compile,
     is_partial,
     model_own_call,
     partial_coverage,
@@ -213,9 +214,7 @@ class Checkpointable(ModelStandIn):
             )
         self.measure_mode = measure
         self._shapes = ShapeTimings(timed_shapes)
-        self._cache_warned = False
-        self._default_budget_warned = False
-        self._coverage_warned = False
+        self._cache_warned = self._default_budget_warned = self._coverage_warned = False
         self._solver()  # fail now on an unknown solver name
         self.policy = policy
         self.nested = bool(nested)
@@ -416,6 +415,7 @@ class Checkpointable(ModelStandIn):
             return None
         return self._plans.get((self._last_key, self._options(self.mem_limit)))
 
+    @eager_under_compile
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with model_own_call(self.model):
             return self._forward(args, kwargs)

@@ -39,12 +39,18 @@ from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain
 from remat.discover.glue import Glue, GlueRecorder
-from remat.discover.intercept import call_original, call_stage, intercept_stages
+from remat.discover.intercept import (
+    call_original,
+    call_stage,
+    compiled_stages,
+    intercept_stages,
+    refuse_compiled_state,
+)
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import active_mode
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._state import is_recomputing
+from remat.manual._state import hold_hooks, is_recomputing
 from remat.manual._tensors import graph_retained
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
@@ -388,6 +394,9 @@ class ChainExecutor:
             for call in range(step.start, step.stop):
                 kind = _DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind
                 self.first_forward.append((kind, step))
+        refuse_compiled_state(chain, [call for call, (kind, _) in enumerate(self.first_forward) if kind is not _STORE])
+        if compiled_stages(chain):
+            hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
     def recomputes(self) -> bool:
         """Whether any stage call is recomputed (not stored by its first forward)."""

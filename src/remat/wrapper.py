@@ -4,20 +4,25 @@ the conventions of the models it wraps (a Hugging Face key/value cache)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.units import format_bytes
 
 __all__ = [
     "CACHE_TURNED_OFF",
+    "COMPILED_CALL",
     "PARTIAL_COVERAGE",
     "PARTIAL_COVERAGE_BYTES",
     "is_partial",
     "ModelStandIn",
+    "eager_under_compile",
     "model_own_call",
     "partial_coverage",
     "stand_for_model",
@@ -137,3 +142,49 @@ def _with_model_prefix(state_dict: dict[str, Any], prefix: str, *args: Any) -> N
     wrapped = prefix + _MODEL_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
         state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
+
+
+# NOTE [the automatic mode under torch.compile]
+# The automatic mode measures with hooks and an exact tracker, plans in numpy, and runs
+# its plan with saved-tensor hooks and replays of the model's glue: none of it is code a
+# Dynamo graph can hold. Called from code that torch.compile traces, it is a graph break:
+# Dynamo compiles the code around the call, and the model runs as remat runs it eagerly,
+# its plan and guarantees unchanged (exact gradients, the budget). That is said once, with
+# the way to compile the model's own computations: compile its blocks one by one
+# (``block.compile()``), which the plan then runs as its stages. (remat.recompute and
+# remat.mark inside compiled code are compiled: remat.manual._compiled.)
+COMPILED_CALL = (
+    "remat: the automatic mode runs eagerly under torch.compile (one graph break where the model "
+    "is called; Dynamo compiles the code around it): the plan holds as without compile. To compile "
+    "the model's computations, compile its blocks one by one (block.compile() for each) and enable "
+    "remat on the model itself"
+)
+
+
+# (torch 2.4 names no reason for a disabled function's graph break)
+_dynamo_disable = (
+    functools.partial(torch._dynamo.disable, reason="remat's automatic mode runs its plan eagerly")
+    if "reason" in inspect.signature(torch._dynamo.disable).parameters
+    else torch._dynamo.disable
+)
+
+
+def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` run eagerly when torch.compile traces its caller for training, said once
+    (see the NOTE); evaluation, and a forward without grad, run the model's own forward,
+    compiled."""
+
+    @_dynamo_disable
+    def eager(self: Any, traced: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if traced and not getattr(self, "_compiled_call_told", False):
+            self._compiled_call_told = True
+            warnings.warn(COMPILED_CALL, UserWarning, stacklevel=3)
+        return forward(self, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and not (self.model.training and torch.is_grad_enabled()):
+            return forward(self, *args, **kwargs)  # the model's own forward: compiled
+        return eager(self, torch.compiler.is_compiling(), args, kwargs)
+
+    return run

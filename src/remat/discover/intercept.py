@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
 
-__all__ = ["call_original", "call_stage", "intercept_stages"]
+__all__ = ["call_original", "call_stage", "compiled_stages", "intercept_stages", "refuse_compiled_state"]
 
 
 # NOTE [stage hooks run once]
@@ -30,15 +31,25 @@ __all__ = ["call_original", "call_stage", "intercept_stages"]
 # region is replayed (a plain module call): a hook that replaces the output is applied
 # once, and the next stage is linked to the output as the hooks left it.
 _INTERCEPT = "_call_impl"
+# A module compiled with ``module.compile()`` is called through its compiled call instead:
+# set aside while the module is intercepted, it makes the real call.
+_COMPILED = "_compiled_call_impl"
 
 
 def call_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Calls a stage module as itself (hooks included) while it is intercepted."""
+    """Calls a stage module as itself (hooks included, compiled if it was) while it is intercepted."""
     stand_in = module.__dict__.pop(_INTERCEPT)
+    # Not while a dispatch mode is active (measuring: the tracker, fake tensors): Dynamo
+    # would mark the compiled call's code to be skipped from then on, in every step.
+    compiled = None if _get_current_dispatch_mode_stack() else stand_in.compiled
+    if compiled is not None:
+        module.__dict__[_COMPILED] = compiled
     try:
         return module(*args, **kwargs)
     finally:
         module.__dict__[_INTERCEPT] = stand_in
+        if compiled is not None:
+            module.__dict__[_COMPILED] = None
 
 
 def call_stage(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -64,12 +75,17 @@ def intercept_stages(chain: Chain, owner: Any) -> Iterator[None]:
                     f"stage {chain.names[index]!r} has its forward replaced on the instance (is it "
                     "marked with remat.mark?); unmark it before using remat.Checkpointable"
                 )
-            module.__dict__[_INTERCEPT] = _CallThroughOwner(owner, index, module)
+            stand_in = _CallThroughOwner(owner, index, module)
+            module.__dict__[_INTERCEPT] = stand_in
             installed.append(module)
+            if stand_in.compiled is not None:
+                module.__dict__[_COMPILED] = None
         yield
     finally:
         for module in installed:
-            module.__dict__.pop(_INTERCEPT, None)
+            stand_in = module.__dict__.pop(_INTERCEPT, None)
+            if stand_in is not None and stand_in.compiled is not None:
+                module.__dict__[_COMPILED] = stand_in.compiled
 
 
 class _CallThroughOwner:
@@ -79,6 +95,38 @@ class _CallThroughOwner:
         self.owner = owner
         self.index = index
         self.module = module
+        self.compiled = module.__dict__.get(_COMPILED)  # module.compile()'s call, if any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner.call(self.index, self.module, args, kwargs)
+
+
+def compiled_stages(chain: Chain) -> list[int]:
+    """The stages compiled with ``module.compile()``."""
+    return [index for index, module in enumerate(chain.modules) if module.__dict__.get(_COMPILED) is not None]
+
+
+def refuse_compiled_state(chain: Chain, recomputed: list[int]) -> None:
+    """Raises if a compiled stage that is recomputed holds running statistics.
+
+    Compiled code (``module.compile()``) is opaque to remat's guard of module state: a
+    normalisation layer inside would update its running statistics in the forward and
+    again in the recompute.
+    """
+    for index in recomputed:
+        module = chain.modules[index]
+        if module.__dict__.get(_COMPILED) is None:
+            continue
+        stateful = [
+            name
+            for name, inner in module.named_modules()
+            if isinstance(inner, nn.modules.batchnorm._NormBase) and inner.training and inner.track_running_stats
+        ]
+        if stateful:
+            raise NotImplementedError(
+                f"stage {chain.names[index]!r} is compiled (module.compile()) and the plan recomputes it, "
+                f"but it holds running statistics ({', '.join(stateful)}) that its compiled forward updates: "
+                "remat cannot replay state inside compiled code, and they would be updated twice. Compile the "
+                "whole model with torch.compile and mark its blocks with remat.mark (the compiler updates them "
+                "once), or leave this block uncompiled"
+            )

@@ -350,36 +350,66 @@ _HOOK_USERS = 0
 _HOOK_HANDLES: list[Any] = []
 
 
+# Inside code torch.compile traces (a stage compiled with module.compile()), the hooks do
+# nothing: traced, they would put remat's call counters into the graph's guards (a
+# recompile at every call, then eager fallbacks that differ between a forward and its
+# recompute). Compiled code is one call for the guard: remat.discover.intercept refuses to
+# recompute a compiled stage whose state it could not replay.
 def _pre_hook(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     for scope in _LOCAL.scopes:
         scope.enter(module)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     for scope in reversed(_LOCAL.scopes):
         scope.exit(module)
 
 
-@contextlib.contextmanager
-def _open(scope: _Scope) -> Iterator[_Scope]:
+def _use_hooks() -> None:
     global _HOOK_USERS
     with _HOOK_LOCK:
         if _HOOK_USERS == 0:
             _HOOK_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
             _HOOK_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
         _HOOK_USERS += 1
+
+
+def _release_hooks() -> None:
+    global _HOOK_USERS
+    with _HOOK_LOCK:
+        _HOOK_USERS -= 1
+        if _HOOK_USERS == 0:
+            for handle in _HOOK_HANDLES:
+                handle.remove()
+            _HOOK_HANDLES.clear()
+
+
+def hold_hooks(owner: object) -> None:
+    """Keeps the guard's hooks installed for as long as `owner` lives.
+
+    Compiled code (``module.compile()``) guards on the global module hooks it was traced
+    with: hooks installed anew for every recompute would make it compile again at every
+    step. An executor that runs compiled stages holds them instead (they do nothing
+    while no block records or replays).
+    """
+    _use_hooks()
+    weakref.finalize(owner, _release_hooks)
+
+
+@contextlib.contextmanager
+def _open(scope: _Scope) -> Iterator[_Scope]:
+    _use_hooks()
     _LOCAL.scopes.append(scope)
     try:
         yield scope
     finally:
         _LOCAL.scopes.remove(scope)
         scope.close()
-        with _HOOK_LOCK:
-            _HOOK_USERS -= 1
-            if _HOOK_USERS == 0:
-                for handle in _HOOK_HANDLES:
-                    handle.remove()
-                _HOOK_HANDLES.clear()
+        _release_hooks()
 
 
 @contextlib.contextmanager

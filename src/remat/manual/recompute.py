@@ -41,6 +41,7 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _state
+from remat.manual._compiled import compiling, recompute_compiled
 from remat.manual._frames import recompute_with_hooks
 from remat.manual._reentrant import recompute_reentrant
 from remat.manual._tensors import DETERMINISM_CHECKS, RecomputeOptions
@@ -150,6 +151,10 @@ def recompute(
             "output_recompute=True needs the hook-based implementation; "
             "call recompute(..., use_reentrant=False, output_recompute=True)"
         )
+    if compiling():
+        # torch.compile traces this call: the compiler's own recompute (NOTE [recompute
+        # under torch.compile] in _compiled.py)
+        return recompute_compiled(function, args, kwargs, options)
     with _state.inside_manual_block():
         if use_reentrant:
             return recompute_reentrant(function, args, kwargs, options)
