@@ -98,7 +98,12 @@ def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
     fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True))
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
+    # Modules compiled with module.compile() run their own forward here: compiled code
+    # would run its kernels on fake tensors' (absent) data.
+    compiled = [module for module in model.modules() if module.__dict__.get("_compiled_call_impl") is not None]
     try:
+        for module in compiled:
+            module.__dict__["_compiled_call_impl"] = None
         for module in model.modules():
             tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
             for table in tables:
@@ -121,3 +126,5 @@ def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
             for name, value in before.items():
                 if module.__dict__.get(name) is not value and _holds_fake(module.__dict__.get(name)):
                     module.__dict__[name] = value
+            if module in compiled:
+                module.__dict__["_compiled_call_impl"] = before["_compiled_call_impl"]
