@@ -148,7 +148,7 @@ def _assert_same(backend: str, expected: torch.Tensor, actual: torch.Tensor, wha
 def test_manual_recompute_compiles_and_is_exact(entry: str, backend: str, layers: str) -> None:
     bn = dropout = layers == "dropout+bn"
     if backend == "eager" and bn:
-        pytest.skip("test_the_eager_backend_refuses_running_statistics covers it")
+        pytest.skip("test_the_eager_backend_fails_loudly_on_running_statistics covers it")
     assert train_both(entry, backend, bn, dropout) == 1
 
 
@@ -165,7 +165,7 @@ def test_dropout_alone_under_the_eager_backend_is_exact() -> None:
     assert train_both("recompute", "eager", bn=False, dropout=True) == 1
 
 
-def test_the_eager_backend_refuses_running_statistics() -> None:
+def test_the_eager_backend_fails_loudly_on_running_statistics() -> None:
     # The eager backend runs torch's checkpoint operation on the lifted buffers: the
     # forward's update of num_batches_tracked then fails torch's check of the saved
     # inputs, loudly (README, torch.compile). aot_eager and inductor handle it (above).
