@@ -394,8 +394,9 @@ class ChainExecutor:
             for call in range(step.start, step.stop):
                 kind = _DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind
                 self.first_forward.append((kind, step))
-        refuse_compiled_state(chain, [call for call, (kind, _) in enumerate(self.first_forward) if kind is not _STORE])
-        if compiled_stages(chain):
+        compiled = compiled_stages(chain)
+        if compiled:
+            refuse_compiled_state(chain, [call for call in compiled if self.first_forward[call][0] is not _STORE])
             hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
     def recomputes(self) -> bool:

@@ -183,8 +183,9 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(forward)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and not (self.model.training and torch.is_grad_enabled()):
+        traced = torch.compiler.is_compiling()
+        if traced and not (self.model.training and torch.is_grad_enabled()):
             return forward(self, *args, **kwargs)  # the model's own forward: compiled
-        return eager(self, torch.compiler.is_compiling(), args, kwargs)
+        return eager(self, traced, args, kwargs)
 
     return run

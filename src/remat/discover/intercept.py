@@ -10,7 +10,7 @@ module's ``forward``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -19,7 +19,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
 
-__all__ = ["call_original", "call_stage", "compiled_stages", "intercept_stages", "refuse_compiled_state"]
+__all__ = [
+    "call_original",
+    "call_stage",
+    "compiled_call",
+    "compiled_stages",
+    "intercept_stages",
+    "refuse_compiled_state",
+    "uncompiled",
+]
 
 
 # NOTE [stage hooks run once]
@@ -95,19 +103,37 @@ class _CallThroughOwner:
         self.owner = owner
         self.index = index
         self.module = module
-        self.compiled = module.__dict__.get(_COMPILED)  # module.compile()'s call, if any
+        self.compiled = compiled_call(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner.call(self.index, self.module, args, kwargs)
 
 
+def compiled_call(module: nn.Module) -> Any:
+    """The call ``module.compile()`` gave the module, if any (None otherwise)."""
+    return module.__dict__.get(_COMPILED)
+
+
+@contextlib.contextmanager
+def uncompiled(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within this block, those of `modules` compiled with ``module.compile()`` run uncompiled."""
+    compiled = [(module, call) for module in modules if (call := compiled_call(module)) is not None]
+    for module, _ in compiled:
+        module.__dict__[_COMPILED] = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module.__dict__[_COMPILED] = call
+
+
 def compiled_stages(chain: Chain) -> list[int]:
     """The stages compiled with ``module.compile()``."""
-    return [index for index, module in enumerate(chain.modules) if module.__dict__.get(_COMPILED) is not None]
+    return [index for index, module in enumerate(chain.modules) if compiled_call(module) is not None]
 
 
 def refuse_compiled_state(chain: Chain, recomputed: list[int]) -> None:
-    """Raises if a compiled stage that is recomputed holds running statistics.
+    """Raises if one of the compiled stages `recomputed` holds running statistics.
 
     Compiled code (``module.compile()``) is opaque to remat's guard of module state: a
     normalisation layer inside would update its running statistics in the forward and
@@ -115,8 +141,6 @@ def refuse_compiled_state(chain: Chain, recomputed: list[int]) -> None:
     """
     for index in recomputed:
         module = chain.modules[index]
-        if module.__dict__.get(_COMPILED) is None:
-            continue
         stateful = [
             name
             for name, inner in module.named_modules()

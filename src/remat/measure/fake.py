@@ -23,6 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from remat.discover.intercept import uncompiled
 from remat.errors import RematError
 
 __all__ = ["FakeRunFailed", "on_fake_tensors"]
@@ -100,31 +101,27 @@ def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     # Modules compiled with module.compile() run their own forward here: compiled code
     # would run its kernels on fake tensors' (absent) data.
-    compiled = [module for module in model.modules() if module.__dict__.get("_compiled_call_impl") is not None]
-    try:
-        for module in compiled:
-            module.__dict__["_compiled_call_impl"] = None
-        for module in model.modules():
-            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-            for table in tables:
-                for name, value in list(table.items()):
-                    if value is not None:
-                        swapped.append((table, name, value))
-                        table[name] = fake.tensor(value)
+    with uncompiled(model.modules()):
         try:
-            yield fake
-        except RematError:
-            raise  # remat's own refusals hold on real tensors too
-        except Exception as error:
-            raise FakeRunFailed(f"{type(error).__name__}: {error}") from error
-    finally:
-        for table, name, value in swapped:
-            table[name] = value
-        for module, before in attributes:
-            for name in [n for n, v in module.__dict__.items() if n not in before and _holds_fake(v)]:
-                del module.__dict__[name]
-            for name, value in before.items():
-                if module.__dict__.get(name) is not value and _holds_fake(module.__dict__.get(name)):
-                    module.__dict__[name] = value
-            if module in compiled:
-                module.__dict__["_compiled_call_impl"] = before["_compiled_call_impl"]
+            for module in model.modules():
+                tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+                for table in tables:
+                    for name, value in list(table.items()):
+                        if value is not None:
+                            swapped.append((table, name, value))
+                            table[name] = fake.tensor(value)
+            try:
+                yield fake
+            except RematError:
+                raise  # remat's own refusals hold on real tensors too
+            except Exception as error:
+                raise FakeRunFailed(f"{type(error).__name__}: {error}") from error
+        finally:
+            for table, name, value in swapped:
+                table[name] = value
+            for module, before in attributes:
+                for name in [n for n, v in module.__dict__.items() if n not in before and _holds_fake(v)]:
+                    del module.__dict__[name]
+                for name, value in before.items():
+                    if module.__dict__.get(name) is not value and _holds_fake(module.__dict__.get(name)):
+                        module.__dict__[name] = value
