@@ -9,10 +9,8 @@ second step (DDP has averaged them over the ranks by then), or the error, to
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import remat
+from launch_helpers import worker_main
 
 WIDTH = 8
 BATCH_PER_RANK = 4
@@ -81,6 +80,11 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).pow(2).mean()
 
 
+def _enabled(model: nn.Module, budget: float) -> nn.Module:
+    remat.enable(model, budget)
+    return model
+
+
 # name -> (model factory, DDP options)
 SCENARIOS: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
     "plain": (lambda: make_net("plain"), {}),
@@ -113,6 +117,10 @@ SCENARIOS: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
     # remat.Checkpointable inside DDP: its first call measures (forward and backward
     # inside DDP's forward), then runs the optimal plan for 60% of the memory.
     "checkpointable": (lambda: remat.Checkpointable(make_net("plain"), 0.6), {}),
+    # under static_graph=True, a measuring backward inside DDP's first forward used to
+    # stop DDP from averaging gradients from the second step on (no error)
+    "checkpointable-static-graph": (lambda: remat.Checkpointable(make_net("plain"), 0.6), {"static_graph": True}),
+    "enabled-static-graph": (lambda: _enabled(make_net("plain"), 0.6), {"static_graph": True}),
     "checkpointable-find-unused": (
         lambda: remat.Checkpointable(make_net("plain", with_unused=True), 0.6),
         {"find_unused_parameters": True},
@@ -137,20 +145,10 @@ def run_scenario(rank: int, factory: Callable[[], nn.Module], options: dict[str,
         dist.barrier()
 
 
-def main() -> int:
-    out_dir = sys.argv[1]
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    results: dict[str, Any] = {}
-    try:
-        for name, (factory, options) in SCENARIOS.items():
-            results[name] = run_scenario(rank, factory, options)
-    except Exception:  # pragma: no cover - reported through the output file
-        results["__crash__"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-    return 0
+def scenarios(rank: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, (factory, options) in SCENARIOS.items():
+        yield name, run_scenario(rank, factory, options)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(scenarios))

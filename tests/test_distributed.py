@@ -12,15 +12,13 @@ recompute: the same local computations and the same allreduce, bit for bit.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from launch_helpers import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -39,47 +37,10 @@ def _load_worker() -> Any:
 worker = _load_worker()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Runs every scenario on two ranks; returns each rank's results."""
-    out_dir = tmp_path_factory.mktemp("ddp")
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(WORLD_SIZE),
-        OMP_NUM_THREADS="1",
-    )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out_dir)],
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=90)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output}"
-    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-    for rank_results in ranks:
-        assert "__crash__" not in rank_results, rank_results.get("__crash__")
-    return ranks
+    return run_ranks(WORKER, tmp_path_factory.mktemp("ddp"), WORLD_SIZE, timeout_s=90)  # a hang fails
 
 
 def single_process_grads(scenario: str) -> dict[str, torch.Tensor]:
@@ -147,10 +108,15 @@ def test_reentrant_mode_with_find_unused_parameters_is_refused_by_ddp(results: l
         assert error is not None and "marked as ready twice" in error
 
 
-@pytest.mark.parametrize("scenario", ["checkpointable", "checkpointable-find-unused"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["checkpointable", "checkpointable-find-unused", "checkpointable-static-graph", "enabled-static-graph"],
+)
 def test_checkpointable_under_ddp(results: list[dict[str, Any]], scenario: str) -> None:
     # Same local computations as DDP without recompute, under the optimal plan for 60% of
-    # the activation memory: the averaged gradients are bit for bit those of plain DDP.
+    # the activation memory: the averaged gradients are bit for bit those of plain DDP, at
+    # the second step too (the gradients compared are the second step's; the first
+    # measured the model inside DDP's forward).
     for rank_results in results:
         result = rank_results[scenario]
         assert result["error"] is None, result["error"]

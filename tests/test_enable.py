@@ -121,6 +121,32 @@ def test_hooks_run_once_per_call() -> None:
         assert 1 <= calls.count("block") <= 2  # and once more if the block is recomputed
 
 
+@pytest.mark.parametrize("measure", ["sized", "plain"])
+def test_measuring_fires_no_gradient_hook_of_the_parameters(measure: str) -> None:
+    # remat's measuring steps run backward passes; the hooks on the parameters (an
+    # optimizer stepping in backward, DDP's reducer) must see the training step's
+    # gradients alone, once per step, and the same gradients as without remat
+    torch.manual_seed(0)
+    plain = Net()
+    model = copy.deepcopy(plain)
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
+    for name, parameter in model.named_parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p, name=name: seen[name].append(p.grad.clone()))
+    shared = model.blocks[0][0].weight
+    shared.register_hook(lambda grad: seen["blocks.0.0.weight"].append(grad))
+    remat.enable(model, 0.4, measure=measure)
+    data = torch.randn(16, 32)
+    torch.manual_seed(1)
+    plain(data).square().mean().backward()
+    torch.manual_seed(1)
+    model(data).square().mean().backward()
+    for name, parameter in plain.named_parameters():
+        expected = 2 if name == "blocks.0.0.weight" else 1  # the tensor hook saw it too
+        assert len(seen[name]) == expected, name
+        assert torch.equal(seen[name][-1], parameter.grad), name
+    _same_state(plain, model)
+
+
 def test_enabling_twice_is_refused_and_controller_needs_enable() -> None:
     model = Net()
     with pytest.raises(remat.RematError, match="not enabled"):

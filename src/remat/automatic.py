@@ -31,10 +31,11 @@ from remat.measure.fake import FakeRunFailed, on_fake_tensors
 from remat.measure.scale import ShapeTimings
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
-from remat.plan.share import Planning
+from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, prepared
 from remat.plan.simulate import simulate
 from remat.plan.solvers import Solver, default_slots, get_solver
 from remat.plan.step import Plan
+from remat.ranks import RankAgreement, agreement_group_active
 from remat.units import format_bytes
 from remat.wrapper import (
     CACHE_TURNED_OFF,
@@ -56,9 +57,6 @@ DEFAULT_PLANNING_MARGIN = 0.02
 
 #: The ways of measuring stages (see ``measure`` in :class:`Checkpointable`).
 _MEASURE_MODES = ("sized", "plain", "frugal")
-
-#: Without a loss_fn, the loss is assumed to hold this many tensors of the output's size.
-LOSS_ALLOWANCE_OUTPUTS = 3
 
 
 class _PlanOptions(NamedTuple):
@@ -109,7 +107,8 @@ class Checkpointable(ModelStandIn):
         loss_fn: ``loss_fn(output) -> loss`` used during measurement, e.g.
             ``lambda out: F.cross_entropy(out, target)``. Without it, remat measures with a
             sum and leaves room for a loss holding ``LOSS_ALLOWANCE_OUTPUTS`` (3) tensors of
-            the output's size (see NOTE [loss allowance]); with it, the plan is exact.
+            the output's size (see NOTE [loss allowance] in
+            :mod:`remat.plan.share`); with it, the plan is exact.
         margin: fraction of the budget kept free when planning (see NOTE [planning margin]);
             None: 0 for a model measured with your ``loss_fn`` outside autocast (predicted
             to the byte, or above), otherwise ``DEFAULT_PLANNING_MARGIN`` (2%).
@@ -152,6 +151,8 @@ class Checkpointable(ModelStandIn):
         policy: selective recompute instead of a plan (:mod:`remat.policies`): every stage call
             recomputed alone under it, or a mapping of stage names or indices to policies (others
             stored). Nothing is measured or planned; a ``mem_limit`` with it is not implemented.
+        agree_ranks: under ``torch.distributed``, all ranks run one plan, from the figures of
+            all ranks (NOTE [one plan for all ranks] in :mod:`remat.ranks`); False: each its own.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -177,6 +178,7 @@ class Checkpointable(ModelStandIn):
         timed_shapes: int = 3,
         policy: Any = None,
         nested: bool = False,
+        agree_ranks: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -218,6 +220,7 @@ class Checkpointable(ModelStandIn):
         self._solver()  # fail now on an unknown solver name
         self.policy = policy
         self.nested = bool(nested)
+        self._ranks = RankAgreement() if agree_ranks else None
         self._selective = None if policy is None else SelectiveRuns(policy, mem_limit, plan, preserve_rng_state)
 
     # ------------------------------------------------------------------ public
@@ -430,6 +433,12 @@ class Checkpointable(ModelStandIn):
             return self._selective.run(key, lambda: self._chain_for(key, args, kwargs), self.model, args, kwargs)
         if self._forced_plan is not None:
             plan = self._forced_plan
+        elif self._ranks is not None and agreement_group_active():  # NOTE [one plan for all ranks]
+            must_measure = key not in self._measurements or self._shapes.must_retime(key)
+            measure = functools.partial(self._measure, args, kwargs, training=True)
+            held = self._plans.get((key, self._options(self.mem_limit)))
+            replan = functools.partial(self._plan, key, self.mem_limit, self._ranks)
+            self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan)
         else:
             if key not in self._measurements or self._shapes.must_retime(key):
                 self._measure(args, kwargs, training=True)
@@ -517,25 +526,13 @@ class Checkpointable(ModelStandIn):
         return self._prepare(key, self._measurements[key])
 
     def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> Planning:
-        profile = measurement.profile
-        allowance = 0
-        if self._loss_fn is None and not measurement.loss_from_output:
-            # NOTE [loss allowance]
-            # Measured with the cheapest loss (a sum), the plan would not leave room for a
-            # real one: a cross entropy or a mean squared error holds about three tensors
-            # of the output's size at its peak. Without the user's loss_fn, the chain's
-            # output gradient is charged that much more (it is live from the loss to the
-            # end of the last stage's backward).
-            allowance = LOSS_ALLOWANCE_OUTPUTS * measurement.output_bytes
-            gradients = list(profile.gradient_bytes)
-            gradients[-1] += allowance
-            profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
-        # The loss was measured with the output dropped once the loss is computed; a loop
-        # that keeps it holds it from the loss on (planned as held through the whole step,
-        # predicted where it lives: remat.plan.lifetimes).
-        kept_output = measurement.output_bytes if self.output_kept else 0
-        outside = measurement.outside_split(kept_output, allowance)
-        return Planning(profile, self._margin(key, measurement), self._solver(profile.n_stages), outside)
+        return prepared(
+            measurement,
+            loss_measured=self._loss_fn is not None or measurement.loss_from_output,
+            output_kept=self.output_kept,
+            margin=self._margin(key, measurement),
+            solver=self._solver(measurement.profile.n_stages),
+        )
 
     def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
         cache_key = (key, self._options(None))
@@ -577,14 +574,17 @@ class Checkpointable(ModelStandIn):
                 minimum_bytes=minimum,
             )
 
-    def _plan(self, key: Hashable, mem_limit: Budget) -> Plan:
+    def _plan(self, key: Hashable, mem_limit: Budget, ranks: RankAgreement | None = None) -> Plan:
         options = self._options(mem_limit)
         cached = self._plans.get((key, options))
-        if cached is not None:
+        if cached is not None and ranks is None:
             return cached
+        if ranks is not None:  # planned again, minimum included, from the figures of all ranks
+            self._minimums.pop((key, self._options(None)), None)
         measurement = self._measurements[key]
-        planning = self._prepared(key)
+        planning = self._prepared(key) if ranks is None else ranks.combined(self._prepared(key))
         total = self._total_bytes(key, planning, mem_limit)
+        total = total if ranks is None else ranks.smallest(total)
         self._check_feasible(key, planning, total)
         schedule, split = planning.solve(planning.split(total))
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)

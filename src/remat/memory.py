@@ -284,7 +284,9 @@ class MemoryTracker(TorchDispatchMode):
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 continue
-            if hook_leaves and leaf.requires_grad and leaf.is_leaf and id(leaf) not in self._leaves:
+            # (a leaf freed during the run leaves its id to the next tensor: that one is new)
+            known = self._leaves.get(id(leaf))
+            if hook_leaves and leaf.requires_grad and leaf.is_leaf and (known is None or known() is not leaf):
                 self._leaves[id(leaf)] = weakref.ref(leaf)
                 self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
             if leaf.is_meta or leaf.layout != torch.strided:

@@ -47,6 +47,7 @@ from remat.manual._state import is_state_attribute, learning_state, rehearsing
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
+from remat.measure.parameters import alias_parameters
 from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
@@ -483,6 +484,7 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
     runs from training forwards.
     """
     grads = [(p, p.grad) for p in model.parameters()]
+    aliased = alias_parameters(model)
     buffers = [
         (module, name, b, b.detach().clone())
         for module in model.modules()
@@ -497,6 +499,8 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
                 p.grad = None
             yield
     finally:
+        for table, name, parameter in aliased:
+            table[name] = parameter
         with torch.no_grad():
             for module, name, b, saved in buffers:
                 module._buffers[name] = b

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult
 from remat.plan.solvers import Solver
 from remat.plan.step import BudgetSplit
+
+if TYPE_CHECKING:
+    from remat.measure import ChainMeasurement
+
+#: Without a loss_fn, the loss is assumed to hold this many tensors of the output's size.
+LOSS_ALLOWANCE_OUTPUTS = 3
 
 #: At most this many more solves look for a faster plan that counts what is held only
 #: part of the step where it lives (see :meth:`Planning.solve`).
@@ -20,7 +26,7 @@ TIGHTENINGS = 4
 #: the smallest one above it whose plan did not.
 BISECTIONS = 4
 
-__all__ = ["Planning"]
+__all__ = ["LOSS_ALLOWANCE_OUTPUTS", "Planning", "prepared"]
 
 
 class Planning(NamedTuple):
@@ -143,3 +149,37 @@ class Planning(NamedTuple):
         if best is None:
             raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
         return best
+
+
+def prepared(
+    measurement: ChainMeasurement, *, loss_measured: bool, output_kept: bool, margin: float, solver: Solver
+) -> Planning:
+    """A measurement made ready for the solver.
+
+    Args:
+        measurement: the chain's measurement.
+        loss_measured: whether the step was measured with the real loss (the user's
+            ``loss_fn``, or the loss a Hugging Face output carries).
+        output_kept: whether the training loop keeps the model output through the backward.
+        margin: the fraction of the budget kept free.
+        solver: the solver to plan with.
+    """
+    profile = measurement.profile
+    allowance = 0
+    if not loss_measured:
+        # NOTE [loss allowance]
+        # Measured with the cheapest loss (a sum), the plan would not leave room for a
+        # real one: a cross entropy or a mean squared error holds about three tensors
+        # of the output's size at its peak. Without the user's loss_fn, the chain's
+        # output gradient is charged that much more (it is live from the loss to the
+        # end of the last stage's backward).
+        allowance = LOSS_ALLOWANCE_OUTPUTS * measurement.output_bytes
+        gradients = list(profile.gradient_bytes)
+        gradients[-1] += allowance
+        profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
+    # The loss was measured with the output dropped once the loss is computed; a loop
+    # that keeps it holds it from the loss on (planned as held through the whole step,
+    # predicted where it lives: remat.plan.lifetimes).
+    kept_output = measurement.output_bytes if output_kept else 0
+    outside = measurement.outside_split(kept_output, allowance)
+    return Planning(profile, margin, solver, outside)

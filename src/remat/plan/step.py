@@ -47,7 +47,7 @@ class BudgetSplit:
             (activations of the code before the chain, outputs that escape it, the model
             output a training loop keeps).
         loss_allowance_bytes: room kept, within the chain's share, for a loss that was
-            not measured (see NOTE [loss allowance] in ``remat.automatic``); 0 when the
+            not measured (see NOTE [loss allowance] in ``remat.plan.share``); 0 when the
             real loss was measured.
         margin_bytes: kept free for what per-stage measurement cannot attribute.
         after_chain_peak_bytes: the step's peak once the chain's backward is done (the

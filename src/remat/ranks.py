@@ -1,0 +1,223 @@
+"""One plan for all ranks: the automatic mode under ``torch.distributed``.
+
+Each rank measures its own step, and timings are noisy: planned alone, two ranks can pick
+different schedules. When the stages hold collectives (tensor parallelism, FSDP), a
+recompute on one rank and not on the other pairs a collective with the wrong one: a hang
+or wrong gradients. And a rank that sees a new input shape measures alone while the
+others train.
+
+NOTE [one plan for all ranks]
+While a default process group of more than one rank is initialised, every training call
+of the automatic mode starts with one small all-reduce, on every rank: whether a rank
+must measure (a new input signature), and the round of the plan it holds for its input.
+When no rank must measure and all hold plans of the same round, each runs its plan: the
+plans of one round were made from the same figures, so they are the same schedule.
+Otherwise the ranks plan a new round together: those that must measure do (the others
+keep their measurement), a failure on any rank is raised on every rank, and the figures
+the solver reads are combined (the largest bytes and the longest times of any rank; the
+structure of the chain must be the same everywhere, or every rank raises the same
+error). The budget in bytes is the smallest of the ranks'. The solver is deterministic:
+every rank gets the same schedule.
+
+The cost is one all-reduce of three integers per training call. Every rank must make the
+same number of training calls of the model (as data parallelism does); a model trained
+on some ranks only, or with different plans on purpose, is built with
+``agree_ranks=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from remat.errors import RematError
+
+__all__ = ["RankAgreement", "agreement_group_active"]
+
+# A field of a planning figure whose name holds one of these is combined across ranks
+# (the largest value); every other value is the chain's structure, which must agree.
+_COMBINED_INTEGERS = "bytes"
+_COMBINED_FLOATS = ("_s", "time_s")
+# (field, position): bytes inside pairs of indices and bytes
+_COMBINED_PAIRS = {"leftover_freed": 1}
+
+
+def agreement_group_active() -> bool:
+    """Whether a default process group of more than one rank is initialised."""
+    if not torch.distributed.is_available():  # pragma: no cover - torch built without it
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _device() -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _all_reduce_max(values: list[int]) -> list[int]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.int64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def _all_reduce_max_float(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    if not values:
+        return []
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
+
+
+# ------------------------------------------------------------ combining figures
+
+
+def _walk(value: Any, name: str, position: int = -1) -> Iterator[tuple[str, Any]]:
+    """The leaves of a planning figure, in order: ("int"/"float", value) to combine, else ("same", value)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            if field.name != "metadata":  # the rank's own facts (device, shapes)
+                yield from _walk(getattr(value, field.name), field.name)
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        for field_name in value._fields:
+            yield from _walk(getattr(value, field_name), field_name)
+    elif isinstance(value, tuple | list):
+        yield ("same", ("length", len(value)))
+        pair = name in _COMBINED_PAIRS
+        for index, item in enumerate(value):
+            yield from _walk(item, name, index if pair else -1)
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        yield ("same", value)
+    elif isinstance(value, int):
+        combined = _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position
+        yield ("int" if combined else "same", value)
+    elif isinstance(value, float):
+        yield ("float" if name.endswith(_COMBINED_FLOATS) else "same", value)
+    else:
+        raise TypeError(f"cannot combine a {type(value).__name__} ({name}) across ranks")
+
+
+def _rebuild(value: Any, name: str, take: Callable[[str, Any], Any], position: int = -1) -> Any:
+    """`value` with each leaf that :func:`_walk` yields replaced by ``take(kind, leaf)``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            field.name: _rebuild(getattr(value, field.name), field.name, take)
+            for field in dataclasses.fields(value)
+            if field.name != "metadata"
+        }
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_rebuild(getattr(value, f), f, take) for f in value._fields))
+    if isinstance(value, tuple | list):
+        pair = name in _COMBINED_PAIRS
+        items = [_rebuild(item, name, take, index if pair else -1) for index, item in enumerate(value)]
+        return type(value)(items)
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        combined = _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position
+        return take("int", value) if combined else value
+    return take("float", value) if name.endswith(_COMBINED_FLOATS) else value
+
+
+def _structure_hash(leaves: list[tuple[str, Any]]) -> int:
+    """A hash of what must agree across ranks (the same in every process: no str hashing)."""
+    digest = 1469598103934665603
+    for kind, value in leaves:
+        text = repr((kind, type(value).__name__)) if kind != "same" else repr(value)
+        for byte in text.encode():
+            digest = ((digest ^ byte) * 1099511628211) % 2**61
+    return digest
+
+
+# ------------------------------------------------------------ the agreement
+
+
+class RankAgreement:
+    """The rounds of plans of one automatic-mode model (NOTE [one plan for all ranks])."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[Any, int] = {}
+
+    def agreed(
+        self, key: Any, held: Any, must_measure: bool, measure: Callable[[], Any], replan: Callable[[], Any]
+    ) -> Any:
+        """The plan of this rank's input `key`, the same schedule as every other rank's.
+
+        Args:
+            key: this rank's input signature.
+            held: the plan this rank holds for `key` (None: none).
+            must_measure: whether this rank must measure `key` (a new input).
+            measure: measures `key`.
+            replan: plans `key` again, from the figures of all ranks (:meth:`combined`).
+        """
+        round_held = self._rounds.get(key, -1) if held is not None else -1
+        needs, highest, negated_lowest = _all_reduce_max([int(must_measure or held is None), round_held, -round_held])
+        if not needs and highest == -negated_lowest:
+            return held  # every rank holds a plan of the same round
+        self.measured_everywhere(measure if must_measure else None)
+        plan = replan()
+        self._rounds[key] = highest + 1
+        return plan
+
+    @staticmethod
+    def measured_everywhere(measure: Callable[[], Any] | None) -> None:
+        """Runs `measure` (None: nothing to measure here); a failure on any rank raises on all."""
+        error: BaseException | None = None
+        if measure is not None:
+            try:
+                measure()
+            except Exception as caught:  # noqa: BLE001 - raised below, on every rank
+                error = caught
+        (failed,) = _all_reduce_max([int(error is not None)])
+        if error is not None:
+            raise error
+        if failed:
+            raise RematError(
+                "another rank failed while remat measured the model for a plan of all ranks (its error "
+                "is raised there); this rank stops too, so that no rank waits for the others"
+            )
+
+    @staticmethod
+    def combined(planning: Any) -> Any:
+        """The figures of `planning` combined across ranks: the largest bytes and times of any rank."""
+        leaves = list(_walk(planning.profile, "profile")) + list(_walk(planning.outside, "outside"))
+        structure = _structure_hash(leaves)
+        highest, negated_lowest = _all_reduce_max([structure, -structure])
+        if highest != -negated_lowest:
+            raise RematError(
+                "the ranks measured chains of different structure (other stages, groups or "
+                "breaks), so no plan can serve them all; give every rank the same model, or pass "
+                "agree_ranks=False to plan on each rank alone (safe only when no stage holds a "
+                "collective)"
+            )
+        integers = iter(_all_reduce_max([v for kind, v in leaves if kind == "int"]))
+        floats = iter(_all_reduce_max_float([v for kind, v in leaves if kind == "float"]))
+
+        def take(kind: str, _value: Any) -> Any:
+            return next(integers) if kind == "int" else next(floats)
+
+        profile = _rebuild(planning.profile, "profile", take)
+        outside = _rebuild(planning.outside, "outside", take)
+        # the same float on every rank: the largest margin, rounded up to a millionth
+        (margin_millionths,) = _all_reduce_max([math.ceil(planning.margin * 1e6)])
+        return planning._replace(profile=profile, outside=outside, margin=margin_millionths / 1e6)
+
+    @staticmethod
+    def smallest(total_bytes: int) -> int:
+        """The smallest of the ranks' budgets in bytes."""
+        (negated,) = _all_reduce_max([-int(total_bytes)])
+        return -negated

@@ -1,0 +1,167 @@
+"""One rank of the tests of one plan for all ranks (tests/test_ranks.py), on gloo.
+
+Run as ``python _ranks_worker.py OUT_DIR`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT`` set. It runs every scenario and saves what it saw in
+``OUT_DIR/rank<r>.pt``: by scenario, for each training step, the plan's schedule and
+budget (to be compared across ranks), the gradients, and the error raised if any.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from launch_helpers import worker_main
+from remat.plan import plan_to_data
+
+WIDTH = 32
+
+
+class Slow(nn.Module):
+    """A block that takes `delay_s` longer on one rank: its timings differ between ranks."""
+
+    def __init__(self, slow_rank: int, delay_s: float) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
+        self.slow_rank, self.delay_s = slow_rank, delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.slow_rank:
+            time.sleep(self.delay_s)
+        return self.block(x)
+
+
+def make_net(depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    # each rank has one slow block of its own: planned alone, each would rather recompute the other's
+    return nn.Sequential(
+        *[Slow(slow_rank=index % 2 if index in (2, 5) else -1, delay_s=0.05) for index in range(depth)]
+    )
+
+
+def batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + size + 7 * dist.get_rank())
+    return torch.randn(size, WIDTH, generator=generator), torch.randn(size, WIDTH, generator=generator)
+
+
+def train(
+    model: nn.Module, control: Any, sizes: list[int], ddp: bool, reference: nn.Module | None
+) -> list[dict[str, Any]]:
+    """A step per batch size; for each, the plan, the gradients (and the reference's), or the error."""
+    wrapped = DistributedDataParallel(model) if ddp else model
+    plain = DistributedDataParallel(reference) if ddp and reference is not None else reference
+    steps: list[dict[str, Any]] = []
+    for step, size in enumerate(sizes):
+        x, y = batch(size, step)
+        record: dict[str, Any] = {"error": None}
+        try:
+            wrapped.zero_grad(set_to_none=True)
+            (wrapped(x) - y).pow(2).mean().backward()
+            plan = control.plan
+            record["items"] = plan_to_data(plan.schedule.items)
+            record["budget_bytes"] = plan.budget_bytes
+            record["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if plain is not None:
+                plain.zero_grad(set_to_none=True)
+                (plain(x) - y).pow(2).mean().backward()
+                record["expected"] = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        except Exception as error:  # noqa: BLE001 - reported to the test, which decides
+            record["error"] = f"{type(error).__name__}: {error}"
+            steps.append(record)
+            break
+        steps.append(record)
+    return steps
+
+
+def agreed(agree: bool) -> list[dict[str, Any]]:
+    model, reference = make_net(), make_net()
+    return train(model, remat.enable(model, 0.7, agree_ranks=agree), [16, 16], True, reference)
+
+
+def new_shape_on_one_rank() -> list[dict[str, Any]]:
+    model, reference = make_net(), make_net()
+    # rank 1 sees a new batch size at the second step, and its first one again at the third
+    sizes = [16, 12, 16] if dist.get_rank() == 1 else [16, 16, 16]
+    return train(model, remat.enable(model, 0.4), sizes, True, reference)
+
+
+def too_large_on_one_rank() -> list[dict[str, Any]]:
+    model = make_net()
+    probe = make_net()
+    control = remat.enable(probe, "min")
+    (probe(batch(16, 0)[0]).sum()).backward()
+    # the smallest budget of a batch of 16: a batch of 64, on rank 1, cannot be planned in it
+    budget = control.minimum_budget_bytes()
+    sizes = [64] if dist.get_rank() == 1 else [16]
+    return train(model, remat.enable(model, budget), sizes, True, None)
+
+
+def different_models() -> list[dict[str, Any]]:
+    model = make_net(depth=8 if dist.get_rank() == 0 else 6)
+    return train(model, remat.enable(model, 0.5), [16], False, None)
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the collectives dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "c10d" in str(func):
+            self.counts[str(func)] = self.counts.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp2_marked() -> list[dict[str, Any]]:
+    """Manual recompute of FSDP2-sharded blocks: gradients and backward collectives, with and without."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, y = batch(8, 0)
+    record: dict[str, Any] = {"error": None}
+    for marked in (False, True):
+        model = make_net(depth=4)
+        for block in model:
+            if marked:
+                remat.mark(block)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        loss = (model(x) - y).pow(2).mean()
+        with _Collectives() as collectives:
+            loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        record["grads" if marked else "expected"] = grads
+        record["collectives" if marked else "expected_collectives"] = collectives.counts
+    return [record]
+
+
+SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "agreed": lambda: agreed(True),
+    "alone": lambda: agreed(False),
+    "new-shape-on-one-rank": new_shape_on_one_rank,
+    "too-large-on-one-rank": too_large_on_one_rank,
+    "different-models": different_models,
+    "fsdp2-marked": fsdp2_marked,
+}
+
+
+def scenarios(rank: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    torch.set_num_threads(1)
+    for name, scenario in SCENARIOS.items():
+        yield name, scenario()
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(scenarios))

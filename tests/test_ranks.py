@@ -1,0 +1,132 @@
+"""One plan for all ranks (NOTE [one plan for all ranks] in remat.ranks): two gloo processes.
+
+Each rank's timings differ (a block sleeps on one rank), one rank sees a new input shape,
+one cannot be planned in the budget, the ranks run different models. Every rank must run
+the same schedule at every step, with the gradients of DDP without recompute, and an
+error on one rank must be raised on every rank: no hang (the launch has a timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from launch_helpers import free_port, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("_ranks_worker.py")
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every scenario on two ranks; each rank's results by scenario."""
+    return run_ranks(WORKER, tmp_path_factory.mktemp("ranks"), WORLD_SIZE, timeout_s=120)  # a hang fails
+
+
+def _schedules(results: list[dict[str, Any]], scenario: str) -> list[list[Any]]:
+    """Each rank's schedule at each step (every step must have trained)."""
+    schedules = []
+    for rank_results in results:
+        steps = rank_results[scenario]
+        for step in steps:
+            assert step["error"] is None, step["error"]
+        schedules.append([(step["items"], step["budget_bytes"]) for step in steps])
+    return schedules
+
+
+def _assert_plain_gradients(results: list[dict[str, Any]], scenario: str) -> None:
+    for rank_results in results:
+        for step in rank_results[scenario]:
+            assert step["grads"].keys() == step["expected"].keys()
+            for name, grad in step["grads"].items():
+                assert torch.equal(grad, step["expected"][name]), f"{scenario}: {name}"
+
+
+def _recomputed(items: list[dict[str, Any]]) -> set[int]:
+    """The stages a schedule runs inside a region (forward more than once)."""
+    depth, stages = 0, set()
+    for item in items:
+        if "region" in item:
+            depth += 1
+        elif "end" in item:
+            depth -= 1
+        elif depth:
+            stages.add(item["store"])
+    return stages
+
+
+# the worker's slow blocks: stage 2 on rank 0, stage 5 on rank 1
+SLOW = (2, 5)
+
+
+def test_ranks_whose_timings_differ_run_one_plan(results: list[dict[str, Any]]) -> None:
+    first, second = _schedules(results, "agreed")
+    assert first == second
+    for items, _ in first:
+        recomputed = _recomputed(items)
+        assert recomputed, "0.7 must recompute something"
+        assert not recomputed & set(SLOW), "planned with the longest time of any rank"
+    _assert_plain_gradients(results, "agreed")
+
+
+def test_planned_alone_the_same_ranks_pick_different_plans(results: list[dict[str, Any]]) -> None:
+    # what the agreement prevents: each rank avoids recomputing its own slow block only
+    # (with collectives in the stages, this would pair a collective with the wrong one)
+    schedules = _schedules(results, "alone")
+    recomputed = [_recomputed(steps[0][0]) for steps in schedules]
+    assert recomputed[0] != recomputed[1]
+    for rank, slow in enumerate(SLOW):
+        assert slow not in recomputed[rank]
+    _assert_plain_gradients(results, "alone")  # no collective in these stages: DDP is exact still
+
+
+def test_a_new_shape_on_one_rank_plans_again_on_all(results: list[dict[str, Any]]) -> None:
+    first, second = _schedules(results, "new-shape-on-one-rank")
+    assert first == second and len(first) == 3
+    _assert_plain_gradients(results, "new-shape-on-one-rank")
+
+
+def test_a_rank_that_cannot_be_planned_stops_every_rank(results: list[dict[str, Any]]) -> None:
+    (rank0,), (rank1,) = (r["too-large-on-one-rank"] for r in results)
+    assert rank1["error"].startswith("BudgetTooSmall: no recompute schedule fits a budget of")
+    assert rank0["error"].startswith("RematError: another rank failed while remat measured")
+
+
+def test_ranks_with_different_chains_refuse_together(results: list[dict[str, Any]]) -> None:
+    for rank_results in results:
+        (step,) = rank_results["different-models"]
+        assert step["error"].startswith("RematError: the ranks measured chains of different structure")
+
+
+def test_manual_recompute_of_fsdp2_blocks_is_exact_with_the_same_collectives(results: list[dict[str, Any]]) -> None:
+    # the blocks' parameters are gathered again for their backward (reshard_after_forward),
+    # before remat's recompute runs: recompute adds no gather
+    _assert_plain_gradients(results, "fsdp2-marked")
+    for rank_results in results:
+        (step,) = rank_results["fsdp2-marked"]
+        assert step["collectives"] == step["expected_collectives"]
+        assert sum(step["collectives"].values()) > 0, "the backward gathers and reduce-scatters"
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path) -> None:
+    # README's launch: torchrun, two processes on gloo; the script itself checks that the
+    # ranks run the same schedule and hold the same weights after every step
+    example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(example)]
+    command += ["--steps", "2", "--tokens", "32", "--budget", "0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2
+    assert all("same plan on every rank: True, same weights: True" in line for line in lines)
