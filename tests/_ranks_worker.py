@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -146,6 +148,40 @@ def fsdp2_marked() -> list[dict[str, Any]]:
     return [record]
 
 
+def tensor_parallel_comm() -> list[dict[str, Any]]:
+    """Tensor-parallel blocks (column- then row-parallel) recomputed with each ``comm`` option."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, y = batch(8, 0)
+    record: dict[str, Any] = {"error": None, "collectives": {}}
+    for comm in (None, "recompute", "save"):
+        torch.manual_seed(0)
+        # the row-parallel output goes on through the block: a recompute needs it again
+        model = nn.Sequential(
+            *[
+                nn.Sequential(nn.Linear(WIDTH, 64), nn.Tanh(), nn.Linear(64, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+                for _ in range(3)
+            ]
+        )
+        for block in model:
+            parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            if comm is not None:
+                remat.mark(block, comm=comm)
+        loss = (model(x) - y).pow(2).mean()
+        with _Collectives() as collectives:
+            loss.backward()
+        grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        record["collectives"][comm] = collectives.counts
+        if comm is None:
+            record["expected"] = grads
+        else:
+            record[f"grads-{comm}"] = grads
+    return [record]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "agreed": lambda: agreed(True),
     "alone": lambda: agreed(False),
@@ -153,6 +189,7 @@ SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "too-large-on-one-rank": too_large_on_one_rank,
     "different-models": different_models,
     "fsdp2-marked": fsdp2_marked,
+    "tensor-parallel-comm": tensor_parallel_comm,
 }
 
 

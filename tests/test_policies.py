@@ -668,3 +668,29 @@ def test_explain_gives_no_tensor_a_gradient() -> None:
     remat.explain(model, embedding(torch.randn(4, 8)), policy=policies.save_matmuls)
     remat.explain(lambda t: model(t), torch.randn(4, 16, requires_grad=True), policy=policies.save_matmuls)
     assert embedding.weight.grad is None and all(p.grad is None for p in model.parameters())
+
+
+def test_comm_takes_recompute_or_save_and_save_needs_the_hook_based_implementation() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(remat.RematError, match=r"comm must be one of \['recompute', 'save'\], got 'keep'"):
+        remat.recompute(torch.tanh, x, comm="keep")
+    with pytest.raises(remat.RematError, match="comm='save' needs the hook-based implementation"):
+        remat.recompute(torch.tanh, x, comm="save", use_reentrant=True)
+    # without collectives in the block, comm="save" changes nothing
+    expected = torch.autograd.grad(torch.tanh(x * 2).sum(), x)
+    found = torch.autograd.grad(remat.recompute(lambda t: torch.tanh(t * 2), x, comm="save").sum(), x)
+    assert torch.equal(found[0], expected[0])
+
+
+def test_save_collectives_keeps_the_functional_collectives_only() -> None:
+    policy = remat.policies.save_collectives
+    assert repr(policy) == "remat.policies.save_collectives"
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    from torch.distributed import _functional_collectives  # noqa: F401 - registers the operations
+
+    functional = torch.ops._c10d_functional
+    assert policy(functional.all_reduce.default) is remat.policies.Decision.MUST_SAVE
+    assert policy(functional.all_gather_into_tensor.default) is remat.policies.Decision.MUST_SAVE
+    assert policy(functional.wait_tensor.default) is remat.policies.Decision.PREFER_RECOMPUTE
+    assert policy(torch.ops.aten.mm.default) is remat.policies.Decision.PREFER_RECOMPUTE

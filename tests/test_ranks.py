@@ -116,6 +116,22 @@ def test_manual_recompute_of_fsdp2_blocks_is_exact_with_the_same_collectives(res
         assert sum(step["collectives"].values()) > 0, "the backward gathers and reduce-scatters"
 
 
+def test_comm_options_under_tensor_parallelism(results: list[dict[str, Any]]) -> None:
+    # each block's row-parallel all-reduce feeds a tanh whose output backward needs: the
+    # default recompute runs the all-reduce again, comm="save" keeps its output
+    all_reduce = "_c10d_functional.all_reduce.default"
+    for rank_results in results:
+        (step,) = rank_results["tensor-parallel-comm"]
+        plain = step["collectives"][None].get(all_reduce, 0)
+        assert step["collectives"]["recompute"].get(all_reduce, 0) == plain + 3
+        assert step["collectives"]["save"].get(all_reduce, 0) == plain
+        for comm in ("recompute", "save"):
+            grads = step[f"grads-{comm}"]
+            assert grads.keys() == step["expected"].keys()
+            for name, grad in grads.items():
+                assert torch.equal(grad, step["expected"][name]), f"comm={comm}: {name}"
+
+
 @pytest.mark.slow
 def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path) -> None:
     # README's launch: torchrun, two processes on gloo; the script itself checks that the
@@ -130,3 +146,40 @@ def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path)
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2
     assert all("same plan on every rank: True, same weights: True" in line for line in lines)
+
+
+def test_the_figures_combined_across_ranks_are_the_bytes_and_times_only() -> None:
+    # what RankAgreement.combined takes the largest of: every byte count and every time,
+    # and nothing of the chain's structure (names, flags, stage indices), which must agree
+    import dataclasses
+
+    from remat.plan.lifetimes import HeldInput
+    from remat.plan.step import BudgetSplit
+    from remat.ranks import _rebuild, _walk
+    from remat.testing import random_chain
+
+    profile = dataclasses.replace(random_chain(3, 6), region_breaks=(2,), pinned_stages=(4,))
+    outside = BudgetSplit(
+        None,
+        None,
+        held_outside_bytes=10,
+        cast_bytes=(1, 2, 3, 4, 5, 6),
+        leftover_freed=((3, 40),),
+        held_inputs=(HeldInput(1, 3, 50, True, False, True),),
+    )
+
+    def doubled(kind: str, value: Any) -> Any:
+        return 2 * value
+
+    combined_profile = _rebuild(profile, "profile", doubled)
+    assert combined_profile.names == profile.names and combined_profile.saves_input == profile.saves_input
+    assert combined_profile.region_breaks == (2,) and combined_profile.pinned_stages == (4,)
+    assert combined_profile.activation_bytes == tuple(2 * b for b in profile.activation_bytes)
+    assert combined_profile.forward_time_s == tuple(2 * t for t in profile.forward_time_s)
+    assert combined_profile.metadata == profile.metadata
+    combined_outside = _rebuild(outside, "outside", doubled)
+    assert combined_outside.held_outside_bytes == 20 and combined_outside.cast_bytes == (2, 4, 6, 8, 10, 12)
+    assert combined_outside.leftover_freed == ((3, 80),)  # (stage, bytes)
+    assert combined_outside.held_inputs == (HeldInput(1, 3, 100, True, False, True),)
+    leaves = list(_walk(outside, "outside"))
+    assert ("same", 3) in leaves and ("int", 40) in leaves  # a stage index, its bytes

@@ -28,6 +28,7 @@ on some ranks only, or with different plans on purpose, is built with
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,13 +135,9 @@ def _rebuild(value: Any, name: str, take: Callable[[str, Any], Any], position: i
 
 
 def _structure_hash(leaves: list[tuple[str, Any]]) -> int:
-    """A hash of what must agree across ranks (the same in every process: no str hashing)."""
-    digest = 1469598103934665603
-    for kind, value in leaves:
-        text = repr((kind, type(value).__name__)) if kind != "same" else repr(value)
-        for byte in text.encode():
-            digest = ((digest ^ byte) * 1099511628211) % 2**61
-    return digest
+    """A hash of what must agree across ranks (the same in every process, unlike ``hash(str)``)."""
+    text = "\x00".join(repr((kind, type(value).__name__)) if kind != "same" else repr(value) for kind, value in leaves)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 # ------------------------------------------------------------ the agreement

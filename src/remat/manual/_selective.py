@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
 from remat.manual._tensors import storage_key
-from remat.manual.policies import Decision, OpCall, Policy, _normalised
+from remat.manual.policies import COLLECTIVE_NAMESPACES, Decision, OpCall, Policy, _normalised
 from remat.memory import note_kept_for_backward
 
 __all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
@@ -303,6 +303,17 @@ def _kind(op: Any) -> str:
     return kind
 
 
+# NOTE [collectives in policy blocks]
+# The functional collectives (torch.distributed's c10d functional operations, which DTensor
+# redistributions and tensor-parallel layers issue) run inside autograd functions, whose
+# forward runs with grad disabled. They are numbered all the same, so that a policy can keep
+# their outputs (remat.policies.save_collectives): the recompute then does not communicate.
+# They run at the same place in the first forward and in the recompute.
+def is_collective(op: Any) -> bool:
+    """Whether `op` is a functional collective (or its wait) of ``torch.distributed``."""
+    return getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES
+
+
 def unnumbered(op: Any) -> bool:
     """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
     return _kind(op) == "unnumbered"
@@ -346,7 +357,9 @@ class _Mode(TorchDispatchMode):
             scope is None
             or scope.block is None
             or _kind(func) == "unnumbered"
-            or not torch.is_grad_enabled()  # saves nothing: code guarded by is_recomputing() runs here
+            # saves nothing: code guarded by is_recomputing() runs here; but a collective runs
+            # so inside the autograd function that wraps it (NOTE [collectives in policy blocks])
+            or (not torch.is_grad_enabled() and not is_collective(func))
             or func is _TO_COPY  # a cast autocast may take from its cache in one run and not the other
         ):
             out = self._run(func, args, kwargs, None, None)

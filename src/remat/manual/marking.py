@@ -27,6 +27,7 @@ _RECOMPUTE_OPTIONS = {
     "context_fn",
     "debug",
     "policy",
+    "comm",
 }
 
 Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]

@@ -48,6 +48,7 @@ __all__ = [
     "either",
     "recompute_ops",
     "save_all",
+    "save_collectives",
     "save_matmuls",
     "save_names",
     "save_nothing",
@@ -329,6 +330,33 @@ save_matmuls: Policy = _Ops(
 
 Megatron's selective recompute and JAX's ``dots_saveable``: the expensive operations are
 not run again, the cheap pointwise ones (activations, softmax, dropout, norms) are.
+"""
+
+
+@dataclass(frozen=True)
+class _SaveCollectives(Policy):
+    """Keeps the outputs of ``torch.distributed``'s functional collectives; recomputes the rest."""
+
+    def decide(self, call: OpCall) -> Decision:
+        op = call.op
+        if getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES and "wait_tensor" not in str(op):
+            return Decision.MUST_SAVE
+        return Decision.PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return "remat.policies.save_collectives"
+
+
+#: The namespaces of the functional collectives (``torch.distributed._functional_collectives``).
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
+
+save_collectives: Policy = _SaveCollectives()
+"""Keep the outputs of the collectives a block runs; recompute the rest: its recompute does
+not communicate. MindSpore's ``mp_comm_recompute=False``. The collectives are those of
+``torch.distributed``'s functional API, which DTensor redistributions and tensor-parallel
+layers issue (all-reduce, all-gather, reduce-scatter, all-to-all); in-place ``dist.*``
+calls (``dist.all_reduce(t)``) are replayed. ``recompute(..., comm="save")`` adds it to the
+block's policy.
 """
 
 

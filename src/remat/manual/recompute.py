@@ -45,9 +45,12 @@ from remat.manual._compiled import compiling, recompute_compiled
 from remat.manual._frames import recompute_with_hooks
 from remat.manual._reentrant import recompute_reentrant
 from remat.manual._tensors import DETERMINISM_CHECKS, RecomputeOptions
-from remat.manual.policies import PolicyLike, as_policy
+from remat.manual.policies import PolicyLike, as_policy, either, save_collectives
 
-__all__ = ["recompute", "recompute_sequential"]
+__all__ = ["COMM_OPTIONS", "recompute", "recompute_sequential"]
+
+#: The values of ``comm=``: what a recompute does with the block's collectives.
+COMM_OPTIONS = ("recompute", "save")
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
@@ -63,6 +66,7 @@ def recompute(
     context_fn: ContextFn | None = None,
     debug: bool = False,
     policy: PolicyLike = None,
+    comm: str = "recompute",
     **kwargs: Any,
 ) -> Any:
     """Runs ``function(*args, **kwargs)`` and recomputes its activations in backward.
@@ -103,6 +107,12 @@ def recompute(
             output is held until the block's backward and is not computed again. Needs
             ``use_reentrant=False``. Inside a block with a policy, a nested recomputed
             block decides for its own operations.
+        comm: the collectives the block runs (``torch.distributed``'s functional
+            collectives, which DTensor and tensor-parallel layers issue): ``"recompute"``
+            (default) runs them again when the recompute needs their outputs;
+            ``"save"`` keeps their outputs from the first forward (the memory of those
+            outputs), so the recompute does not communicate: ``policy`` combined with
+            :data:`remat.policies.save_collectives`. Needs ``use_reentrant=False``.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -137,6 +147,15 @@ def recompute(
     if not isinstance(debug, bool):
         raise RematError(f"debug must be True or False, got {debug!r}")
     chosen = as_policy(policy)
+    if comm not in COMM_OPTIONS:
+        raise RematError(f"comm must be one of {list(COMM_OPTIONS)}, got {comm!r}")
+    if comm == "save" and not chosen.saves_everything:
+        if use_reentrant:
+            raise RematError(
+                "comm='save' needs the hook-based implementation (the reentrant one keeps nothing of "
+                "the block); call recompute(..., use_reentrant=False, comm='save')"
+            )
+        chosen = either(chosen, save_collectives)
     options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug, chosen)
     if use_reentrant and not (chosen.recomputes_everything or chosen.saves_everything):
         raise RematError(
