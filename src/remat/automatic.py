@@ -431,16 +431,16 @@ class Checkpointable(ModelStandIn):
         key = signature(self.model, args, kwargs)
         if self._selective is not None:
             return self._selective.run(key, lambda: self._chain_for(key, args, kwargs), self.model, args, kwargs)
+        must_measure = key not in self._measurements or self._shapes.must_retime(key)
         if self._forced_plan is not None:
             plan = self._forced_plan
         elif self._ranks is not None and agreement_group_active():  # NOTE [one plan for all ranks]
-            must_measure = key not in self._measurements or self._shapes.must_retime(key)
             measure = functools.partial(self._measure, args, kwargs, training=True)
             held = self._plans.get((key, self._options(self.mem_limit)))
             replan = functools.partial(self._plan, key, self.mem_limit, self._ranks)
             self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan)
         else:
-            if key not in self._measurements or self._shapes.must_retime(key):
+            if must_measure:
                 self._measure(args, kwargs, training=True)
             self._last_key, plan = key, self._plan(key, self.mem_limit)
         executor = self._executor(key, plan, args, kwargs)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,52 +86,50 @@ def _all_reduce_max_float(values: list[float]) -> list[float]:
 # ------------------------------------------------------------ combining figures
 
 
-def _walk(value: Any, name: str, position: int = -1) -> Iterator[tuple[str, Any]]:
-    """The leaves of a planning figure, in order: ("int"/"float", value) to combine, else ("same", value)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            if field.name != "metadata":  # the rank's own facts (device, shapes)
-                yield from _walk(getattr(value, field.name), field.name)
-    elif isinstance(value, tuple) and hasattr(value, "_fields"):
-        for field_name in value._fields:
-            yield from _walk(getattr(value, field_name), field_name)
-    elif isinstance(value, tuple | list):
-        yield ("same", ("length", len(value)))
-        pair = name in _COMBINED_PAIRS
-        for index, item in enumerate(value):
-            yield from _walk(item, name, index if pair else -1)
-    elif isinstance(value, bool) or value is None or isinstance(value, str):
-        yield ("same", value)
-    elif isinstance(value, int):
-        combined = _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position
-        yield ("int" if combined else "same", value)
-    elif isinstance(value, float):
-        yield ("float" if name.endswith(_COMBINED_FLOATS) else "same", value)
-    else:
-        raise TypeError(f"cannot combine a {type(value).__name__} ({name}) across ranks")
+def _rebuild(
+    value: Any,
+    name: str,
+    take: Callable[[str, Any], Any],
+    seen: Callable[[str, Any], None] | None = None,
+    position: int = -1,
+) -> Any:
+    """`value` with each figure to combine replaced by ``take(kind, figure)`` (kind "int" or "float").
 
-
-def _rebuild(value: Any, name: str, take: Callable[[str, Any], Any], position: int = -1) -> Any:
-    """`value` with each leaf that :func:`_walk` yields replaced by ``take(kind, leaf)``."""
+    ``seen(kind, leaf)`` is told of every leaf in order, the structure's ("same") too, a
+    tuple's length among them.
+    """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
-            field.name: _rebuild(getattr(value, field.name), field.name, take)
+            field.name: _rebuild(getattr(value, field.name), field.name, take, seen)
             for field in dataclasses.fields(value)
-            if field.name != "metadata"
+            if field.name != "metadata"  # the rank's own facts (device, shapes)
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_rebuild(getattr(value, f), f, take) for f in value._fields))
+        return type(value)(*(_rebuild(getattr(value, f), f, take, seen) for f in value._fields))
     if isinstance(value, tuple | list):
+        if seen is not None:
+            seen("same", ("length", len(value)))
         pair = name in _COMBINED_PAIRS
-        items = [_rebuild(item, name, take, index if pair else -1) for index, item in enumerate(value)]
-        return type(value)(items)
+        return type(value)([_rebuild(item, name, take, seen, i if pair else -1) for i, item in enumerate(value)])
     if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        combined = _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position
-        return take("int", value) if combined else value
-    return take("float", value) if name.endswith(_COMBINED_FLOATS) else value
+        kind = "same"
+    elif isinstance(value, int):
+        kind = "int" if _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position else "same"
+    elif isinstance(value, float):
+        kind = "float" if name.endswith(_COMBINED_FLOATS) else "same"
+    else:
+        raise TypeError(f"cannot combine a {type(value).__name__} ({name}) across ranks")
+    if seen is not None:
+        seen(kind, value)
+    return value if kind == "same" else take(kind, value)
+
+
+def _walk(value: Any, name: str) -> list[tuple[str, Any]]:
+    """The leaves of a planning figure, in order: ("int"/"float", figure) to combine, else ("same", leaf)."""
+    leaves: list[tuple[str, Any]] = []
+    _rebuild(value, name, lambda _kind, figure: figure, lambda kind, leaf: leaves.append((kind, leaf)))
+    return leaves
 
 
 def _structure_hash(leaves: list[tuple[str, Any]]) -> int:
@@ -191,7 +189,7 @@ class RankAgreement:
     @staticmethod
     def combined(planning: Any) -> Any:
         """The figures of `planning` combined across ranks: the largest bytes and times of any rank."""
-        leaves = list(_walk(planning.profile, "profile")) + list(_walk(planning.outside, "outside"))
+        leaves = _walk(planning.profile, "profile") + _walk(planning.outside, "outside")
         structure = _structure_hash(leaves)
         highest, negated_lowest = _all_reduce_max([structure, -structure])
         if highest != -negated_lowest:

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
 from remat.manual._tensors import storage_key
-from remat.manual.policies import COLLECTIVE_NAMESPACES, Decision, OpCall, Policy, _normalised
+from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
 from remat.memory import note_kept_for_backward
 
 __all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
@@ -303,17 +303,6 @@ def _kind(op: Any) -> str:
     return kind
 
 
-# NOTE [collectives in policy blocks]
-# The functional collectives (torch.distributed's c10d functional operations, which DTensor
-# redistributions and tensor-parallel layers issue) run inside autograd functions, whose
-# forward runs with grad disabled. They are numbered all the same, so that a policy can keep
-# their outputs (remat.policies.save_collectives): the recompute then does not communicate.
-# They run at the same place in the first forward and in the recompute.
-def is_collective(op: Any) -> bool:
-    """Whether `op` is a functional collective (or its wait) of ``torch.distributed``."""
-    return getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES
-
-
 def unnumbered(op: Any) -> bool:
     """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
     return _kind(op) == "unnumbered"
@@ -337,6 +326,14 @@ def _set_rng_state(states: dict[str, Any]) -> None:
         else:
             device = torch.device(name)
             torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+# NOTE [collectives in policy blocks]
+# The functional collectives (torch.distributed's c10d functional operations, which DTensor
+# redistributions and tensor-parallel layers issue) run inside autograd functions, whose
+# forward runs with grad disabled. They are numbered all the same, so that a policy can keep
+# their outputs (remat.policies.save_collectives): the recompute then does not communicate.
+# They run at the same place in the first forward and in the recompute.
 
 
 class _Mode(TorchDispatchMode):

@@ -333,22 +333,27 @@ not run again, the cheap pointwise ones (activations, softmax, dropout, norms) a
 """
 
 
+#: The namespaces of the functional collectives (``torch.distributed._functional_collectives``).
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
+
+
+def is_collective(op: Any) -> bool:
+    """Whether `op` is a functional collective (or its wait) of ``torch.distributed``."""
+    return getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES
+
+
 @dataclass(frozen=True)
 class _SaveCollectives(Policy):
     """Keeps the outputs of ``torch.distributed``'s functional collectives; recomputes the rest."""
 
     def decide(self, call: OpCall) -> Decision:
-        op = call.op
-        if getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES and "wait_tensor" not in str(op):
+        if is_collective(call.op) and "wait_tensor" not in str(call.op):
             return Decision.MUST_SAVE
         return Decision.PREFER_RECOMPUTE
 
     def __repr__(self) -> str:
         return "remat.policies.save_collectives"
 
-
-#: The namespaces of the functional collectives (``torch.distributed._functional_collectives``).
-COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
 
 save_collectives: Policy = _SaveCollectives()
 """Keep the outputs of the collectives a block runs; recompute the rest: its recompute does
