@@ -63,6 +63,23 @@ def gpt2(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     return model, {"input_ids": tokens, "labels": tokens, "use_cache": False}
 
 
+def decoder(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    """A wide GPT-style decoder with a small vocabulary: its blocks hold most of the step's
+    memory, and each one computes long enough to hide a copy of what it saves."""
+    transformers: Any = importlib.import_module("transformers")
+
+    torch.manual_seed(0)
+    if small:
+        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+        batch, length = 2, 32
+    else:
+        config = transformers.GPT2Config(n_layer=8, n_embd=2048, n_head=16, vocab_size=8192, n_positions=1024)
+        batch, length = 4, 1024
+    model = transformers.GPT2LMHeadModel(config).to(device).train()
+    tokens = torch.randint(0, config.vocab_size, (batch, length), device=device)
+    return model, {"input_ids": tokens, "labels": tokens, "use_cache": False}
+
+
 def resnet(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     transformers: Any = importlib.import_module("transformers")
 
@@ -170,8 +187,33 @@ def selective_matmuls(model: nn.Module) -> nn.Module:
     return copied
 
 
-def memory_and_time(small: bool, device: torch.device, repeats: int) -> dict[str, Any]:
-    model, kwargs = gpt2(small, device)
+class _Compiled(nn.Module):
+    """A copy compiled with ``torch._functorch.config.activation_memory_budget``."""
+
+    def __init__(self, model: nn.Module, budget: float) -> None:
+        super().__init__()
+        self.model = copy.deepcopy(model)
+        self.budget = budget
+        self.program = torch.compile(self.model)
+
+    def forward(self, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return self.program(**kwargs)
+
+
+def compiled_with_budget(model: nn.Module, budget: float) -> nn.Module:
+    return _Compiled(model, budget)
+
+
+def memory_and_time(
+    factory: Callable[..., tuple[nn.Module, dict[str, Any]]],
+    small: bool,
+    device: torch.device,
+    repeats: int,
+    compile_budgets: bool,
+    written: Callable[[list[dict[str, Any]]], None],
+) -> dict[str, Any]:
+    model, kwargs = factory(small, device)
     hf: Any = copy.deepcopy(model)
     hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     strategies: dict[str, nn.Module] = {
@@ -182,15 +224,28 @@ def memory_and_time(small: bool, device: torch.device, repeats: int) -> dict[str
     strategies["remat policy save_matmuls"] = remat.Checkpointable(
         copy.deepcopy(model), policy=remat.policies.save_matmuls
     )
-    for fraction in (1.0, 0.5, 0.25, "min"):
-        wrapped = remat.Checkpointable(copy.deepcopy(model), fraction, loss_fn=lambda out: out.loss, output_kept=False)
+    offload = device.type == "cuda" or 8e9  # on the CPU (checking the script): a stand-in link
+    for fraction, offloading in ((1.0, False), (0.5, False), (0.5, offload), (0.25, False), (0.25, offload)):
+        wrapped = remat.Checkpointable(
+            copy.deepcopy(model), fraction, loss_fn=lambda out: out.loss, output_kept=False, offload=offloading
+        )
+        label = f"remat {fraction}" + (" + offload" if offloading else "")
         try:
             wrapped.measure(**kwargs)
             wrapped.compute_sequence()
         except remat.BudgetTooSmall as error:
-            print(f"remat {fraction}: {error}")
+            print(f"{label}: {error}")
             continue
-        strategies[f"remat {fraction}"] = wrapped
+        strategies[label] = wrapped
+    for offloading in (False, offload):
+        wrapped = remat.Checkpointable(
+            copy.deepcopy(model), "min", loss_fn=lambda out: out.loss, output_kept=False, offload=offloading
+        )
+        wrapped.measure(**kwargs)
+        strategies["remat min" + (" + offload" if offloading else "")] = wrapped
+    if compile_budgets:
+        for budget in (0.5, 0.25):
+            strategies[f"torch.compile budget {budget}"] = compiled_with_budget(model, budget)
     rows = []
     for name, module in strategies.items():
         step = functools.partial(train_step, module, kwargs)
@@ -211,19 +266,22 @@ def memory_and_time(small: bool, device: torch.device, repeats: int) -> dict[str
             plan = module.plan
             if plan is None:  # a policy: nothing planned
                 rows.append(row)
+                row["vs_no_recompute"] = row["median_step_s"] / rows[0]["median_step_s"]
+                written(rows)
                 module.zero_grad(set_to_none=True)
                 continue
             row["budget_bytes"] = plan.budget_bytes
             row["predicted_peak_bytes"] = plan.predicted_peak_bytes
+            row["offloaded_stages"] = sum(type(item).__name__ == "Offload" for item in plan.schedule.items)
+            row["predicted_host_bytes"] = plan.schedule.simulation.host_peak_bytes
             row["recomputed_stages"] = sum(count > 1 for count in plan.forward_counts)
             row["stages"] = len(plan.forward_counts)
             if peak:
                 row["allocator_vs_predicted"] = peak / plan.predicted_peak_bytes
         rows.append(row)
+        row["vs_no_recompute"] = row["median_step_s"] / rows[0]["median_step_s"]
+        written(rows)  # as it goes: a run cut short keeps what it measured
         module.zero_grad(set_to_none=True)
-    plain_s = rows[0]["median_step_s"]
-    for row in rows:
-        row["vs_no_recompute"] = row["median_step_s"] / plain_s
     return {"rows": rows}
 
 
@@ -247,6 +305,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile's memory budget")
+    parser.add_argument(
+        "--sections", default="exactness,free,gpt2,decoder", help="comma-separated: exactness,free,gpt2,decoder"
+    )
     options = parser.parse_args()
     device = torch.device(options.device)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -254,33 +316,50 @@ def main() -> None:
     torch.backends.cudnn.benchmark = False
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result: dict[str, Any] = {"device": name, "torch": torch.__version__}
-    result["exactness"] = [
-        exactness("gpt2", gpt2, options.small, device, "min"),
-        exactness("resnet", resnet, options.small, device, "min"),
-    ]
-    print(json.dumps(result["exactness"], indent=1), flush=True)
-    result["free_memory_budget"] = free_memory_budget(options.small, device)
-    print(json.dumps(result["free_memory_budget"]), flush=True)
-    result["gpt2"] = memory_and_time(options.small, device, options.repeats)
+    sections = options.sections.split(",")
     options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "gpu.json").write_text(json.dumps(result, indent=2))
+    if "exactness" in sections:
+        result["exactness"] = [
+            exactness("gpt2", gpt2, options.small, device, "min"),
+            exactness("resnet", resnet, options.small, device, "min"),
+        ]
+        print(json.dumps(result["exactness"], indent=1), flush=True)
+    if "free" in sections:
+        result["free_memory_budget"] = free_memory_budget(options.small, device)
+        print(json.dumps(result["free_memory_budget"]), flush=True)
+    titles = {"gpt2": "HF GPT-2 training step", "decoder": "wide GPT-style decoder (8 x 2048, 4 x 1024 tokens)"}
+    for section, factory in (("gpt2", gpt2), ("decoder", decoder)):
+        if section not in sections:
+            continue
+
+        def written(rows: list[dict[str, Any]], section: str = section) -> None:
+            result[section] = {"rows": rows}
+            stem = "gpu" if section == "gpt2" else f"gpu_{section}"
+            (options.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+            (options.out / f"{stem}.md").write_text(
+                table(f"remat on {name} (torch {torch.__version__}), {titles[section]}", rows)
+            )
+
+        memory_and_time(factory, options.small, device, options.repeats, not options.no_compile, written)
+        print((options.out / ("gpu.md" if section == "gpt2" else f"gpu_{section}.md")).read_text(), flush=True)
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"remat on {name} (torch {torch.__version__}), HF GPT-2 training step",
+        title,
         "",
-        "| strategy | allocator peak | tracker peak | predicted | budget | median step | vs no recompute |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| strategy | allocator peak | tracker peak | predicted | budget | offloaded | median step | vs no recompute |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in result["gpt2"]["rows"]:
+    for row in rows:
         predicted = format_bytes(row["predicted_peak_bytes"]) if "predicted_peak_bytes" in row else ""
         budget = format_bytes(row["budget_bytes"]) if "budget_bytes" in row else ""
         lines.append(
             f"| {row['strategy']} | {format_bytes(row['allocator_peak_bytes'])} | "
             f"{format_bytes(row['tracker_peak_bytes'])} | {predicted} | {budget} | "
-            f"{row['median_step_s'] * 1e3:.1f} ms | x{row['vs_no_recompute']:.2f} |"
+            f"{row.get('offloaded_stages', '')} | {row['median_step_s'] * 1e3:.1f} ms | x{row['vs_no_recompute']:.2f} |"
         )
-    text = "\n".join(lines) + "\n"
-    (options.out / "gpu.md").write_text(text)
-    print(text)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_operations_of_nested_plans() -> None:
         ((Region(0, 1, (Region(0, 1, (Store(0),)),)),), 1, "strictly shorter"),
         ((Region(0, 2, (Region(0, 2, (Store(0), Store(1))),)),), 2, "strictly shorter"),
         ((Region(0, 2, (Store(0), Store(2))),), 2, "Store(2) but stage 1 comes next"),
-        (("store 0",), 1, "not a Store or a Region"),
+        (("store 0",), 1, "not a Store, an Offload or a Region"),
     ],
 )
 def test_invalid_plans(plan: tuple, n_stages: int, fragment: str) -> None:  # type: ignore[type-arg]

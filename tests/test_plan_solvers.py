@@ -47,7 +47,7 @@ def minimum_of(solver_name: str, profile: ChainProfile) -> int:
 
 
 def test_registry_names() -> None:
-    assert SOLVERS == ("auto", "inputs", "none", "optimal", "periodic")
+    assert SOLVERS == ("auto", "inputs", "none", "offload", "optimal", "periodic")
     assert all(name == name.lower() for name in SOLVERS)
 
 

@@ -19,6 +19,7 @@ from remat.manual._selective import tag
 from remat.manual._state import is_recomputing
 from remat.manual.explain import ExplainedOp, Explanation, explain
 from remat.manual.marking import apply, is_marked, mark, unmark
+from remat.manual.offload import HostMemory, host_memory, offload
 from remat.manual.recompute import recompute, recompute_sequential
 from remat.manual.residuals import SavedTensor, format_saved_residuals, saved_residuals
 from remat.memory import MemoryTracker, track_memory
@@ -32,6 +33,7 @@ __all__ = [
     "Checkpointable",
     "ExplainedOp",
     "Explanation",
+    "HostMemory",
     "InvalidBudget",
     "MemoryTracker",
     "NondeterministicRecompute",
@@ -48,10 +50,12 @@ __all__ = [
     "explain",
     "format_bytes",
     "format_saved_residuals",
+    "host_memory",
     "is_enabled",
     "is_marked",
     "is_recomputing",
     "mark",
+    "offload",
     "parse_budget",
     "policies",
     "recompute",

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from remat.budget import MINIMUM, Budget, parse_budget
+from remat.budget import MINIMUM, Budget, parse_budget, warn_default_cpu_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
@@ -31,9 +31,9 @@ from remat.measure.fake import FakeRunFailed, on_fake_tensors
 from remat.measure.scale import ShapeTimings
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
-from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, prepared
+from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, offload_option, prepared
 from remat.plan.simulate import simulate
-from remat.plan.solvers import Solver, default_slots, get_solver
+from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
 from remat.ranks import RankAgreement, agreement_group_active
 from remat.units import format_bytes
@@ -153,6 +153,9 @@ class Checkpointable(ModelStandIn):
             stored). Nothing is measured or planned; a ``mem_limit`` with it is not implemented.
         agree_ranks: under ``torch.distributed``, all ranks run one plan, from the figures of
             all ranks (NOTE [one plan for all ranks] in :mod:`remat.ranks`); False: each its own.
+        offload: plan offload to host memory beside store and recompute (NOTE [planning offload]):
+            True measures the CUDA device's link to pinned host memory; a number of bytes per
+            second plans as if the link were that fast (a stand-in). Pays only on an accelerator.
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -179,6 +182,7 @@ class Checkpointable(ModelStandIn):
         policy: Any = None,
         nested: bool = False,
         agree_ranks: bool = True,
+        offload: bool | float = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -189,6 +193,7 @@ class Checkpointable(ModelStandIn):
             parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
         self.mem_limit = mem_limit
         self.solver_name = solver
+        self.offload = offload_option(offload)
         self.slots = slots
         self.preserve_rng_state = preserve_rng_state
         self._loss_fn = loss_fn
@@ -485,8 +490,10 @@ class Checkpointable(ModelStandIn):
 
     def _solver(self, n_stages: int = 1) -> Solver:
         if self.solver_name in ("optimal", "auto"):
-            return get_solver(self.solver_name, slots=self.slots or default_slots(n_stages))
-        return get_solver(self.solver_name)
+            solver = get_solver(self.solver_name, slots=self.slots or default_slots(n_stages))
+        else:
+            solver = get_solver(self.solver_name)
+        return solver if self.offload is False else OffloadingSolver(solver)
 
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
@@ -532,6 +539,7 @@ class Checkpointable(ModelStandIn):
             output_kept=self.output_kept,
             margin=self._margin(key, measurement),
             solver=self._solver(measurement.profile.n_stages),
+            offload=self.offload,
         )
 
     def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
@@ -551,16 +559,8 @@ class Checkpointable(ModelStandIn):
         reference = planning.total_holding(store_all)
         total = parse_budget(mem_limit, reference_bytes=reference, device=device)
         if mem_limit is None and str(device) == "cpu" and not self._default_budget_warned:
-            # An honest default: on the CPU, None is the host's available memory.
             self._default_budget_warned = True
-            warnings.warn(
-                f"remat: no budget given (mem_limit=None): on the CPU that is the available host memory, "
-                f"{format_bytes(total)}, against {format_bytes(reference)} for this step without recompute"
-                f"{': nothing is recomputed' if total >= reference else ''}. Pass mem_limit (bytes, '4GiB', "
-                "or a fraction such as 0.5) to train in less",
-                UserWarning,
-                stacklevel=5,
-            )
+            warn_default_cpu_budget(total, reference)
         return total
 
     def _check_feasible(self, key: Hashable, planning: Planning, total: int) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import torch
 
 from remat.errors import InvalidBudget
+from remat.units import format_bytes
 
 __all__ = [
     "BUDGET_FORMS",
@@ -75,6 +77,18 @@ def available_memory_bytes(device: str | torch.device = "cpu") -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def warn_default_cpu_budget(total_bytes: int, reference_bytes: int) -> None:
+    """Warns that no budget means the host's available memory on the CPU (an honest default)."""
+    warnings.warn(
+        f"remat: no budget given (mem_limit=None): on the CPU that is the available host memory, "
+        f"{format_bytes(total_bytes)}, against {format_bytes(reference_bytes)} for this step without recompute"
+        f"{': nothing is recomputed' if total_bytes >= reference_bytes else ''}. Pass mem_limit (bytes, '4GiB', "
+        "or a fraction such as 0.5) to train in less",
+        UserWarning,
+        stacklevel=6,
+    )
 
 
 def parse_budget(

@@ -7,6 +7,10 @@ region, which run inside one, and the body each region replays) and then interce
 calls of the chain's stage modules in the model's unmodified forward:
 
 * ``forward_store``: the stage runs as usual;
+* ``forward_offload`` (top level only): the stage runs as usual, and what it and its glue
+  save is moved to host memory while the next stage runs forward, then brought back while
+  the next stage runs backward (:class:`~remat.manual.offload.StageOffloads`, NOTE [offloaded stages] in
+  :mod:`remat.plan.simulate`);
 * ``forward_checkpoint``: the stage opens a recording (a recompute frame) that keeps its
   inputs; it and the ``forward_discard`` stages after it run with everything they save
   replaced by handles; the region's last stage closes the recording;
@@ -52,6 +56,7 @@ from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._state import hold_hooks, is_recomputing
 from remat.manual._tensors import graph_retained
+from remat.manual.offload import StageOffloads
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
@@ -59,6 +64,8 @@ from remat.plan.operations import Operation, OperationKind, PlanTree, operations
 __all__ = ["ChainExecutor", "PolicyRunner", "RegionSpan", "SelectiveRuns", "expand_operations", "stage_policies"]
 
 _STORE = OperationKind.FORWARD_STORE
+_OFFLOAD = OperationKind.FORWARD_OFFLOAD
+_STORES = (_STORE, _OFFLOAD)
 _CHECKPOINT = OperationKind.FORWARD_CHECKPOINT
 _DISCARD = OperationKind.FORWARD_DISCARD
 
@@ -97,7 +104,7 @@ def expand_operations(ops: Sequence[Operation], groups: Sequence[tuple[int, int]
 class _Step:
     """One step of a level's first forward: a stored stage, or a region of stages."""
 
-    kind: OperationKind  # FORWARD_STORE or FORWARD_CHECKPOINT
+    kind: OperationKind  # FORWARD_STORE, FORWARD_OFFLOAD or FORWARD_CHECKPOINT
     start: int
     stop: int
     body: _Level | None = None  # what a region replays
@@ -128,7 +135,9 @@ def _read_level(
         position += 1
     bodies: dict[int, _Level] = {}
     for kind, step_start, step_stop in reversed(steps):
-        if kind is _STORE:
+        if kind in _STORES:
+            if kind is _OFFLOAD and not top_level:
+                raise RematError(f"{where}: stage {step_start} is offloaded inside a region (top level only)")
             expected = Operation(OperationKind.BACKWARD, step_start)
             if position >= len(ops) or ops[position] != expected:
                 found = ops[position] if position < len(ops) else "the end"
@@ -177,6 +186,7 @@ class _Run:
         self.glues: dict[int, Glue] = {}
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
+        self.offloads = StageOffloads()
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -187,12 +197,16 @@ class _Run:
                 "in order, in every forward (use remat.mark for models whose forward varies)"
             )
         self.next_stage += 1
+        self.offloads.before(index, (args, kwargs))
         self._end_glue(args, kwargs)
         kind, step = executor.first_forward[index]
-        if kind is _STORE:
+        if kind is _OFFLOAD and index < len(executor.chain) - 1:
+            self.offloads.open(index, module, (args, kwargs))
+        if kind in _STORES:
             out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
+        self.offloads.after(index, out)
         if index == len(executor.chain) - 1 and torch.is_grad_enabled():
             hooks = []
             if executor.recomputes():
@@ -272,6 +286,7 @@ class _Run:
 
     def abort(self) -> None:
         """Leaves an open glue recording (the forward failed, or ended early)."""
+        self.offloads.abort()
         if self._open is not None:
             discarding, recorder, _ = self._open
             self._open = None
@@ -284,7 +299,7 @@ class _Run:
     def run_level(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replays a level from its first stage's inputs; returns the inputs of the stage after it."""
         for step in level.steps:
-            if step.kind is _STORE:
+            if step.kind in _STORES:
                 # the stage takes its inputs from the holder: what its glue does not use is
                 # freed before the glue runs, as in the first forward (NOTE [glue between stages])
                 holder = [(args, kwargs)]
@@ -401,7 +416,7 @@ class ChainExecutor:
 
     def recomputes(self) -> bool:
         """Whether any stage call is recomputed (not stored by its first forward)."""
-        return any(kind is not _STORE for kind, _ in self.first_forward)
+        return any(kind not in _STORES for kind, _ in self.first_forward)
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs ``model(*args, **kwargs)`` with the schedule applied to its chain."""

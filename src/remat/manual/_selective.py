@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
 from remat.manual._tensors import storage_key
+from remat.manual.offload import _HostCopy, from_host, to_host
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
 from remat.memory import note_kept_for_backward
 
@@ -65,19 +66,29 @@ class _Kept:
     others are gone, and nothing can change them any more.
     """
 
-    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions")
+    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions", "offloaded")
 
-    def __init__(self, op: Any, out: Any, rng_after: dict[str, Any] | None) -> None:
+    def __init__(self, op: Any, out: Any, rng_after: dict[str, Any] | None, offload: bool = False) -> None:
         self.op = op
-        self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
         self.rng_after = rng_after
+        self.offloaded = offload
+        if offload:  # a copy of what the operation returned: later changes of the output do not reach it
+            self.value = tree_map(lambda t: to_host(t) if isinstance(t, torch.Tensor) else t, out)
+            self.originals: list[weakref.ref[torch.Tensor]] = []
+            self.watchers: list[torch.Tensor] = []
+            self.versions: tuple[int, ...] | None = ()
+            return
+        self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
         # every tensor of the first forward sharing its storage (the outputs, their views)
         self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         # once sealed: aliases sharing the version counters of those still alive, and their versions
-        self.watchers: list[torch.Tensor] = []
-        self.versions: tuple[int, ...] | None = None
+        self.watchers = []
+        self.versions = None
 
     def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds on the device (none when offloaded)."""
+        if self.offloaded:
+            return []
         return [t for t in tree_leaves(self.value) if isinstance(t, torch.Tensor)]
 
     def seal(self) -> None:
@@ -93,6 +104,8 @@ class _Kept:
         return self.versions is None or tuple(t._version for t in self.watchers) == self.versions
 
     def served(self) -> Any:
+        if self.offloaded:
+            return tree_map(lambda t: from_host(t) if isinstance(t, _HostCopy) else t, self.value)
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.value)
 
 
@@ -406,7 +419,8 @@ class _Mode(TorchDispatchMode):
         if decision.saves:
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
                 with internal():
-                    cache.keep(scope.block, index, _Kept(func, out, _rng_state(out) if random else None))
+                    kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads)
+                    cache.keep(scope.block, index, kept)
                 if _LOCAL.explain is not None:
                     _LOCAL.explain.on_kept(cache, (scope.block, index))
         elif scope.made is not None:
@@ -507,7 +521,8 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
             if any(o is None for o in outputs) or tuple(o._version for o in outputs) != versions:
                 break  # another output is gone, or one was changed in place: the operation is recomputed
             with internal():
-                scope.cache.keep(scope.block, index, _Kept(op, outputs[0] if bare else tuple(outputs), rng))
+                value = outputs[0] if bare else tuple(outputs)
+                scope.cache.keep(scope.block, index, _Kept(op, value, rng, decision.offloads))
             if _LOCAL.explain is not None:
                 _LOCAL.explain.on_kept(scope.cache, (scope.block, index))
         break

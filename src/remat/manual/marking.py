@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from remat.errors import NotCallableBlock, RematError
+from remat.manual.offload import offload
 from remat.manual.recompute import recompute
 
 __all__ = ["apply", "is_marked", "mark", "unmark"]
@@ -43,6 +44,8 @@ class _RecomputedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+        if self.options.get("offload"):
+            return offload(forward, *args, **kwargs)
         return recompute(forward, *args, **self.options, **kwargs)
 
     def __reduce__(self) -> Any:
@@ -52,8 +55,10 @@ class _RecomputedForward:
         return f"<recomputed forward of {type(self.module).__name__} {self.options}>"
 
 
-def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_options: Any) -> nn.Module:
-    """Marks `module` so that every call of it is recomputed in backward.
+def mark(
+    module: nn.Module, *, output_recompute: bool = False, offload: bool = False, **recompute_options: Any
+) -> nn.Module:
+    """Marks `module` so that every call of it is recomputed in backward (or offloaded).
 
     Args:
         module: a block (``nn.Sequential``, a transformer layer, ...) or a single-operation
@@ -64,6 +69,8 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
             :func:`remat.recompute`. With a policy, only the operations it does not keep
             are recomputed (``policy=remat.policies.recompute_ops("gelu")`` on a block
             recomputes its activations and keeps the rest).
+        offload: instead of recomputing, keep what the module saves for backward in host
+            memory until the backward needs it (:func:`remat.offload`); takes no other option.
 
     Returns:
         The same module, marked (marking again replaces the options).
@@ -80,7 +87,15 @@ def mark(module: nn.Module, *, output_recompute: bool = False, **recompute_optio
     unknown = set(recompute_options) - _RECOMPUTE_OPTIONS
     if unknown:
         raise RematError(f"unknown option(s) {sorted(unknown)} for mark(); accepted: {sorted(_RECOMPUTE_OPTIONS)}")
-    options = dict(recompute_options, output_recompute=output_recompute)
+    if offload:
+        if recompute_options or output_recompute:
+            raise RematError(
+                f"mark(offload=True) recomputes nothing, so it takes no recompute option; got "
+                f"{sorted(recompute_options) + (['output_recompute'] if output_recompute else [])}"
+            )
+        options: dict[str, Any] = {"offload": True}
+    else:
+        options = dict(recompute_options, output_recompute=output_recompute)
     current = module.__dict__.get("forward")
     original = current.original if isinstance(current, _RecomputedForward) else current
     module.__dict__["forward"] = _RecomputedForward(module, options, original)

@@ -46,6 +46,8 @@ __all__ = [
     "as_policy",
     "both",
     "either",
+    "offload_names",
+    "offload_ops",
     "recompute_ops",
     "save_all",
     "save_collectives",
@@ -63,16 +65,23 @@ class Decision(enum.Enum):
     PREFER_SAVE = "prefer_save"
     MUST_RECOMPUTE = "must_recompute"
     PREFER_RECOMPUTE = "prefer_recompute"
+    MUST_OFFLOAD = "must_offload"
+    """Keep the output in host memory until the recompute needs it (no torch equivalent)."""
 
     @property
     def saves(self) -> bool:
-        """Whether the operation's output is kept."""
-        return self in (Decision.MUST_SAVE, Decision.PREFER_SAVE)
+        """Whether the operation's output is kept (on the device, or in host memory)."""
+        return self in (Decision.MUST_SAVE, Decision.PREFER_SAVE, Decision.MUST_OFFLOAD)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the kept output waits in host memory."""
+        return self is Decision.MUST_OFFLOAD
 
     @property
     def must(self) -> bool:
         """Whether the decision is a ``MUST_*`` one."""
-        return self in (Decision.MUST_SAVE, Decision.MUST_RECOMPUTE)
+        return self in (Decision.MUST_SAVE, Decision.MUST_RECOMPUTE, Decision.MUST_OFFLOAD)
 
     @staticmethod
     def of(value: Any, source: object = None) -> Decision:
@@ -207,24 +216,38 @@ class _Ops(Policy):
 @dataclass(frozen=True)
 class _Names(Policy):
     saved: frozenset[str]
+    chosen: Decision = Decision.MUST_SAVE
+    label: str = "save_names"
 
     def decide(self, call: OpCall) -> Decision:
         return Decision.PREFER_RECOMPUTE
 
     def decide_name(self, name: str) -> Decision | None:
-        return Decision.MUST_SAVE if name in self.saved else None
+        return self.chosen if name in self.saved else None
 
     @property
     def names(self) -> frozenset[str]:
         return self.saved
 
     def __repr__(self) -> str:
-        return f"remat.policies.save_names({', '.join(map(repr, sorted(self.saved)))})"
+        return f"remat.policies.{self.label}({', '.join(map(repr, sorted(self.saved)))})"
 
 
 # Which decision wins when policies are combined (first wins).
-_EITHER_ORDER = (Decision.MUST_SAVE, Decision.MUST_RECOMPUTE, Decision.PREFER_SAVE, Decision.PREFER_RECOMPUTE)
-_BOTH_ORDER = (Decision.MUST_RECOMPUTE, Decision.MUST_SAVE, Decision.PREFER_RECOMPUTE, Decision.PREFER_SAVE)
+_EITHER_ORDER = (
+    Decision.MUST_SAVE,
+    Decision.MUST_OFFLOAD,
+    Decision.MUST_RECOMPUTE,
+    Decision.PREFER_SAVE,
+    Decision.PREFER_RECOMPUTE,
+)
+_BOTH_ORDER = (
+    Decision.MUST_RECOMPUTE,
+    Decision.MUST_OFFLOAD,
+    Decision.MUST_SAVE,
+    Decision.PREFER_RECOMPUTE,
+    Decision.PREFER_SAVE,
+)
 
 
 @dataclass(frozen=True)
@@ -448,6 +471,30 @@ def save_names(*names: str) -> Policy:
     if not names or not all(isinstance(n, str) and n for n in names):
         raise RematError(f"save_names() takes one or more non-empty strings, got {names!r}")
     return _Names(frozenset(names))
+
+
+def offload_ops(*ops: Any) -> Policy:
+    """Keep the outputs of the given operations in host memory (``MUST_OFFLOAD``); recompute the rest.
+
+    Each listed output is copied to host memory when the operation returns (on the
+    device's stream, after the operation) and copied back when the recompute reaches it,
+    in place of running the operation again: a matrix product's output, say, costs the
+    device nothing between the forward and the backward. Nothing is prefetched: the copy
+    back runs when the recompute needs it (the planner's offload overlaps its copies,
+    ``remat.enable(model, budget, offload=True)``). It pays only on an accelerator.
+    """
+    listed = _op_set(ops, "offload_ops")
+    return _Ops(listed, Decision.MUST_OFFLOAD, Decision.PREFER_RECOMPUTE, "offload_ops", listed.names)
+
+
+def offload_names(*names: str) -> Policy:
+    """Keep the tensors named with :func:`remat.tag` by one of `names` in host memory; recompute the rest.
+
+    JAX's ``save_and_offload_only_these_names`` for the offloaded names (see :func:`offload_ops`).
+    """
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise RematError(f"offload_names() takes one or more non-empty strings, got {names!r}")
+    return _Names(frozenset(names), Decision.MUST_OFFLOAD, "offload_names")
 
 
 def either(*policies: PolicyLike) -> Policy:

@@ -8,6 +8,7 @@ Nothing here needs the model or its device.
 
 from remat.plan.operations import (
     InvalidPlan,
+    Offload,
     Operation,
     OperationKind,
     PlanItem,
@@ -25,6 +26,7 @@ from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult, TimelineEntry, simulate
 from remat.plan.solvers import (
     AutoSolver,
+    OffloadingSolver,
     OptimalSolver,
     PeriodicSolver,
     Solver,
@@ -45,6 +47,8 @@ __all__ = [
     "ChainProfile",
     "InvalidPlan",
     "InvalidProfile",
+    "Offload",
+    "OffloadingSolver",
     "Operation",
     "OperationKind",
     "OptimalSolver",

@@ -140,6 +140,8 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
     peak = 0
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
+        if kind is OperationKind.FORWARD_OFFLOAD:  # what lives outside the chain: as if stored
+            kind = OperationKind.FORWARD_STORE
         if kind is OperationKind.LOSS:
             # until the loss is computed every cast is alive; then the autocast region
             # ends and takes those of the stages that did not store with it

@@ -1,7 +1,8 @@
 """The plan tree, and the flat list of operations it stands for.
 
 A plan tree is a tuple of items covering the stages ``0 .. n-1`` in order. An item is
-either :class:`Store` (run the stage keeping what its backward needs) or :class:`Region`
+:class:`Store` (run the stage keeping what its backward needs), :class:`Offload` (the same,
+with what it keeps moved to host memory until its backward nears), or :class:`Region`
 (run a range of stages once keeping only its input; when the backward reaches the range,
 run its ``body``, a plan tree of the same range, forward then backward).
 
@@ -21,6 +22,7 @@ from remat.errors import RematError
 
 __all__ = [
     "InvalidPlan",
+    "Offload",
     "Operation",
     "OperationKind",
     "PlanItem",
@@ -49,6 +51,23 @@ class Store:
     stage: int
 
 
+@dataclass(frozen=True)
+class Offload:
+    """Run stage ``stage`` once keeping what its backward needs, in host memory meanwhile.
+
+    What the stage saves for its backward (its input and output apart, which stay where
+    they are) is copied to host memory while the next stage runs forward, and brought back
+    while the next stage runs backward (NOTE [offloaded stages] in :mod:`remat.plan.simulate`).
+    An offloaded stage is never the last item of its level: the next stage's forward and
+    backward are what the copies overlap.
+
+    Attributes:
+        stage: the stage index.
+    """
+
+    stage: int
+
+
 @dataclass(frozen=True, eq=False)
 class Region:
     """Run stages ``[start, stop)`` keeping only ``x_start``; re-run them as ``body`` later.
@@ -66,7 +85,7 @@ class Region:
 
     start: int
     stop: int
-    body: tuple[Store | Region, ...]
+    body: tuple[Store | Offload | Region, ...]
 
     # A plan for the smallest budget nests a region in every body: a chain of 1,000 stages
     # gives a tree 1,000 deep, beyond what recursive hashing and comparison allow.
@@ -79,6 +98,8 @@ class Region:
         for kind, item in _walk((self,)):
             if isinstance(item, Store):
                 out.append(item.stage)
+            elif isinstance(item, Offload):
+                out += (-3, item.stage)
             else:
                 out += (-1, item.start, item.stop) if kind == "region" else (-2,)
         key = tuple(out)
@@ -94,18 +115,21 @@ class Region:
         return hash(self._key())
 
 
-PlanItem = Store | Region
+PlanItem = Store | Offload | Region
 """One item of a plan tree."""
 
 
 def _walk(items: Sequence[PlanItem]) -> Iterator[tuple[str, PlanItem]]:
-    """The items of a tree in order, flat, without recursion: ``("store", Store)``, and
-    ``("region", Region)`` before the region's body, ``("end", Region)`` after it."""
+    """The items of a tree in order, flat, without recursion: ``("store", Store)``,
+    ``("offload", Offload)``, and ``("region", Region)`` before the region's body, ``("end",
+    Region)`` after it."""
     pending: list[tuple[bool, PlanItem]] = [(False, item) for item in reversed(items)]
     while pending:
         body_done, item = pending.pop()
         if isinstance(item, Store):
             yield "store", item
+        elif isinstance(item, Offload):
+            yield "offload", item
         elif body_done:
             yield "end", item
         else:
@@ -127,6 +151,8 @@ class OperationKind(str, enum.Enum):
     """Forward of a later stage of a region: nothing is kept."""
     FORWARD_STORE = "forward_store"
     """Forward keeping what the stage's backward needs."""
+    FORWARD_OFFLOAD = "forward_offload"
+    """Forward keeping what the stage's backward needs in host memory until near its backward."""
     LOSS = "loss"
     """The end of the forward pass: the gradient of the chain output appears."""
     BACKWARD = "backward"
@@ -139,7 +165,12 @@ class OperationKind(str, enum.Enum):
 
 
 _FORWARD_KINDS = frozenset(
-    {OperationKind.FORWARD_CHECKPOINT, OperationKind.FORWARD_DISCARD, OperationKind.FORWARD_STORE}
+    {
+        OperationKind.FORWARD_CHECKPOINT,
+        OperationKind.FORWARD_DISCARD,
+        OperationKind.FORWARD_STORE,
+        OperationKind.FORWARD_OFFLOAD,
+    }
 )
 
 
@@ -169,7 +200,8 @@ def operations(plan: PlanTree) -> list[Operation]:
 
     ``ops(items) = fwd(items[0]) + ops(items[1:]) + bwd(items[0])`` with ``ops(())`` the
     loss marker at the top level and nothing inside a region's body; ``fwd(Store(i))`` is
-    ``forward_store(i)``, ``bwd(Store(i))`` is ``backward(i)``; ``fwd(Region)`` is
+    ``forward_store(i)`` (``forward_offload(i)`` for :class:`Offload`), ``bwd(Store(i))`` is
+    ``backward(i)``; ``fwd(Region)`` is
     ``forward_checkpoint(start)`` and ``forward_discard`` of the other stages, and
     ``bwd(Region)`` is the operations of its body.
 
@@ -193,6 +225,8 @@ def operations(plan: PlanTree) -> list[Operation]:
         for item in items:
             if isinstance(item, Store):
                 result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
+            elif isinstance(item, Offload):
+                result.append(Operation(OperationKind.FORWARD_OFFLOAD, item.stage))
             else:
                 result.append(Operation(OperationKind.FORWARD_CHECKPOINT, item.start))
                 result.extend(
@@ -201,7 +235,7 @@ def operations(plan: PlanTree) -> list[Operation]:
         if top_level:
             result.append(_LOSS)
         # the last item's backward comes first: pushed last
-        pending.extend(item.stage if isinstance(item, Store) else (item.body, False) for item in items)
+        pending.extend((item.body, False) if isinstance(item, Region) else item.stage for item in items)
     return result
 
 
@@ -235,19 +269,30 @@ def _validate_items(
     bodies = []
     for index, item in enumerate(items):
         label = f"{where}[{index}]"
-        if isinstance(item, Store):
+        if isinstance(item, Store | Offload):
             if item.stage != position:
                 raise InvalidPlan(
-                    f"{label} is Store({item.stage}) but stage {position} comes next "
+                    f"{label} is {type(item).__name__}({item.stage}) but stage {position} comes next "
                     f"(items must cover [{start}, {stop}) in order)"
+                )
+            if isinstance(item, Offload) and where != "plan":
+                raise InvalidPlan(
+                    f"{label} offloads stage {item.stage} inside a region's body: offload is planned at the "
+                    "top level only (a replayed stage keeps its saved tensors for the region's graph)"
+                )
+            if isinstance(item, Offload) and index == len(items) - 1:
+                raise InvalidPlan(
+                    f"{label} offloads stage {item.stage}, the last of its level: an offloaded stage needs "
+                    "a next stage whose forward and backward its copies overlap (store it instead)"
                 )
             position += 1
         elif isinstance(item, Region):
             _check_region(item, position, start, stop, label)
+
             bodies.append((item.body, item.start, item.stop, f"{label}.body"))
             position = item.stop
         else:
-            raise InvalidPlan(f"{label} is {item!r}, not a Store or a Region")
+            raise InvalidPlan(f"{label} is {item!r}, not a Store, an Offload or a Region")
         if position > stop:
             raise InvalidPlan(f"{label} reaches stage {position - 1}, past the end {stop - 1}")
     if position != stop:
@@ -273,14 +318,14 @@ def _check_region(item: Region, position: int, start: int, stop: int, label: str
 
 
 def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
-    """Returns a plan as flat JSON-able data: ``{"store": i}``, or ``{"region": [s, t]}``
-    followed by the entries of its body and ``{"end": [s, t]}``.
+    """Returns a plan as flat JSON-able data: ``{"store": i}``, ``{"offload": i}``, or
+    ``{"region": [s, t]}`` followed by the entries of its body and ``{"end": [s, t]}``.
 
     Flat, so that a plan nested as deep as a long chain (the smallest budget's) is written
     and read without recursion. See :func:`plan_from_data` for the way back.
     """
     return [
-        {"store": item.stage} if isinstance(item, Store) else {kind: [item.start, item.stop]}
+        {kind: item.stage} if isinstance(item, Store | Offload) else {kind: [item.start, item.stop]}
         for kind, item in _walk(plan)
     ]
 
@@ -307,6 +352,8 @@ def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
         keys = set(entry) if isinstance(entry, Mapping) else set()
         if keys == {"store"}:
             levels[-1][0].append(Store(int(entry["store"])))
+        elif keys == {"offload"}:
+            levels[-1][0].append(Offload(int(entry["offload"])))
         elif keys in ({"region"}, {"region", "body"}):
             start, stop = (int(value) for value in entry["region"])
             levels.append(([], (start, stop)))
@@ -319,7 +366,8 @@ def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
             levels[-1][0].append(Region(start, stop, tuple(body)))
         else:
             raise InvalidPlan(
-                f"plan entry {index - 1} is {entry!r}; expected {{'store': i}}, {{'region': [start, stop]}} "
+                f"plan entry {index - 1} is {entry!r}; expected {{'store': i}}, {{'offload': i}}, "
+                "{'region': [start, stop]} "
                 "opening a region's body, or {'end': [start, stop]} closing it"
             )
     if len(levels) != 1:

@@ -88,6 +88,9 @@ class ChainProfile:
             stored (a stage whose input is changed in place both by the model's code and
             by the stage itself, which can neither be replayed nor start a region).
         metadata: free-form JSON-able facts about the measurement (device, dtype, shapes).
+        offload_time_per_byte_s: seconds to move one byte between the device and host
+            memory, one way (pinned host memory, measured on the device); None where offload
+            was not measured, and plans then never offload (:class:`~remat.plan.Offload`).
 
     Raises:
         InvalidProfile: a sequence has the wrong length, a size or time is negative or not
@@ -107,6 +110,7 @@ class ChainProfile:
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
     region_breaks: tuple[int, ...] = ()
     pinned_stages: tuple[int, ...] = ()
+    offload_time_per_byte_s: float | None = None
 
     def __post_init__(self) -> None:
         names = _as_tuple(self.names, "names")
@@ -132,6 +136,25 @@ class ChainProfile:
         object.__setattr__(self, "metadata", dict(self.metadata))
         object.__setattr__(self, "region_breaks", _indices(self.region_breaks, "region_breaks", 1, n_stages - 1))
         object.__setattr__(self, "pinned_stages", _indices(self.pinned_stages, "pinned_stages", 0, n_stages - 1))
+        per_byte = self.offload_time_per_byte_s
+        if per_byte is not None:
+            if isinstance(per_byte, bool) or not isinstance(per_byte, numbers.Real) or not 0 < per_byte < math.inf:
+                raise InvalidProfile(
+                    f"offload_time_per_byte_s must be a positive number of seconds or None, got {per_byte!r}"
+                )
+            object.__setattr__(self, "offload_time_per_byte_s", float(per_byte))
+
+    def transfer_time_s(self, stage: int) -> float:
+        """Seconds to move what stage ``stage`` saves (``saved_bytes``) to host memory, or back.
+
+        Raises:
+            InvalidProfile: offload was not measured (``offload_time_per_byte_s`` is None).
+        """
+        if self.offload_time_per_byte_s is None:
+            raise InvalidProfile(
+                "this profile has no offload_time_per_byte_s: offload was not measured (measure with offload on)"
+            )
+        return self.saved_bytes[stage] * self.offload_time_per_byte_s
 
     # ------------------------------------------------------------------ properties
 
@@ -212,6 +235,8 @@ class ChainProfile:
         for field_name in _OPTIONAL_FIELDS:
             if getattr(self, field_name):
                 data[field_name] = list(getattr(self, field_name))
+        if self.offload_time_per_byte_s is not None:
+            data["offload_time_per_byte_s"] = self.offload_time_per_byte_s
         data["metadata"] = dict(self.metadata)
         return data
 
@@ -244,10 +269,13 @@ class ChainProfile:
         missing = [key for key in required if key not in data]
         if missing:
             raise InvalidProfile(f"saved chain profile lacks the keys {missing}")
-        unknown = sorted(set(data) - set(required) - set(_OPTIONAL_FIELDS) - {"format", "version", "metadata"})
+        scalars = {"offload_time_per_byte_s"}
+        unknown = sorted(
+            set(data) - set(required) - set(_OPTIONAL_FIELDS) - scalars - {"format", "version", "metadata"}
+        )
         if unknown:
             raise InvalidProfile(f"saved chain profile has unknown keys {unknown}")
-        values = {key: data[key] for key in required + _OPTIONAL_FIELDS if key in data}
+        values = {key: data[key] for key in required + _OPTIONAL_FIELDS + tuple(scalars) if key in data}
         return cls(**values, metadata=dict(data.get("metadata") or {}))
 
     def to_json(self, *, indent: int | None = 2) -> str:

@@ -35,6 +35,7 @@ class StageRow:
         saved_bytes: bytes the stage keeps for its backward when stored (inputs excluded).
         kept: whether the first forward keeps what the backward needs (never recomputed).
         forward_runs: how many times the forward runs (1 + recomputations).
+        offloaded: whether what it keeps waits in host memory for its backward.
     """
 
     index: int
@@ -45,6 +46,12 @@ class StageRow:
     saved_bytes: int
     kept: bool
     forward_runs: int
+    offloaded: bool = False
+
+    @property
+    def decision(self) -> str:
+        """``"keep"``, ``"offload"`` or ``"recompute"``."""
+        return "offload" if self.offloaded else "keep" if self.kept else "recompute"
 
     def formatted_figures(self) -> tuple[str, ...]:
         """Index, name, forward and backward times, output and saved bytes, formatted for people."""
@@ -73,6 +80,7 @@ class PlanReport:
         profile = schedule.profile
         self.baseline = simulate(profile, tuple(Store(stage) for stage in range(profile.n_stages)))
         kept = set(schedule.stored_stages)
+        offloaded = set(schedule.offloaded_stages)
         self.rows = tuple(
             StageRow(
                 index=index,
@@ -83,6 +91,7 @@ class PlanReport:
                 saved_bytes=profile.saved_bytes[index],
                 kept=index in kept,
                 forward_runs=schedule.forward_counts[index],
+                offloaded=index in offloaded,
             )
             for index in range(profile.n_stages)
         )
@@ -127,6 +136,7 @@ class PlanReport:
                     "output_bytes": row.output_bytes,
                     "saved_bytes": row.saved_bytes,
                     "kept": row.kept,
+                    "decision": row.decision,
                     "forward_runs": row.forward_runs,
                 }
                 for row in self.rows
@@ -146,12 +156,16 @@ class PlanReport:
             f" overhead +{_percent(self.overhead_fraction)})",
             f"  recomputed:      {recomputed} of {n_stages} stages,"
             f" {extra_forwards} extra forward{'s' if extra_forwards != 1 else ''}",
-            "",
         ]
+        if schedule.offloaded_stages:
+            simulation = schedule.simulation
+            lines.append(
+                f"  offloaded:       {len(schedule.offloaded_stages)} stages, host memory"
+                f" {format_bytes(simulation.host_peak_bytes)}, waiting for copies {format_seconds(simulation.stall_s)}"
+            )
+        lines.append("")
         header = ("stage", "name", "forward", "backward", "output", "saved", "decision", "runs")
-        table = [header] + [
-            (*row.formatted_figures(), "keep" if row.kept else "recompute", str(row.forward_runs)) for row in self.rows
-        ]
+        table = [header] + [(*row.formatted_figures(), row.decision, str(row.forward_runs)) for row in self.rows]
         widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
         left_aligned = {1, 6}
         for cells in table:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from remat.plan.operations import Operation, PlanTree, Store
+from remat.plan.operations import Offload, Operation, PlanTree, Store
 from remat.plan.profile import ChainProfile
 from remat.plan.report import PlanReport
 from remat.plan.simulate import SimulationResult, simulate
@@ -88,8 +88,13 @@ class Schedule:
 
     @property
     def stored_stages(self) -> tuple[int, ...]:
-        """The stages stored in the first forward pass (run once, never recomputed)."""
-        return tuple(item.stage for item in self.items if isinstance(item, Store))
+        """The stages stored (or offloaded) in the first forward pass (run once, never recomputed)."""
+        return tuple(item.stage for item in self.items if isinstance(item, Store | Offload))
+
+    @property
+    def offloaded_stages(self) -> tuple[int, ...]:
+        """The stages whose saved tensors wait in host memory for their backward."""
+        return tuple(item.stage for item in self.items if isinstance(item, Offload))
 
     def report(self) -> PlanReport:
         """Returns the printable report of this schedule."""

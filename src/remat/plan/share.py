@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, NamedTuple
+import numbers
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from remat.manual.offload import offload_time_per_byte_s
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult
@@ -26,7 +28,7 @@ TIGHTENINGS = 4
 #: the smallest one above it whose plan did not.
 BISECTIONS = 4
 
-__all__ = ["LOSS_ALLOWANCE_OUTPUTS", "Planning", "prepared"]
+__all__ = ["LOSS_ALLOWANCE_OUTPUTS", "Planning", "offload_option", "prepared"]
 
 
 class Planning(NamedTuple):
@@ -151,8 +153,23 @@ class Planning(NamedTuple):
         return best
 
 
+def offload_option(offload: Any) -> bool | float:
+    """Checks the ``offload`` option: True, False, or a link speed in bytes per second."""
+    if isinstance(offload, bool):
+        return offload
+    if isinstance(offload, numbers.Real) and 0 < float(offload) < math.inf:
+        return float(offload)
+    raise ValueError(f"offload is True, False or a link speed in bytes per second (> 0), got {offload!r}")
+
+
 def prepared(
-    measurement: ChainMeasurement, *, loss_measured: bool, output_kept: bool, margin: float, solver: Solver
+    measurement: ChainMeasurement,
+    *,
+    loss_measured: bool,
+    output_kept: bool,
+    margin: float,
+    solver: Solver,
+    offload: bool | float = False,
 ) -> Planning:
     """A measurement made ready for the solver.
 
@@ -163,8 +180,15 @@ def prepared(
         output_kept: whether the training loop keeps the model output through the backward.
         margin: the fraction of the budget kept free.
         solver: the solver to plan with.
+        offload: whether the profile gets the link speed to host memory, which lets an
+            offloading solver plan offload: True measures it on the measured device, a
+            number is that speed in bytes per second (see :func:`offload_option`).
     """
     profile = measurement.profile
+    if offload is not False:
+        device = profile.metadata.get("device", "cpu")
+        per_byte = offload_time_per_byte_s(device) if offload is True else 1.0 / offload
+        profile = dataclasses.replace(profile, offload_time_per_byte_s=per_byte)
     allowance = 0
     if not loss_measured:
         # NOTE [loss allowance]

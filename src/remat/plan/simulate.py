@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol, cast
 
 from remat.plan.operations import (
     InvalidPlan,
+    Offload,
     Operation,
     OperationKind,
     PlanTree,
@@ -55,6 +56,9 @@ class SimulationResult:
         overhead_s: ``time_s`` minus one forward and one backward of every stage.
         forward_counts: how many times each stage's forward runs (1 + recomputations).
         timeline: live and peak bytes around each operation, in order.
+        host_peak_bytes: the most bytes held in host memory at once by offloaded stages.
+        stall_s: seconds the computation waits for copies to or from host memory (in
+            ``time_s`` and ``overhead_s``).
     """
 
     peak_bytes: int
@@ -62,6 +66,8 @@ class SimulationResult:
     overhead_s: float
     forward_counts: tuple[int, ...]
     timeline: tuple[TimelineEntry, ...] = field(repr=False)
+    host_peak_bytes: int = 0
+    stall_s: float = 0.0
 
     @property
     def operations(self) -> list[Operation]:
@@ -91,6 +97,17 @@ class SimulationResult:
 # The live bytes after an operation never exceed its peak, so the peak of a schedule is the
 # largest of these. The planner's dynamic program (plan/solvers/arrays.py) reproduces exactly this model.
 
+# NOTE [offloaded stages]
+# forward_offload(i) holds what forward_store(i) holds, but S_i moves to host memory: its
+# copy starts when the forward ends and overlaps the next operation (the forward of stage
+# i+1), whose peak still counts S_i; S_i leaves device memory when that operation ends, and
+# the computation waits max(0, T_i - forward_i+1) for the copy, T_i being the transfer time
+# of S_i (profile.transfer_time_s). The copy back starts with backward(i+1), the operation
+# before backward(i), whose peak counts S_i again, and the computation waits
+# max(0, T_i - backward_i+1) for it. (If nothing started it earlier, backward(i) itself
+# brings S_i back and waits T_i.) The executor (remat.execute, remat.offload) frees and
+# brings back at exactly these points, so that the device never holds more than this.
+
 
 def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[Operation]) -> SimulationResult:
     """Predicts the peak memory and the time of a schedule of a chain.
@@ -109,7 +126,7 @@ def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[O
     """
     if not isinstance(plan, Sequence) and hasattr(plan, "operations"):
         ops = list(plan.operations)  # a Schedule
-    elif isinstance(plan, tuple) and all(isinstance(item, (Store, Region)) for item in plan):
+    elif isinstance(plan, tuple) and all(isinstance(item, Store | Offload | Region) for item in plan):
         validate_plan(plan, profile.n_stages)
         ops = operations(plan)
     else:
@@ -117,8 +134,8 @@ def simulate(profile: ChainProfile, plan: PlanTree | _HasOperations | Sequence[O
         for position, operation in enumerate(ops):
             if not isinstance(operation, Operation):
                 raise InvalidPlan(
-                    f"operation {position} is {operation!r}; expected a plan tree of Store and "
-                    "Region items or a sequence of Operation"
+                    f"operation {position} is {operation!r}; expected a plan tree of Store, Offload "
+                    "and Region items or a sequence of Operation"
                 )
     return _simulate_operations(profile, ops)
 
@@ -151,6 +168,13 @@ class _Simulation:
         self.loss_seen = False
         self.breaks = frozenset(profile.region_breaks)
         self.pinned = frozenset(profile.pinned_stages)
+        # offloaded stages (NOTE [offloaded stages]): the one whose copy overlaps the next
+        # operation, and those whose saved bytes are in host memory
+        self.leaving: int | None = None
+        self.on_host: set[int] = set()
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
+        self.stalls_s: list[float] = []
 
     # -- values of the boundaries x_k and their holders
     def is_live(self, boundary: int) -> bool:
@@ -199,7 +223,8 @@ class _Simulation:
         profile = self.profile
         if not self.is_live(stage):
             raise InvalidPlan(f"{where}: its input x_{stage} is not live")
-        if kind is not OperationKind.FORWARD_STORE and stage in self.pinned:
+        stores = kind in (OperationKind.FORWARD_STORE, OperationKind.FORWARD_OFFLOAD)
+        if not stores and stage in self.pinned:
             raise InvalidPlan(
                 f"{where}: stage {stage} is pinned (see ChainProfile.pinned_stages): it is never recomputed"
             )
@@ -219,7 +244,11 @@ class _Simulation:
             + profile.forward_temp_bytes[stage]
         )
         created = self.create(stage + 1)
-        if kind is OperationKind.FORWARD_STORE:
+        if kind is OperationKind.FORWARD_OFFLOAD:
+            if profile.offload_time_per_byte_s is None:
+                raise InvalidPlan(f"{where}: the profile has no offload_time_per_byte_s (offload was not measured)")
+            self.leaving = stage
+        if stores:
             if self.saved_live[stage]:
                 raise InvalidPlan(f"{where}: stage {stage} is already stored")
             self.saved_live[stage] = True
@@ -246,6 +275,10 @@ class _Simulation:
             raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
         self.backward_done[stage] = True
         self.times_s.append(profile.backward_time_s[stage])
+        if stage in self.on_host:  # nothing brought it back: this backward waits for it
+            self.bring_back(stage, 0.0)
+        if stage > 0 and stage - 1 in self.on_host:  # the copy back overlaps this backward
+            self.bring_back(stage - 1, profile.backward_time_s[stage])
         # A frontier still open here is the output a region body recomputed last: nothing
         # consumes it, so only a holder other than the frontier keeps it.
         self.release(self.end_frontier())
@@ -265,8 +298,32 @@ class _Simulation:
         self.output_holder[stage + 1] = None
         return peak_during, None
 
+    def send_to_host(self, stage: int, overlapped_s: float) -> None:
+        saved = self.profile.saved_bytes[stage]
+        self.live_bytes -= saved
+        self.host_bytes += saved
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        self.on_host.add(stage)
+        self.stalls_s.append(max(0.0, self.profile.transfer_time_s(stage) - overlapped_s))
+
+    def bring_back(self, stage: int, overlapped_s: float) -> None:
+        saved = self.profile.saved_bytes[stage]
+        self.live_bytes += saved
+        self.host_bytes -= saved
+        self.on_host.discard(stage)
+        self.stalls_s.append(max(0.0, self.profile.transfer_time_s(stage) - overlapped_s))
+
     def step(self, position: int, operation: Operation) -> int:
         """Runs one operation; returns its peak."""
+        leaving, self.leaving = self.leaving, None
+        peak = self._step(position, operation)
+        if leaving is not None:  # its copy overlapped this operation (NOTE [offloaded stages])
+            time_s = self.times_s[-1] if operation.kind is not OperationKind.LOSS else 0.0
+            if self.saved_live[leaving]:
+                self.send_to_host(leaving, time_s)
+        return peak
+
+    def _step(self, position: int, operation: Operation) -> int:
         where = f"operation {position} ({operation})"
         stage = operation.stage
         if operation.kind is OperationKind.LOSS:
@@ -295,12 +352,16 @@ class _Simulation:
         if missing:
             raise InvalidPlan(f"the schedule never runs the backward of stages {missing}")
         forward_times_s = self.profile.forward_time_s
+        stall_s = math.fsum(self.stalls_s)
         return SimulationResult(
             peak_bytes=peak,
-            time_s=math.fsum(self.times_s),
-            overhead_s=math.fsum(
+            time_s=math.fsum(self.times_s) + stall_s,
+            overhead_s=stall_s
+            + math.fsum(
                 (count - 1) * forward_s for count, forward_s in zip(self.forward_counts, forward_times_s, strict=True)
             ),
             forward_counts=tuple(self.forward_counts),
             timeline=tuple(timeline),
+            host_peak_bytes=self.host_peak_bytes,
+            stall_s=stall_s,
         )

@@ -10,6 +10,8 @@ Every solver follows one contract (:class:`Solver`): its configuration goes to
 ``"none"``     store everything (no recomputation)
 ``"inputs"``   keep only the input of every stage, recompute the rest
 ``"periodic"`` ``torch.utils.checkpoint.checkpoint_sequential``'s segments
+``"offload"``  the dynamic program, with offload to host memory as a third choice
+               (for a profile that measured the transfer: ``offload_time_per_byte_s``)
 =============  ===============================================================
 
 Every solver also tells the smallest budget it can fit, ``solver.minimum_bytes(profile)``;
@@ -37,10 +39,12 @@ from remat.plan.solvers.contract import (
     register_solver,
     solve,
 )
+from remat.plan.solvers.offloading import OffloadingSolver
 from remat.plan.solvers.optimal import AutoSolver, OptimalSolver
 
 __all__ = [
     "AutoSolver",
+    "OffloadingSolver",
     "OptimalSolver",
     "PeriodicSolver",
     "Solver",
@@ -61,3 +65,4 @@ register_solver("auto", AutoSolver)
 register_solver("none", StoreEverythingSolver)
 register_solver("inputs", StoreInputsSolver)
 register_solver("periodic", PeriodicSolver)
+register_solver("offload", OffloadingSolver)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.plan.operations import PlanItem, PlanTree, Store
+from remat.plan.operations import Offload, PlanItem, PlanTree, Store
 from remat.plan.profile import ChainProfile
 from remat.plan.solvers import kernels
 
@@ -261,6 +261,8 @@ def _plan_peak_units(arrays: _ChainArrays, plan: PlanTree) -> int:
 
     def level_peak(items: tuple[PlanItem, ...], start: int, end: int, held: int) -> int:
         first = items[0]
+        if isinstance(first, Offload):
+            raise ValueError(f"stage {first.stage} is offloaded: outside the program's family")
         if isinstance(first, Store):
             own = arrays.store_own_peak(start, end, held)
             if start == end:

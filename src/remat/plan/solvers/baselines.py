@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import ClassVar
 
-from remat.plan.operations import PlanItem, PlanTree, Region, Store
+from remat.plan.operations import Offload, PlanItem, PlanTree, Region, Store
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.solvers.contract import _ADVICE_BASELINE, _budget_too_small, _validated_budget_bytes
@@ -34,7 +34,7 @@ def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
     breaks, pinned = set(profile.region_breaks), set(profile.pinned_stages)
     items: list[PlanItem] = []
     for item in plan:
-        if isinstance(item, Store) or profile.region_allowed(item.start, item.stop):
+        if isinstance(item, Store | Offload) or profile.region_allowed(item.start, item.stop):
             items.append(item)
             continue
         if not all(isinstance(inner, Store) for inner in item.body):

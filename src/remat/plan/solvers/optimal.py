@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from remat.errors import RematError
-from remat.plan.operations import PlanItem, PlanTree, Store
+from remat.plan.operations import Offload, PlanItem, PlanTree, Store
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.solvers.arrays import _ChainArrays
@@ -44,7 +44,7 @@ def _plan_time_s(profile: ChainProfile, plan: PlanTree) -> float:
     pending: list[PlanItem] = list(plan)
     while pending:
         item = pending.pop()
-        if isinstance(item, Store):
+        if isinstance(item, Store | Offload):
             counts[item.stage] += 1
         else:
             for stage in range(item.start, item.stop):
