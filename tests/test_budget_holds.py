@@ -401,6 +401,53 @@ def test_inputs_the_model_holds_are_planned_where_they_live() -> None:
     assert underestimated, "no plan discarded the held input: the case tests nothing"
 
 
+def _blocks_in_a_sequential() -> nn.Module:
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64), nn.LayerNorm(64))
+
+    return nn.Sequential(*(block() for _ in range(4)))
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.4, 0.45, 0.9])
+def test_blocks_in_a_sequential_are_predicted_to_the_byte(fraction: float) -> None:
+    """Blocks in an nn.Sequential are flattened to one stage per layer, and the outer call
+    holds each block's input until the block returns. A loop that drops the output once
+    the loss is computed is predicted to the byte with ``output_kept=False``; a loop that
+    keeps it (``out = model(x)``) holds it through the backward, which only the default
+    ``output_kept=True`` counts: with False, such a loop went over the budget by the
+    output's bytes, at the budgets whose peak is in the backward."""
+    x = torch.randn(128, 64)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    torch.manual_seed(0)
+    outcome = train_steps(_blocks_in_a_sequential().train(), fraction, (x,), {}, loss_fn, "fp32")
+    assert outcome is not None
+    peaks, wrapped = outcome
+    plan = wrapped.plan
+    assert plan is not None and plan.budget_bytes is not None
+    assert len(plan.schedule.profile.names) == 20
+    assert max(peaks) <= plan.budget_bytes
+    assert peaks[1] == plan.predicted_peak_bytes
+
+    torch.manual_seed(0)
+    model = _blocks_in_a_sequential().train()
+    kept = remat.Checkpointable(model, fraction, loss_fn=loss_fn)  # output_kept=True
+    for _ in range(2):
+
+        def step() -> None:
+            out = kept(x)
+            loss_fn(out).backward()
+
+        peak, budget = _tracked(kept, step)
+        model.zero_grad(set_to_none=True)
+        assert peak <= budget
+    assert kept.plan is not None
+    # the prediction counts the kept output during the loss too, where it is the chain's output
+    assert 0 <= kept.plan.predicted_peak_bytes - peak <= x.numel() * 4
+
+
 def test_a_backward_inside_autocast_is_warned_about() -> None:
     torch.manual_seed(0)
     model = remat.models.mlp_chain(depth=6, width=32)

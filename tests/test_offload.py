@@ -331,3 +331,18 @@ def test_a_policy_offloads_the_outputs_it_names_and_stays_bit_for_bit(use_tag: b
     assert moved > 0 and host_memory().fetched_bytes == moved
     assert offloaded_peak < kept_peak < plain_peak
     assert "offload" in repr(offload)
+
+
+def test_offload_inside_a_recomputed_block_leaves_it_to_the_recompute() -> None:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(16, 64, requires_grad=True)
+    torch.manual_seed(1)
+    block(x).sum().backward()
+    expected = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad(set_to_none=True)
+    host_memory().reset()
+    torch.manual_seed(1)
+    remat.recompute(lambda t: remat.offload(block, t), x).sum().backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(block.parameters(), expected, strict=True))
+    assert host_memory().sent_bytes == 0

@@ -340,7 +340,8 @@ def offload(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     When the backward reaches the output of a block offloaded after this one, this block's
     tensors start coming back, so that the copy overlaps that block's backward; the last
     block offloaded in a forward brings its own back when its backward needs them.
-    Gradients are bit-identical to plain autograd: nothing is recomputed.
+    Gradients are bit-identical to plain autograd: nothing is recomputed. Inside a block
+    that :func:`remat.recompute` recomputes, the block runs plainly (the recompute decides).
 
     On the CPU the host and the device are one memory: offloading there saves nothing and
     only shows what would move (the exact tracker leaves host copies out, as on a GPU).
@@ -355,6 +356,11 @@ def offload(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Returns:
         What ``function`` returns.
     """
+    from remat.manual._frames import active_mode  # (here: the frames import this module)
+
+    if active_mode() is not None:
+        # Inside a block remat.recompute is recomputing: its frame decides what is kept.
+        return function(*args, **kwargs)
     name = getattr(function, "__qualname__", type(function).__name__)
     group = OffloadGroup(name)
     with group.hooks():
