@@ -25,7 +25,7 @@ from remat.plan.simulate import simulate
 from remat.plan.solvers import OffloadingSolver, get_solver
 from remat.testing import random_chain
 
-LINK_BYTES_PER_S = 2e9  # the stand-in link
+LINK_BYTES_PER_S = 1e12  # the stand-in link: copies hide behind any stage
 
 
 class Block(nn.Module):
@@ -346,3 +346,16 @@ def test_offload_inside_a_recomputed_block_leaves_it_to_the_recompute() -> None:
     remat.recompute(lambda t: remat.offload(block, t), x).sum().backward()
     assert all(torch.equal(p.grad, e) for p, e in zip(block.parameters(), expected, strict=True))
     assert host_memory().sent_bytes == 0
+
+
+def test_a_plan_that_offloads_a_compiled_stage_is_refused() -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    wrapped = remat.Checkpointable(model, 0.5, loss_fn=loss_of, output_kept=False, offload=LINK_BYTES_PER_S)
+    with pytest.raises(NotImplementedError, match="offload of compiled code is not built"):
+        run(wrapped, torch.randn(64, 64))
+    # nothing is left behind: the same model trains without offload
+    plain = remat.Checkpointable(model, 0.5, loss_fn=loss_of, output_kept=False)
+    run(plain, torch.randn(64, 64))

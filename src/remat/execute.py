@@ -411,7 +411,13 @@ class ChainExecutor:
                 self.first_forward.append((kind, step))
         compiled = compiled_stages(chain)
         if compiled:
-            refuse_compiled_state(chain, [call for call in compiled if self.first_forward[call][0] is not _STORE])
+            offloaded = [chain.names[call] for call in compiled if self.first_forward[call][0] is _OFFLOAD]
+            if offloaded:
+                raise NotImplementedError(
+                    f"the plan offloads stages compiled with torch.compile ({', '.join(offloaded)}): offload of "
+                    "compiled code is not built. Plan without offload, or compile the whole model instead"
+                )
+            refuse_compiled_state(chain, [call for call in compiled if self.first_forward[call][0] not in _STORES])
             hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
     def recomputes(self) -> bool:
