@@ -97,6 +97,7 @@ def main() -> None:
             )
         if not (same_plan and same_weights):
             raise SystemExit(f"rank {rank}: the ranks disagree after step {step}")
+    dist.barrier()  # every rank done before the group goes
     dist.destroy_process_group()
 
 

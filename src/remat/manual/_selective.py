@@ -47,8 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import NondeterministicRecompute
+from remat.manual._host import _HostCopy, from_host, to_host
 from remat.manual._tensors import storage_key
-from remat.manual.offload import _HostCopy, from_host, to_host
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
 from remat.memory import note_kept_for_backward
 

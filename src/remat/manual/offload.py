@@ -28,65 +28,17 @@ import statistics
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from remat.errors import RematError
+from remat.manual._frames import active_mode
+from remat.manual._host import _HOST_MEMORY, HostMemory, _bytes_view, _movable, host_memory
 
 __all__ = ["HostMemory", "OffloadGroup", "StageOffloads", "host_memory", "offload", "offload_time_per_byte_s"]
-
-
-@dataclass
-class HostMemory:
-    """Bytes of host memory that offloaded tensors hold (a running count and its peak).
-
-    Attributes:
-        live_bytes: bytes held now.
-        peak_bytes: the most held at once since the last :meth:`reset`.
-        sent_bytes: bytes copied to host memory since the last reset.
-        fetched_bytes: bytes copied back to the device since the last reset.
-    """
-
-    live_bytes: int = 0
-    peak_bytes: int = 0
-    sent_bytes: int = 0
-    fetched_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def reset(self) -> None:
-        """Starts the peak and the totals again from what is held now."""
-        with self._lock:
-            self.peak_bytes = self.live_bytes
-            self.sent_bytes = self.fetched_bytes = 0
-
-    def _add(self, nbytes: int) -> None:
-        with self._lock:
-            self.live_bytes += nbytes
-            self.sent_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def _free(self, nbytes: int) -> None:
-        with self._lock:
-            self.live_bytes -= nbytes
-
-    def _fetched(self, nbytes: int) -> None:
-        with self._lock:
-            self.fetched_bytes += nbytes
-
-
-_HOST_MEMORY = HostMemory()
-
-
-def host_memory() -> HostMemory:
-    """The process's count of host memory held by offloaded tensors (see :class:`HostMemory`)."""
-    return _HOST_MEMORY
 
 
 _SIDE_STREAMS: dict[int, Any] = {}
@@ -98,10 +50,6 @@ def _side_stream(device: torch.device) -> Any:
     if stream is None:
         stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 class _Entry:
@@ -197,17 +145,6 @@ class _Packed:
             return whole.as_strided(self.size, self.stride, self.offset)
 
 
-def _movable(tensor: torch.Tensor) -> bool:
-    """Whether a saved tensor is plain device data that can be copied out and back as bytes."""
-    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
-        return False  # subclasses (fake tensors, DTensor, ...) are kept as they are
-    if isinstance(tensor, FakeTensor) or tensor.is_meta or tensor.layout != torch.strided:
-        return False
-    if tensor.is_conj() or tensor.is_neg() or tensor.is_quantized or tensor.is_nested:
-        return False
-    return not (tensor.is_leaf and tensor.requires_grad)  # parameters stay where they are
-
-
 def storage_keys(tensors: Iterable[Any]) -> set[int]:
     """The storages of the plain tensors among `tensors` (to name what stays on the device)."""
     keys: set[int] = set()
@@ -285,43 +222,6 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed.unpack() if isinstance(packed, _Packed) else packed
 
 
-class _HostCopy:
-    """A tensor's bytes in host memory, with what it takes to make the tensor again."""
-
-    __slots__ = ("device", "dtype", "host", "offset", "size", "stride")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.device = tensor.device
-        self.dtype = tensor.dtype
-        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
-        storage = tensor.untyped_storage()
-        nbytes = int(storage.nbytes())
-        cuda = tensor.device.type == "cuda"
-        with _disable_current_modes():
-            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-            # on the device's own stream, after the operation: ordered before any reuse of its memory
-            self.host.copy_(_bytes_view(storage, tensor.device), non_blocking=cuda)
-        _HOST_MEMORY._add(nbytes)
-        weakref.finalize(self.host, _HOST_MEMORY._free, nbytes)
-
-
-def to_host(tensor: torch.Tensor) -> Any:
-    """`tensor`'s bytes copied to host memory (a :class:`_HostCopy`); a tensor that cannot be
-    moved as bytes (see :func:`_movable`) stays on the device, detached."""
-    return _HostCopy(tensor) if _movable(tensor) else tensor.detach()
-
-
-def from_host(copy: _HostCopy) -> torch.Tensor:
-    """The tensor of a :class:`_HostCopy` again, on its device (allocated where the tracker sees it)."""
-    target = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
-    with _disable_current_modes():
-        target.copy_(copy.host, non_blocking=copy.device.type == "cuda")
-        whole = target.view(copy.dtype)
-        tensor = whole.as_strided(copy.size, copy.stride, copy.offset)
-    _HOST_MEMORY._fetched(copy.host.numel())
-    return tensor
-
-
 class _Chain(threading.local):
     def __init__(self) -> None:
         self.last: weakref.ref[OffloadGroup] | None = None  # the last block offloaded by this thread
@@ -356,8 +256,6 @@ def offload(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Returns:
         What ``function`` returns.
     """
-    from remat.manual._frames import active_mode  # (here: the frames import this module)
-
     if active_mode() is not None:
         # Inside a block remat.recompute is recomputing: its frame decides what is kept.
         return function(*args, **kwargs)
