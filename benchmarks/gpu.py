@@ -48,36 +48,30 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gpt2(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+def _gpt(small: bool, device: torch.device, config: dict[str, int], batch: int) -> tuple[nn.Module, dict[str, Any]]:
+    """A Hugging Face GPT-2 of `config` (``--small``: a tiny one) and a batch of its tokens."""
     transformers: Any = importlib.import_module("transformers")
 
     torch.manual_seed(0)
     if small:
-        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-        batch, length = 2, 32
+        config, batch, length = {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}, 2, 32
     else:
-        config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
-        batch, length = 8, 1024
-    model = transformers.GPT2LMHeadModel(config).to(device).train()
-    tokens = torch.randint(0, config.vocab_size, (batch, length), device=device)
+        length = 1024
+    gpt_config = transformers.GPT2Config(**config)
+    model = transformers.GPT2LMHeadModel(gpt_config).to(device).train()
+    tokens = torch.randint(0, gpt_config.vocab_size, (batch, length), device=device)
     return model, {"input_ids": tokens, "labels": tokens, "use_cache": False}
+
+
+def gpt2(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    return _gpt(small, device, {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}, 8)
 
 
 def decoder(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     """A wide GPT-style decoder with a small vocabulary: its blocks hold most of the step's
     memory, and each one computes long enough to hide a copy of what it saves."""
-    transformers: Any = importlib.import_module("transformers")
-
-    torch.manual_seed(0)
-    if small:
-        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-        batch, length = 2, 32
-    else:
-        config = transformers.GPT2Config(n_layer=8, n_embd=2048, n_head=16, vocab_size=8192, n_positions=1024)
-        batch, length = 4, 1024
-    model = transformers.GPT2LMHeadModel(config).to(device).train()
-    tokens = torch.randint(0, config.vocab_size, (batch, length), device=device)
-    return model, {"input_ids": tokens, "labels": tokens, "use_cache": False}
+    config = {"n_layer": 8, "n_embd": 2048, "n_head": 16, "vocab_size": 8192, "n_positions": 1024}
+    return _gpt(small, device, config, 4)
 
 
 def resnet(small: bool, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:

@@ -52,6 +52,21 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
+def _copy_aside(target: torch.Tensor, source: torch.Tensor, device: torch.device) -> Any:
+    """Copies `source` into `target`: on CUDA on the side stream, after what the main stream
+    has queued, returning the event the copy records (NOTE [offload streams]); else at once (None)."""
+    if device.type != "cuda":
+        target.copy_(source)
+        return None
+    stream = _side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
 class _Entry:
     """One device storage saved by a group: where its bytes are, and the copies in flight."""
 
@@ -73,15 +88,7 @@ class _Entry:
         with _disable_current_modes():
             source = _bytes_view(self.device_storage, self.device)
             host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
-            if cuda:
-                stream = _side_stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    host.copy_(source, non_blocking=True)
-                    self.out_event = torch.cuda.Event()
-                    self.out_event.record(stream)
-            else:
-                host.copy_(source)
+            self.out_event = _copy_aside(host, source, self.device)
         self.host = host
         self.sent = True
         _HOST_MEMORY._add(self.nbytes)
@@ -103,15 +110,7 @@ class _Entry:
         target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         host = self.host
         with _disable_current_modes():
-            if self.device.type == "cuda":
-                stream = _side_stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    target.copy_(host, non_blocking=True)
-                    self.back_event = torch.cuda.Event()
-                    self.back_event.record(stream)
-            else:
-                target.copy_(host)
+            self.back_event = _copy_aside(target, host, self.device)
         self.device_storage = target.untyped_storage()
         _HOST_MEMORY._fetched(self.nbytes)
 
