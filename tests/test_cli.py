@@ -57,6 +57,12 @@ def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables at the width of a captured stream, whatever COLUMNS the environment has (xdist sets 80)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     code = cli.main(argv)
     captured = capsys.readouterr()

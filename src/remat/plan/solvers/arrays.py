@@ -165,11 +165,13 @@ class _ChainArrays:
         forward_s = np.asarray(profile.forward_time_s, dtype=np.float64)
         forward_backward_s = forward_s + np.asarray(profile.backward_time_s, dtype=np.float64)
         forward_prefix_s = np.concatenate(([0.0], np.cumsum(forward_s)))
+        # base_s[a, b] = sum of forward_backward_s[a .. b] (0 below the diagonal), summed
+        # from b down to a as the programs add them.
         base_s = np.zeros((n, n), dtype=np.float64)
-        for stop in range(n):
-            base_s[stop, stop] = forward_backward_s[stop]
-            for start in range(stop - 1, -1, -1):
-                base_s[start, stop] = forward_backward_s[start] + base_s[start + 1, stop]
+        base_s[n - 1, n - 1] = forward_backward_s[n - 1]
+        for start in range(n - 2, -1, -1):
+            base_s[start, start] = forward_backward_s[start]
+            base_s[start, start + 1 :] = forward_backward_s[start] + base_s[start + 1, start + 1 :]
         return cls(
             n_stages=n,
             unit_bytes=unit_bytes,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import ClassVar
@@ -14,9 +15,15 @@ from remat.plan.solvers.contract import _ADVICE_BASELINE, _budget_too_small, _va
 __all__ = ["PeriodicSolver", "StoreEverythingSolver", "StoreInputsSolver", "store_everything_plan", "within_breaks"]
 
 
+@functools.lru_cache(maxsize=4)
+def _stores(n_stages: int) -> tuple[Store, ...]:
+    """``Store(0) .. Store(n_stages - 1)``, made once per length (the baselines slice them)."""
+    return tuple(Store(stage) for stage in range(n_stages))
+
+
 def store_everything_plan(n_stages: int) -> PlanTree:
     """Returns the plan that stores every stage (no recomputation)."""
-    return tuple(Store(stage) for stage in range(n_stages))
+    return _stores(n_stages)
 
 
 def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
@@ -142,11 +149,11 @@ class PeriodicSolver(_FixedPlanSolver):
         segments = self.segments if self.segments is not None else math.isqrt(n_stages - 1) + 1
         segments = min(segments, n_stages)
         size = n_stages // segments
+        stores = _stores(n_stages)
         items: list[PlanItem] = []
         for start in range(0, size * (segments - 1), size):
-            body = tuple(Store(stage) for stage in range(start, start + size))
-            items.append(Region(start, start + size, body))
-        items.extend(Store(stage) for stage in range(size * (segments - 1), n_stages))
+            items.append(Region(start, start + size, stores[start : start + size]))
+        items.extend(stores[size * (segments - 1) :])
         return tuple(items)
 
     def fixed_plan(self, n_stages: int) -> PlanTree:

@@ -16,6 +16,7 @@ from remat.plan.schedule import Schedule
 from remat.plan.solvers.arrays import _ChainArrays
 from remat.plan.solvers.baselines import PeriodicSolver, StoreInputsSolver, store_everything_plan
 from remat.plan.solvers.contract import _ADVICE_OPTIMAL, _budget_too_small, _validated_budget_bytes, numba_available
+from remat.plan.solvers.grouping import expanded_plan, group_starts, merged_profile
 from remat.plan.solvers.programs import cost_table, least_peaks
 from remat.plan.solvers.reconstruct import _build_plan, _fastest_choice, _least_peak_choice
 
@@ -27,6 +28,11 @@ logger = logging.getLogger("remat.plan.solvers")
 
 #: Chains up to this length get a second, relaxed pass of the dynamic program.
 _RELAXED_PASS_MAX_STAGES = 120
+
+#: The work (``stages**3 * slots``) the time program does in about a quarter of a second,
+#: by implementation (measured with ``benchmarks/solver_speed.py``); it sets the default
+#: ``max_stages`` of :class:`OptimalSolver`.
+_QUICK_WORK = {"numpy": 72**3 * 500, "numba": 120**3 * 500}
 
 
 def _baseline_plans(profile: ChainProfile) -> list[PlanTree]:
@@ -81,25 +87,49 @@ class OptimalSolver:
     up to slots of ``ceil(budget / slots)`` bytes, so the plan's real peak never exceeds the
     budget; more slots waste less of the budget and take longer.
 
+    A chain longer than ``max_stages`` is planned over ``max_stages`` groups of consecutive
+    stages (``NOTE [merged stages]`` in ``grouping.py``): the plan is then the fastest among
+    those whose recompute regions start and stop at group boundaries, and still fits the
+    budget to the byte. The least peak (:meth:`minimum_bytes`) and the least-peak plans are
+    computed stage by stage whatever the length.
+
     Args:
         slots: the number of memory slots the budget is divided into (default 500).
         implementation: ``"numba"`` (compiled, fast), ``"numpy"`` (no compiler, slower and
             memory-hungry on long chains), or None for numba when it is installed.
+        max_stages: the longest chain solved stage by stage; None for the length the
+            implementation solves in about a quarter of a second at this many slots (72
+            stages with numpy and 120 with numba at 500 slots). The time grows with the
+            cube of the length.
 
     Raises:
-        ValueError: ``slots`` is not a positive integer or ``implementation`` is unknown.
+        ValueError: ``slots`` or ``max_stages`` is not a positive integer, or
+            ``implementation`` is unknown.
         RematError: ``implementation="numba"`` without numba installed.
     """
 
     name: ClassVar[str] = "optimal"
     slots: int
     implementation: str
+    max_stages: int | None
 
-    def __init__(self, *, slots: int = 500, implementation: str | None = None) -> None:
+    def __init__(self, *, slots: int = 500, implementation: str | None = None, max_stages: int | None = None) -> None:
         if isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if max_stages is not None and (
+            isinstance(max_stages, bool) or not isinstance(max_stages, numbers.Integral) or max_stages < 1
+        ):
+            raise ValueError(f"max_stages must be a positive integer or None, got {max_stages!r}")
         self.slots = int(slots)
         self.implementation = _resolve_implementation(implementation)
+        self.max_stages = None if max_stages is None else int(max_stages)
+        self._last_least_peaks: tuple[ChainProfile, tuple[_ChainArrays, np.ndarray, int]] | None = None
+
+    def _stage_limit(self, implementation: str) -> int:
+        """The longest chain this solver plans stage by stage with ``implementation``."""
+        if self.max_stages is not None:
+            return self.max_stages
+        return max(2, round((_QUICK_WORK[implementation] / self.slots) ** (1 / 3)))
 
     def minimum_bytes(self, profile: ChainProfile) -> int:
         """The smallest budget in bytes for which this solver returns a schedule.
@@ -114,10 +144,18 @@ class OptimalSolver:
         return self.implementation
 
     def _exact_least_peaks(self, profile: ChainProfile) -> tuple[_ChainArrays, np.ndarray, int]:
-        """The chain in bytes, the least peaks of its subproblems, and the least peak of the whole chain."""
+        """The chain in bytes, the least peaks of its subproblems, and the least peak of the whole chain.
+
+        The last chain's are kept: callers ask :meth:`minimum_bytes` before they solve.
+        """
+        cached = self._last_least_peaks
+        if cached is not None and (cached[0] is profile or cached[0] == profile):
+            return cached[1]
         exact = _ChainArrays.from_profile(profile, unit_bytes=1)
         least, _ = least_peaks(exact, self._implementation_for(profile))
-        return exact, least, int(least[0, profile.n_stages - 1, 0])
+        result = (exact, least, int(least[0, profile.n_stages - 1, 0]))
+        self._last_least_peaks = (profile, result)
+        return result
 
     def __call__(self, profile: ChainProfile, budget_bytes: int | None) -> Schedule:
         """Returns the fastest schedule whose simulated peak fits the budget.
@@ -161,7 +199,8 @@ class OptimalSolver:
         candidates: list[PlanTree] = []
         # Rounding up to slots rejects plans whose exact peak is within a few slots of the
         # budget. Where it is cheap, solve once more with the budget raised by that much.
-        if n <= _RELAXED_PASS_MAX_STAGES:
+        # (Not over groups: their fewer, larger sizes lose less to rounding.)
+        if n <= min(_RELAXED_PASS_MAX_STAGES, self._stage_limit(implementation)):
             slot_bytes = max(1, -(-budget_bytes // self.slots))
             relaxed = self._fastest_plan(profile, budget_bytes + (2 * n + 2) * slot_bytes, implementation)
             if relaxed is not None:
@@ -191,7 +230,23 @@ class OptimalSolver:
         return schedule
 
     def _fastest_plan(self, profile: ChainProfile, budget_bytes: int, implementation: str) -> PlanTree | None:
-        """The fastest plan with sizes in slots, or None when rounding to slots leaves none."""
+        """The fastest plan with sizes in slots (over groups on a long chain), or None when rounding leaves none."""
+        limit = self._stage_limit(implementation)
+        if profile.n_stages <= limit:
+            return self._fastest_plan_by_stage(profile, budget_bytes, implementation)
+        starts = group_starts(profile, limit)
+        logger.info(
+            "solver %r: %d stages planned over %d groups of consecutive stages (max_stages=%d)",
+            self.name,
+            profile.n_stages,
+            len(starts),
+            limit,
+        )
+        plan = self._fastest_plan_by_stage(merged_profile(profile, starts), budget_bytes, implementation)
+        return None if plan is None else expanded_plan(plan, starts, profile.n_stages)
+
+    def _fastest_plan_by_stage(self, profile: ChainProfile, budget_bytes: int, implementation: str) -> PlanTree | None:
+        """The fastest plan of every stage of ``profile``, sizes in slots, or None when rounding leaves none."""
         slot_bytes = max(1, -(-budget_bytes // self.slots))
         arrays = _ChainArrays.from_profile(profile, unit_bytes=slot_bytes)
         budget_slots = budget_bytes // slot_bytes
@@ -220,12 +275,13 @@ class AutoSolver(OptimalSolver):
         slots: the number of memory slots (see :class:`OptimalSolver`).
         numpy_work_limit: the largest ``n_stages ** 3 * slots`` solved with numpy when
             numba is available.
+        max_stages: the longest chain solved stage by stage (see :class:`OptimalSolver`).
     """
 
     name: ClassVar[str] = "auto"
 
-    def __init__(self, *, slots: int = 500, numpy_work_limit: int = 10**8) -> None:
-        super().__init__(slots=slots, implementation="numpy")
+    def __init__(self, *, slots: int = 500, numpy_work_limit: int = 10**8, max_stages: int | None = None) -> None:
+        super().__init__(slots=slots, implementation="numpy", max_stages=max_stages)
         self.numpy_work_limit = int(numpy_work_limit)
         self._numba = numba_available()
 

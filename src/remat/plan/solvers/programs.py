@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from remat.plan.solvers.arrays import _ChainArrays
-from remat.plan.solvers.kernels import INT_INFINITY, close_subproblem, compiled_programs, one_stage_peaks
+from remat.plan.solvers.kernels import INT_INFINITY, compiled_programs
 
 __all__ = ["CostTable", "cost_table", "least_peaks"]
 
@@ -23,26 +23,63 @@ __all__ = ["CostTable", "cost_table", "least_peaks"]
 
 
 def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
-    """The numpy form: the regions of a subproblem as one array of stops."""
-    least, saturation = one_stage_peaks(arrays.single_peak, INT_INFINITY)
+    """The numpy form: all the subproblems of one length at once, their regions as one array.
+
+    Tables by length and start (``[d, a]`` holds the subproblem ``(a, a + d - 1)``) and by
+    length and end (``[d, b]``) make every term a slice: for the subproblems of length
+    ``d`` and the regions ``[a, a + k)``, the rests ``(a + k, b, 0)`` are rows ``d - 1 .. 1``
+    of the table by end, and the bodies ``(a, a + k - 1, 1)`` rows ``1 .. d - 1`` of the
+    table by start. The work is about ``n**3 / 6`` elements, with ``n`` steps of Python.
+    """
     n = arrays.n_stages
+    shape = (n + 1, n)
+    by_start = [np.full(shape, INT_INFINITY, dtype=np.int64) for _ in range(2)]
+    by_end = [np.full(shape, INT_INFINITY, dtype=np.int64) for _ in range(2)]
+    saturation_by_start = [np.full(shape, INT_INFINITY, dtype=np.int64) for _ in range(2)]
+    inner_by_length = np.zeros(shape, dtype=np.int64)  # [k, a] = inner(a, a + k)
+    workspace = np.empty(shape, dtype=np.int64)
+    for length in range(1, n + 1):
+        starts = np.arange(n - length + 1)
+        inner_by_length[length, : n - length + 1] = arrays.region_inner_forward[starts, starts + length]
+    activation = arrays.activation[:n]
+    saves_output = arrays.saves_output.astype(bool)
+    for held in (0, 1):
+        by_start[held][1] = arrays.single_peak[:, held]
+        by_end[held][1] = arrays.single_peak[:, held]
+        saturation_by_start[held][1] = arrays.single_peak[:, held]
     for length in range(2, n + 1):
-        for start in range(0, n - length + 1):
-            end = start + length - 1
-            region = arrays.region_peaks(least, start, end).min()
-            close_subproblem(
-                least,
-                saturation,
-                region,
-                start,
-                end,
-                arrays.activation,
-                arrays.outer_gradient,
-                arrays.first_forward,
-                arrays.store_background,
-                arrays.store_backward,
-                arrays.saves_output,
-            )
+        count = n - length + 1
+        start_activation = activation[:count]
+        ends = slice(length - 1, n)
+        # max(x_a + G + inner, x_a + rest, body) = max(x_a + max(G + inner, rest), body), in place.
+        regions = np.add(
+            inner_by_length[1:length, :count], arrays.outer_gradient[ends][None, :], out=workspace[: length - 1, :count]
+        )
+        np.maximum(regions, by_end[0][length - 1 : 0 : -1, ends], out=regions)
+        regions += start_activation[None, :]
+        np.maximum(regions, by_start[1][1:length, :count], out=regions)
+        region = regions.min(axis=0)
+        after = slice(1, count + 1)  # the subproblems (a + 1, b) of "store a"
+        next_least = np.where(saves_output[:count], by_start[1][length - 1, after], by_start[0][length - 1, after])
+        next_saturation = np.where(
+            saves_output[:count],
+            saturation_by_start[1][length - 1, after],
+            saturation_by_start[0][length - 1, after],
+        )
+        store_forward = start_activation + arrays.outer_gradient[ends] + arrays.first_forward[:count]
+        for held in (0, 1):
+            own = np.maximum(store_forward, arrays.store_backward[:count, held])
+            background = arrays.store_background[:count, held]
+            least_here = np.minimum(np.maximum(own, background + next_least), region)
+            by_start[held][length, :count] = least_here
+            by_end[held][length, ends] = least_here
+            saturation_by_start[held][length, :count] = np.maximum(own, background + next_saturation)
+    least = np.full((n, n, 2), INT_INFINITY, dtype=np.int64)
+    saturation = np.full((n, n, 2), INT_INFINITY, dtype=np.int64)
+    firsts, lasts = np.triu_indices(n)
+    for held in (0, 1):
+        least[firsts, lasts, held] = by_start[held][lasts - firsts + 1, firsts]
+        saturation[firsts, lasts, held] = saturation_by_start[held][lasts - firsts + 1, firsts]
     return least, saturation
 
 
@@ -83,16 +120,18 @@ class CostTable(Protocol):
 
 
 class _DenseCosts:
-    """cost(a, b, h, m) read from the numpy form's table ``[h, a, b, m]``."""
+    """cost(a, b, h, m) read from the numpy form's tables: ``[b, a, m]`` for h = 0, ``[a, b, m]`` for h = 1."""
 
-    def __init__(self, table: np.ndarray) -> None:
-        self.table = table
+    def __init__(self, by_end: np.ndarray, by_start: np.ndarray) -> None:
+        self.by_end = by_end
+        self.by_start = by_start
 
     def lookup(self, starts: np.ndarray, ends: np.ndarray, helds: np.ndarray, memories: np.ndarray) -> np.ndarray:
         """See :meth:`CostTable.lookup`."""
         inside = memories >= 0
         result = np.full(np.broadcast(starts, memories).shape, np.inf)
-        values = self.table[helds, starts, ends, np.maximum(memories, 0)]
+        clipped = np.maximum(memories, 0)
+        values = np.where(helds == 0, self.by_end[ends, starts, clipped], self.by_start[starts, ends, clipped])
         result[inside] = np.broadcast_to(values, result.shape)[inside]
         return result
 
@@ -125,37 +164,65 @@ class _JaggedCosts:
         return result
 
 
-def _dense_costs_numpy(arrays: _ChainArrays, budget_units: int) -> _DenseCosts:
-    """The numpy form: cost(a, b, h, m) for every memory up to the budget, the regions as arrays of stops."""
+def _dense_costs_numpy(
+    arrays: _ChainArrays, budget_units: int, least: np.ndarray, saturation: np.ndarray
+) -> _DenseCosts:
+    """The numpy form: cost(a, b, h, m) for every memory up to the budget, the regions as arrays of stops.
+
+    A subproblem's regions are computed only for the memories between its least and
+    store-everything peaks (above, "store a" gives the store-everything time). The forward
+    peaks of its regions grow with their stop, so every region fits the memories from the
+    last one's on, and only the memories below it need a mask of the regions that fit.
+
+    The subproblems are taken by end, then by start from the last: the rests of a region,
+    ``(j, b, 0)``, are then the rows of one block of the table kept by end (``[b, j, m]``),
+    which stays in cache while every start reads it, and the bodies ``(a, c, 1)`` one
+    block of the table kept by start. The program is bound by memory traffic.
+    """
     n = arrays.n_stages
     width = budget_units + 1
     memory = np.arange(width, dtype=np.int64)
-    table = np.full((2, n, n, width), np.inf, dtype=np.float64)
+    tables = (np.full((n, n, width), np.inf), np.full((n, n, width), np.inf))  # h = 0 by end, h = 1 by start
+    workspace = np.empty((max(n - 1, 1), width), dtype=np.float64)
+    region = np.empty(width, dtype=np.float64)
     for start in range(n):
         for held in (0, 1):
             fits = memory >= arrays.single_peak[start, held]
-            table[held, start, start, fits] = arrays.forward_backward_s[start]
-    for length in range(2, n + 1):
-        for start in range(0, n - length + 1):
-            end = start + length - 1
+            tables[held][start, start, fits] = arrays.forward_backward_s[start]
+    for end in range(1, n):
+        rests = tables[0][end]
+        for start in range(end - 1, -1, -1):
+            length = end - start + 1
             activation = int(arrays.activation[start])
-            region = np.full(width, np.inf)
-            if activation < width:
+            region.fill(np.inf)
+            thresholds = arrays.region_forward_peaks(start, end)
+            low = max(int(least[start, end].min()), activation, int(thresholds[0]))
+            high = min(width, int(saturation[start, end].max()))
+            if low < high:
                 recompute_s = arrays.forward_prefix_s[start + 1 : end + 1] - arrays.forward_prefix_s[start]
-                rest = table[0, start + 1 : end + 1, end, : width - activation]
-                body = table[1, start, start:end, activation:]
-                options = recompute_s[:, None] + rest + body
-                options[memory[None, activation:] < arrays.region_forward_peaks(start, end)[:, None]] = np.inf
-                region[activation:] = options.min(axis=0)
-            following = table[int(arrays.saves_output[start]), start + 1, end]
+                options = np.add(
+                    rests[start + 1 : end + 1, low - activation : high - activation],
+                    recompute_s[:, None],
+                    out=workspace[: length - 1, : high - low],
+                )
+                options += tables[1][start, start:end, low:high]
+                split = min(max(int(thresholds[-1]), low), high)
+                if split < high:
+                    options[:, split - low :].min(axis=0, out=region[split:high])
+                if low < split:
+                    below = options[:, : split - low]
+                    below[memory[None, low:split] < thresholds[:, None]] = np.inf
+                    below.min(axis=0, out=region[low:split])
+            following = tables[1][start + 1, end] if arrays.saves_output[start] else rests[start + 1]
             for held in (0, 1):
+                # "store start" into the row (infinite where it does not fit), then the regions.
+                row = rests[start] if held == 0 else tables[1][start, end]
                 background = int(arrays.store_background[start, held])
-                store = np.full(width, np.inf)
                 if background < width:
-                    store[background:] = arrays.forward_backward_s[start] + following[: width - background]
-                store[: min(arrays.store_own_peak(start, end, held), width)] = np.inf
-                table[held, start, end] = np.minimum(store, region)
-    return _DenseCosts(table)
+                    np.add(following[: width - background], arrays.forward_backward_s[start], out=row[background:])
+                row[: min(arrays.store_own_peak(start, end, held), width)] = np.inf
+                np.minimum(row, region, out=row)
+    return _DenseCosts(*tables)
 
 
 def _row_offsets(lengths: np.ndarray) -> tuple[np.ndarray, int]:
@@ -209,5 +276,5 @@ def cost_table(
         implementation: "numba" for the compiled loops, anything else for numpy.
     """
     if implementation != "numba":
-        return _dense_costs_numpy(arrays, budget_units)
+        return _dense_costs_numpy(arrays, budget_units, least, saturation)
     return _jagged_costs_compiled(arrays, budget_units, least, saturation)
