@@ -491,10 +491,27 @@ def summarize(strategies: list[Strategy]) -> list[dict[str, Any]]:
             row["over_budget"] = row["measured_peak_bytes"] > row["budget_bytes"]
         if row["family"] in REMAT_FAMILIES and " at " in row["strategy"]:
             row["vs_strategy_2"] = row["median_step_s"] / second["median_step_s"]
+    add_time_check([strategy.row for strategy in strategies])
     if own is not None and own.get("median_step_s"):
         for row in (s.row for s in strategies if s.row["family"] == "torch.compile" and s.row.get("median_step_s")):
             row["vs_own_baseline"] = row["median_step_s"] / own["median_step_s"]
     return [strategy.row for strategy in strategies]
+
+
+def add_time_check(rows: list[dict[str, Any]]) -> None:
+    """The planner's predicted extra seconds per step beside the measured ones (remat rows).
+
+    The prediction is the plan's recompute time (``predicted_overhead`` is a share of the
+    chain's step time, ``predicted_time_s`` that step with the recompute); the measured
+    extra time is the row's median step less plain's.
+    """
+    plain_s = rows[0].get("median_step_s")
+    for row in rows:
+        overhead = row.get("predicted_overhead")
+        if overhead is None or not row.get("median_step_s") or not plain_s:
+            continue
+        row["predicted_extra_s"] = row["predicted_time_s"] * overhead / (1.0 + overhead)
+        row["measured_extra_s"] = row["median_step_s"] - plain_s
 
 
 # ---------------------------------------------------------------------------- targets
@@ -595,7 +612,7 @@ def table_row(row: dict[str, Any]) -> str:
             reason = f"infeasible (minimum {minimum} of plain)"
         else:
             reason = f"failed: {row.get('error', '')[:120]}"
-        return f"| {row['strategy']} | {budget_text(row)} | {reason} | | | | | | | | |"
+        return f"| {row['strategy']} | {budget_text(row)} | {reason} | | | | | | | | | |"
     predicted = format_bytes(row["predicted_peak_bytes"]) if row.get("predicted_peak_bytes") else ""
     error = percent(row.get("prediction_error")) if row.get("prediction_error") is not None else ""
     own = f"x{row['vs_own_baseline']:.3f}" if row.get("vs_own_baseline") else ""
@@ -605,10 +622,13 @@ def table_row(row: dict[str, Any]) -> str:
         budget = f"{budget_text(row)} ({percent(row['budget_vs_plain'], signed=False)})"
     else:
         budget = budget_text(row)
+    extra = ""
+    if "predicted_extra_s" in row:
+        extra = f"{row['predicted_extra_s'] * 1e3:+.0f} / {row['measured_extra_s'] * 1e3:+.0f}"
     return (
         f"| {row['strategy']} | {budget} | {format_bytes(row['measured_peak_bytes'])} | "
         f"{percent(row['peak_vs_plain'], signed=False)} | {allocator} | {predicted} | {error} | "
-        f"{row['median_step_s'] * 1e3:.1f} | x{row['vs_plain']:.3f} | {own} | {compile_s} |"
+        f"{row['median_step_s'] * 1e3:.1f} | x{row['vs_plain']:.3f} | {extra} | {own} | {compile_s} |"
     )
 
 
@@ -624,11 +644,12 @@ def markdown(result: dict[str, Any]) -> str:
         "from the CPU allocator's events, for every row (it also sees kernels' own workspaces); % of plain is "
         "on the row's own ruler, and (d) compares allocator peaks. Prediction error = (predicted - measured) / "
         "measured. Compile's own-baseline overhead is against torch.compile at budget 1.0; compile s is the first "
-        "step's wall time (compile included, fresh inductor cache).",
+        "step's wall time (compile included, fresh inductor cache). Extra ms: the plan's predicted recompute "
+        "time per step / the measured median step less plain's.",
         "",
         "| strategy | budget | measured peak | % of plain | allocator peak | predicted peak | prediction error "
-        "| median step ms | vs plain | compile vs own 1.0 | compile s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| median step ms | vs plain | extra ms predicted / measured | compile vs own 1.0 | compile s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [table_row(row) for row in result["rows"]]
     for key, title in (("targets", "targets"), ("targets_nested", f"targets of {REMAT_NESTED}")):
@@ -707,9 +728,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def render(path: Path) -> None:
+    """Writes the Markdown table of a result again from its JSON (the time check added)."""
+    result = json.loads(path.read_text())
+    add_time_check(result["rows"])
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--render", type=Path, default=None, metavar="RESULT.json", help="rewrite its table only")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS))
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--nested", action="store_true", help="remat with nested=True too, in the same run")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile's points out")
@@ -720,6 +750,11 @@ def main() -> None:
         "--fractions", default=",".join(map(str, FRACTIONS)), help="comma-separated budgets for compile and remat"
     )
     options = parser.parse_args()
+    if options.render is not None:
+        render(options.render)
+        return
+    if options.workload is None:
+        parser.error("--workload is required (or --render)")
     fractions = [float(text) for text in options.fractions.split(",")]
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="planner_inductor_", ignore_cleanup_errors=True) as cache:
