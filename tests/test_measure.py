@@ -137,3 +137,44 @@ def test_a_short_stage_is_timed_as_the_median_of_several_runs() -> None:
     stage = next(index for index, module in enumerate(chain.modules) if module is slow)
     assert len(slow.real_calls) == 1 + FORWARD_REPEATS
     assert measurement.stages[stage].forward_time_s < 0.03
+
+
+class _Clock:
+    """A stand-in for ``time.perf_counter`` that the model's own code can move forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def test_the_code_between_two_stages_is_timed_with_the_stage_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [glue time]: a replay runs that code again after the stage, so it costs with it."""
+    clock = _Clock()
+    monkeypatch.setattr("remat.measure.timing.time", clock)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(16, 16)
+            self.second = nn.Linear(16, 16)
+            self.third = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.first(x)
+            clock.now += 1.0  # the model's own code between the first two stages: a second
+            h = self.second(torch.tanh(h))
+            out = self.third(h)
+            clock.now += 5.0  # after the last stage: not the chain's (never replayed)
+            return out
+
+    model = Model()
+    sample = torch.randn(8, 16)
+    chain = discover_chain(model, (sample,), {})
+    assert chain.modules == [model.first, model.second, model.third]
+    measurement = measure_chain(model, chain, (sample,), {}, sized=True)
+    forward_s = [stage.forward_time_s for stage in measurement.stages]
+    assert 1.0 < forward_s[0] < 1.1
+    assert forward_s[1] < 0.1 and forward_s[2] < 0.1

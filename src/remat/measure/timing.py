@@ -10,7 +10,9 @@ holds between stages: the pass fits in any budget that a schedule of the chain f
 (:func:`timing_need_bytes` gives the bound before the pass runs).
 
 Each stage's forward is timed alone (on a GPU, with the device synchronised around it),
-and each group's backward as a whole (charged to its last stage). A short stage's forward
+with the model's code from its return to the next stage's call added to it (the glue a
+replay runs again after the stage), and each group's backward as a whole (charged to its
+last stage). A short stage's forward
 (one of few floating-point operations in the sized step: a norm, an activation, a small
 product) is a few microseconds that one sample times badly: it runs ``FORWARD_REPEATS``
 more times without grad, and its time is the median of all its samples. A group whose backward
@@ -103,6 +105,7 @@ class _GroupTimer:
         self.synchronize = synchronize
         self.times = [(0.0, 0.0)] * len(chain)
         self.next_stage = 0
+        self._returned: float | None = None  # when the stage call before returned
         self._grad_mode = False
         # NOTE [suffix on real tensors]
         # With a tracker, the last group is not cut from what follows: its backward runs
@@ -130,6 +133,7 @@ class _GroupTimer:
         return time.perf_counter()
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        entered = self._now()
         if index != self.next_stage:
             raise UnsupportedModel(
                 f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} was "
@@ -137,6 +141,12 @@ class _GroupTimer:
                 "order, in every forward"
             )
         self.next_stage += 1
+        if self._returned is not None:
+            # NOTE [glue time]: the model's code since the stage before returned is part of
+            # that stage's forward: a replay runs it again after the stage (an attention's
+            # product between two nested projections is most of a block's work).
+            before_s, before_backward_s = self.times[index - 1]
+            self.times[index - 1] = (before_s + entered - self._returned, before_backward_s)
         suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
         if self.track_all and index in self.first_stages:
             self._group_start = self._event()
@@ -185,6 +195,7 @@ class _GroupTimer:
             if self.track_all:
                 self.group_windows.append((self._group_start, self._event()))
         self.times[index] = (forward_s, backward_s)
+        self._returned = self._now()
         return out
 
     def _event(self) -> int:
