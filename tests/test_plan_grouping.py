@@ -93,6 +93,27 @@ def test_a_pinned_stage_pins_its_group() -> None:
     assert merged.pinned_stages == (1,)
 
 
+def test_a_break_inside_a_group_pins_the_group() -> None:
+    profile = dataclasses.replace(random_chain(2, 9), region_breaks=(3, 5))
+    merged = merged_profile(profile, (0, 3, 6))
+    assert merged.region_breaks == (1,) and merged.pinned_stages == (1,)
+    # Many breaks: groups no longer follow them, and every plan of the merged chain that
+    # simulate() accepts expands to a plan that crosses none.
+    crowded = dataclasses.replace(random_chain(4, 9), region_breaks=(2, 3, 4, 5, 6, 7))
+    starts = group_starts(crowded, 3)
+    assert len(starts) == 3
+    merged = merged_profile(crowded, starts)
+    accepted = 0
+    for plan in all_plans(merged.n_stages):
+        try:
+            on_groups = simulate(merged, plan)
+        except InvalidPlan:
+            continue
+        accepted += 1
+        assert simulate(crowded, expanded_plan(plan, starts, 9)).peak_bytes <= on_groups.peak_bytes
+    assert 0 < accepted < len(all_plans(merged.n_stages))
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("seed", range(10))
 def test_a_long_chain_is_planned_over_groups_within_the_budget(implementation: str, seed: int) -> None:

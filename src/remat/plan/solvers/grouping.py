@@ -35,15 +35,18 @@ __all__: list[str] = []
 # most where the merged plan does on the merged chain, and takes exactly its time: a plan
 # the program finds within the budget on the merged chain is within it on the chain. The
 # program is exact on the merged chain; over the chain it is optimal among the plans whose
-# regions start and stop at group boundaries.
+# regions start and stop at group boundaries. A region of the merged chain crosses a break
+# or holds a pinned stage of the chain exactly when it crosses a merged break (one at a
+# group's first stage) or holds a pinned group (one with a pinned stage or a break inside).
 
 
 def group_starts(profile: ChainProfile, n_groups: int) -> tuple[int, ...]:
     """The first stage of each of about ``n_groups`` groups of consecutive stages.
 
     Groups are of near-equal length; each boundary moves, within half a group of where even
-    lengths would put it, to the smallest activation (a cheaper checkpoint). Every region
-    break of the profile is a boundary, since no region crosses it.
+    lengths would put it, to the smallest activation (a cheaper checkpoint). The region
+    breaks of the profile are boundaries too, unless there are more than half as many as
+    groups: a break inside a group then pins the group (see :func:`merged_profile`).
     """
     n = profile.n_stages
     if n_groups >= n:
@@ -51,7 +54,8 @@ def group_starts(profile: ChainProfile, n_groups: int) -> tuple[int, ...]:
     length = n / n_groups
     reach = max(0, int(length // 2))
     activation = np.asarray(profile.activation_bytes, dtype=np.int64)
-    chosen = {0, *profile.region_breaks}
+    breaks = profile.region_breaks if len(profile.region_breaks) <= n_groups // 2 else ()
+    chosen = {0, *breaks}
     previous = 0
     for index in range(1, n_groups):
         nominal = int(round(index * length))
@@ -70,10 +74,13 @@ def group_starts(profile: ChainProfile, n_groups: int) -> tuple[int, ...]:
 def merged_profile(profile: ChainProfile, starts: tuple[int, ...]) -> ChainProfile:
     """The chain of the groups that begin at ``starts`` (see NOTE [merged stages]).
 
+    A region break at a group's first stage is a break of the merged chain; one inside a
+    group pins the group (a region holding it would cross the break), as does a pinned
+    stage.
+
     Args:
         profile: the chain.
-        starts: the first stage of each group, increasing, starting at 0; every region
-            break of the profile among them.
+        starts: the first stage of each group, increasing, starting at 0.
     """
     n = profile.n_stages
     bounds = (*starts, n)
@@ -119,8 +126,13 @@ def merged_profile(profile: ChainProfile, starts: tuple[int, ...]) -> ChainProfi
         forward_temp_bytes=tuple(forward_temp),
         backward_temp_bytes=tuple(backward_temp),
         metadata=dict(profile.metadata),
-        region_breaks=tuple(starts.index(k) for k in profile.region_breaks),
-        pinned_stages=tuple(sorted({int(group_of[g]) for g in profile.pinned_stages})),
+        region_breaks=tuple(starts.index(k) for k in profile.region_breaks if k in starts),
+        pinned_stages=tuple(
+            sorted(
+                {int(group_of[g]) for g in profile.pinned_stages}
+                | {int(group_of[k]) for k in profile.region_breaks if k not in starts}
+            )
+        ),
         offload_time_per_byte_s=profile.offload_time_per_byte_s,
     )
 
