@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -270,3 +271,19 @@ def test_a_plan_nested_as_deep_as_a_long_chain_needs_no_recursion() -> None:
     assert ops[0] == Operation(OperationKind.FORWARD_CHECKPOINT, 0) and ops[-1] == Operation(OperationKind.BACKWARD, 0)
     assert sum(op.kind is OperationKind.BACKWARD for op in ops) == n
     assert simulate(random_chain(0, n), plan).peak_bytes > 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_simulate_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    """simulate() pauses the cyclic collector while it runs (long timelines), errors included."""
+    profile = random_chain(0, 4)
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        simulate(profile, (Store(0), Store(1), Store(2), Store(3)))
+        assert gc.isenabled() is enabled
+        with pytest.raises(InvalidPlan):
+            simulate(profile, (Store(0), Store(2), Store(1), Store(3)))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
