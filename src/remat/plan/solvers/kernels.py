@@ -75,13 +75,16 @@ def store_own_peak(
     outer_gradient: np.ndarray,
     first_forward: np.ndarray,
     store_backward: np.ndarray,
-    start: int,
-    end: int,
+    start: Stops,
+    end: Stops,
     held: int,
 ) -> Any:
-    """The peak of the forward and the backward of "store ``start``" in ``(start, end, held)``, start < end."""
+    """The peak of the forward and the backward of "store ``start``" in ``(start, end, held)``, start < end.
+
+    Scalars, or arrays over subproblems when ``start`` and ``end`` are slices of equal length.
+    """
     forward = activation[start] + outer_gradient[end] + first_forward[start]
-    return max(forward, store_backward[start, held])
+    return np.maximum(forward, store_backward[start, held])
 
 
 # ------------------------------------------------------------ the least-peak program

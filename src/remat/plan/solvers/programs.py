@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from remat.plan.solvers.arrays import _ChainArrays
-from remat.plan.solvers.kernels import INT_INFINITY, compiled_programs
+from remat.plan.solvers.kernels import INT_INFINITY, compiled_programs, region_peak, store_own_peak
 
 __all__ = ["CostTable", "cost_table", "least_peaks"]
 
@@ -37,7 +37,6 @@ def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
     by_end = [np.full(shape, INT_INFINITY, dtype=np.int64) for _ in range(2)]
     saturation_by_start = [np.full(shape, INT_INFINITY, dtype=np.int64) for _ in range(2)]
     inner_by_length = np.zeros(shape, dtype=np.int64)  # [k, a] = inner(a, a + k)
-    workspace = np.empty(shape, dtype=np.int64)
     for length in range(1, n + 1):
         starts = np.arange(n - length + 1)
         inner_by_length[length, : n - length + 1] = arrays.region_inner_forward[starts, starts + length]
@@ -51,14 +50,11 @@ def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
         count = n - length + 1
         start_activation = activation[:count]
         ends = slice(length - 1, n)
-        # max(x_a + G + inner, x_a + rest, body) = max(x_a + max(G + inner, rest), body), in place.
-        regions = np.add(
-            inner_by_length[1:length, :count], arrays.outer_gradient[ends][None, :], out=workspace[: length - 1, :count]
-        )
-        np.maximum(regions, by_end[0][length - 1 : 0 : -1, ends], out=regions)
-        regions += start_activation[None, :]
-        np.maximum(regions, by_start[1][1:length, :count], out=regions)
-        region = regions.min(axis=0)
+        # the regions' forward peaks (region_forward_peak, by length), then region_peak
+        forward = (start_activation + arrays.outer_gradient[ends])[None, :] + inner_by_length[1:length, :count]
+        rests = by_end[0][length - 1 : 0 : -1, ends]
+        bodies = by_start[1][1:length, :count]
+        region = region_peak(forward, start_activation[None, :], rests, bodies).min(axis=0)
         after = slice(1, count + 1)  # the subproblems (a + 1, b) of "store a"
         next_least = np.where(saves_output[:count], by_start[1][length - 1, after], by_start[0][length - 1, after])
         next_saturation = np.where(
@@ -66,9 +62,11 @@ def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
             saturation_by_start[1][length - 1, after],
             saturation_by_start[0][length - 1, after],
         )
-        store_forward = start_activation + arrays.outer_gradient[ends] + arrays.first_forward[:count]
         for held in (0, 1):
-            own = np.maximum(store_forward, arrays.store_backward[:count, held])
+            own = store_own_peak(
+                arrays.activation, arrays.outer_gradient, arrays.first_forward, arrays.store_backward,
+                slice(0, count), ends, held,
+            )  # fmt: skip
             background = arrays.store_background[:count, held]
             least_here = np.minimum(np.maximum(own, background + next_least), region)
             by_start[held][length, :count] = least_here
