@@ -571,7 +571,7 @@ def test_frugal_measurement_uses_less_memory_and_plans_within_the_budget(name: s
 def test_a_plain_measuring_step_that_runs_out_of_memory_is_measured_frugally(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import remat.automatic as module
+    import remat.measure.step as module
 
     original = module.measure_chain
     modes = []

@@ -40,7 +40,7 @@ def test_work_scales_linearly_for_projections_and_squarely_for_attention() -> No
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), Attention(), nn.Tanh(), nn.Linear(16, 16))
     short, long = sized(model, torch.randn(2, 32, 16)), sized(model, torch.randn(2, 64, 16))
-    flops = [(a.forward_flops, b.forward_flops) for a, b in zip(short.stages, long.stages, strict=True)]
+    flops = [(a.forward_work.flops, b.forward_work.flops) for a, b in zip(short.stages, long.stages, strict=True)]
     assert flops[0][1] == 2 * flops[0][0] > 0  # the projection: twice the tokens
     assert flops[1][1] == 4 * flops[1][0] > 0  # attention: the square
     assert flops[2] == (0, 0)  # elementwise: no flops counted, scaled by its bytes
@@ -84,12 +84,12 @@ def test_a_scaled_shape_whose_forward_is_off_is_timed_at_its_next_step() -> None
     found = timings.known_times(keys[1], second)
     assert found is not None and found[1] == pytest.approx(1.5)
     timings.record(keys[1], with_times(second, found[0]), scaled=True)
-    assert timings.unverified(keys[1]) and timings.counts == {"timed": 1, "scaled": 1}
+    assert timings.unverified(keys[1]) and timings.counts == {"timed": 1, "scaled": 1, "estimated": 0}
     ratio, retime = timings.verify(keys[1], 100.0)  # far slower than the estimate
     assert ratio > SCALING_RANGE and retime and timings.must_retime(keys[1])
     assert timings.known_times(keys[1], second) is None  # timed now
     timings.record(keys[1], second, scaled=False)
-    assert not timings.must_retime(keys[1]) and timings.counts == {"timed": 2, "scaled": 1}
+    assert not timings.must_retime(keys[1]) and timings.counts == {"timed": 2, "scaled": 1, "estimated": 0}
     with pytest.raises(ValueError, match="at least 1"):
         ShapeTimings(limit=0)
 
@@ -102,7 +102,7 @@ def test_a_shape_far_from_every_timed_one_is_timed_while_timings_are_left() -> N
         wrapped(torch.randn(rows, 32)).sum().backward()
     # 8 timed; 12 within 2x of it: scaled; 64 far: timed (the second and last timing);
     # 80 within range of 64; 256 and 300 far from both, but no timings are left
-    assert wrapped.measure_counts == {"timed": 2, "scaled": 4}
+    assert wrapped.measure_counts == {"timed": 2, "scaled": 4, "estimated": 0}
 
 
 @pytest.mark.slow

@@ -27,8 +27,10 @@ from remat.discover.chain import Chain, discover_chain
 from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
-from remat.measure.fake import FakeRunFailed, on_fake_tensors
+from remat.measure.estimate import step_estimator
+from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
 from remat.measure.scale import ShapeTimings
+from remat.measure.step import measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, offload_option, prepared
@@ -56,7 +58,7 @@ logger = logging.getLogger("remat")
 DEFAULT_PLANNING_MARGIN = 0.02
 
 #: The ways of measuring stages (see ``measure`` in :class:`Checkpointable`).
-_MEASURE_MODES = ("sized", "plain", "frugal")
+_MEASURE_MODES = ("sized", "plain", "frugal", "estimated")
 
 
 class _PlanOptions(NamedTuple):
@@ -130,6 +132,11 @@ class Checkpointable(ModelStandIn):
             * ``"frugal"``: the same steps with the stages recomputed in segments of about
               sqrt(n) (see NOTE [frugal measurement]); its predictions err a little more
               on the safe side.
+            * ``"estimated"``: sized, with times estimated from each stage's work by a cost
+              model calibrated on the device (:mod:`remat.measure.estimate`): nothing runs
+              on the device before the first step, which trains on that plan; the next
+              training step times the stages and plans again. A model built on the meta
+              device (too large to hold) can be measured and planned this way.
         frugal_measure: deprecated; True selects the default (``measure="sized"``) and warns.
         nested: plan inside blocks too: a block whose submodules run one after another (a
             transformer block's norms, attention and MLP) is split into them, recursively, so
@@ -269,7 +276,9 @@ class Checkpointable(ModelStandIn):
             references.append(found[2])
             return found[0]
 
-        if how == "sized":
+        estimate = how == "estimated" and not self._shapes.was_estimated(key)
+        model, loss_fn = self.model, self._loss_fn
+        if how in ("sized", "estimated"):
             try:
                 measurement = measure_chain(
                     self.model,
@@ -280,10 +289,13 @@ class Checkpointable(ModelStandIn):
                     sized=True,
                     before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
                     known_times=known_times,
+                    estimated_times=step_estimator(model, step_device(model, sample_inputs, sample_kwargs))
+                    if estimate
+                    else None,
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.
-                measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=False)
+                measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=False)
                 how = "plain"
                 warnings.warn(
                     f"remat: the model cannot run on fake tensors ({error}), so its sizes could not be known "
@@ -293,12 +305,16 @@ class Checkpointable(ModelStandIn):
                     stacklevel=3,
                 )
         else:
-            measurement = self._measure_on_device(chain, sample_inputs, sample_kwargs, frugal=how == "frugal")
+            frugal = how == "frugal"
+            measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)
         if references:  # the same model code holds the same inputs at every shape
             measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
-        self._shapes.record(key, measurement, scaled=bool(scaled))
+        estimated = estimate and how != "plain" and not scaled
+        self._shapes.record(key, measurement, scaled=bool(scaled), estimated=estimated)
         if scaled:
             how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"
+        elif estimated:
+            how = "sized; times estimated, timed at the next training step"
         logger.info(
             "remat measured %s (%s): %d stages (%d planned) in %.2f s, plain peak %s",
             what_changed(self._last_key, key),
@@ -320,26 +336,6 @@ class Checkpointable(ModelStandIn):
         self._last_key = key
         gc.collect(1)  # measuring leaves reference cycles holding tensors: gone before the next step
         return measurement
-
-    def _measure_on_device(
-        self, chain: Chain, args: tuple[Any, ...], kwargs: dict[str, Any], *, frugal: bool
-    ) -> ChainMeasurement:
-        """A plain (or frugal) measured step; a plain one that runs out of memory is made frugal."""
-        try:
-            return measure_chain(self.model, chain, args, kwargs, loss_fn=self._loss_fn, frugal=frugal)
-        except torch.OutOfMemoryError:
-            if frugal:
-                raise
-        # A plain step does not fit the device: measure frugally instead (the model, its
-        # gradients and buffers were put back as they were).
-        warnings.warn(
-            "remat: a plain training step does not fit in memory; measuring with recompute instead (measure='frugal')",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return measure_chain(self.model, chain, args, kwargs, loss_fn=self._loss_fn, frugal=True)
 
     def _timed_backwards(
         self, key: Hashable, sized: ChainMeasurement, needs: tuple[int, ...], training: bool
@@ -446,6 +442,7 @@ class Checkpointable(ModelStandIn):
             self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan)
         else:
             if must_measure:
+                refuse_meta_training(self.model)
                 self._measure(args, kwargs, training=True)
             self._last_key, plan = key, self._plan(key, self.mem_limit)
         executor = self._executor(key, plan, args, kwargs)
@@ -510,9 +507,9 @@ class Checkpointable(ModelStandIn):
     def _discover(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         """The model's chain, found on fake tensors where it can (no device memory)."""
         discover = functools.partial(discover_chain, self.model, loss_fn=self._loss_fn, nested=self.nested)
-        if self.measure_mode == "sized":
+        if self.measure_mode in ("sized", "estimated"):
             try:
-                with on_fake_tensors(self.model) as fake:
+                with on_fake_tensors(self.model, step_device(self.model, args, kwargs)) as fake:
                     fake_args, fake_kwargs = fake.inputs(args, kwargs)
                     with fake.mode:
                         return discover(fake_args, fake_kwargs)
@@ -523,6 +520,7 @@ class Checkpointable(ModelStandIn):
     def _executor(self, key: Hashable, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ChainExecutor:
         executor = self._executors.get((key, plan))
         if executor is None:
+            refuse_meta_training(self.model)
             ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
             executor = self._executors[(key, plan)] = ChainExecutor(
                 chain, ops, preserve_rng_state=self.preserve_rng_state

@@ -167,7 +167,8 @@ class MemoryTracker(TorchDispatchMode):
             they are left out: they hold no memory.
         count_flops: also add up the floating-point operations of the operators that
             ``torch.utils.flop_counter`` knows (matrix products, convolutions, attention)
-            in :attr:`flops`: how remat scales measured times to new input shapes.
+            in :attr:`flops`, and count the operators run in :attr:`operations`: how remat
+            scales measured times to new input shapes and estimates times from shapes.
     """
 
     def __init__(
@@ -182,6 +183,7 @@ class MemoryTracker(TorchDispatchMode):
         self._count_fake = count_fake
         self._count_flops = count_flops
         self.flops = 0  # see count_flops
+        self.operations = 0
         self._lock = threading.Lock()
         self._device_type = None if device is None else torch.device(device).type
         self._allocations: dict[int, _Allocation] = {}
@@ -233,6 +235,7 @@ class MemoryTracker(TorchDispatchMode):
         input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
         out = func(*args, **kwargs)
         if self._count_flops:
+            self.operations += 1
             count = flop_registry.get(func._overloadpacket)
             if count is not None:
                 self.flops += int(count(*args, **kwargs, out_val=out))
@@ -402,6 +405,12 @@ class MemoryTracker(TorchDispatchMode):
         """Ids of the allocations made at or after `event`, live or freed."""
         with self._lock:
             return [a.allocation_id for a in self._allocations.values() if a.allocated_at >= event]
+
+    def allocated_bytes(self, start_event: int, stop_event: int) -> int:
+        """Bytes allocated by the events ``[start_event, stop_event)`` (growths included,
+        frees not subtracted; parameter gradients included: they are written too)."""
+        with self._lock:
+            return sum(delta for _, delta in self._events[start_event:stop_event] if delta > 0)
 
     def allocation_records(self, allocation_ids: Iterable[int]) -> dict[int, AllocationRecord]:
         """Allocation id -> (bytes when last seen, allocation event), for these ids."""

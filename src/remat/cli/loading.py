@@ -26,9 +26,18 @@ from remat.cli.codes import (
 from remat.errors import RematError
 
 if TYPE_CHECKING:
+    from remat.cli.render import Output
     from remat.models import ModelSpec
 
-__all__ = ["DEFAULT_BATCH", "Workload", "first_line", "is_out_of_memory", "load_workload", "model_failures"]
+__all__ = [
+    "DEFAULT_BATCH",
+    "Workload",
+    "first_line",
+    "is_out_of_memory",
+    "load_workload",
+    "measure_workload",
+    "model_failures",
+]
 
 DEFAULT_BATCH = 16
 
@@ -121,6 +130,7 @@ def load_workload(
     device: torch.device,
     hf: str | None = None,
     hf_config: Sequence[str] = (),
+    meta: bool = False,
 ) -> Workload:
     """Builds the model named on the command line, with its synthetic batch and loss.
 
@@ -131,6 +141,8 @@ def load_workload(
         device: where to build the model and the batch.
         hf: a Hugging Face architecture, built from its config with random weights.
         hf_config: ``KEY=VALUE`` settings of that config.
+        meta: build the model on the meta device (no memory: for planning from sizes
+            alone); the batch is still on `device`.
 
     Raises:
         CliError: unknown name (3), a bad factory (5), out of memory (6), bad arguments (7).
@@ -140,11 +152,11 @@ def load_workload(
             fail(EXIT_USAGE, "give a MODEL or --hf ARCHITECTURE (with --hf-config for its settings), not both")
         if batch is not None or input_shape is not None:
             fail(EXIT_USAGE, "--batch and --input-shape are not for --hf: the architecture's sample input fixes them")
-        return _hugging_face_workload(hf, hf_config, device)
+        return _hugging_face_workload(hf, hf_config, device, meta)
     if model is None:
         fail(EXIT_USAGE, "give a MODEL (a name from `remat models`, or package.module:function) or --hf ARCHITECTURE")
     if ":" in model:
-        return _load_factory(model, batch=batch, input_shape=input_shape, device=device)
+        return _load_factory(model, batch=batch, input_shape=input_shape, device=device, meta=meta)
     from remat.models import CATALOGUE
 
     spec = CATALOGUE.get(model)
@@ -156,12 +168,12 @@ def load_workload(
         )
     if input_shape is not None:
         fail(EXIT_USAGE, f"--input-shape is for a factory's model; {model} has its own input")
-    return _catalogue_workload(spec, batch or DEFAULT_BATCH, device)
+    return _catalogue_workload(spec, batch or DEFAULT_BATCH, device, meta)
 
 
-def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload:
+def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device, meta: bool) -> Workload:
     torch.manual_seed(0)
-    built = _build(spec.factory, spec.name, device)
+    built = _build(spec.factory, spec.name, device, meta)
     batch_size = batch
 
     def make_batch() -> tuple[tuple[Any, ...], Any]:
@@ -171,7 +183,7 @@ def _catalogue_workload(spec: ModelSpec, batch: int, device: torch.device) -> Wo
     return Workload(spec.name, built, make_batch, spec.loss_fn, f"{spec.name}'s own loss on synthetic data", device)
 
 
-def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.device) -> Workload:
+def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.device, meta: bool) -> Workload:
     try:
         import transformers  # noqa: F401
 
@@ -197,18 +209,19 @@ def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.dev
         fail(EXIT_USAGE, f"--hf-config: {error}")
     torch.manual_seed(0)
     with model_failures(f"building {name} from its config"):
-        built = _build(factory, f"hf:{name}", device)
+        built = _build(factory, f"hf:{name}", device, meta)
     inputs = {key: value.to(device) for key, value in kwargs.items()}
     return Workload(
         f"hf:{name}", built, lambda: (inputs, None), _sum_loss, "the model's own loss (from labels)", device
     )
 
 
-def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Module:
+def _build(factory: Callable[[], Any], name: str, device: torch.device, meta: bool) -> nn.Module:
     try:
-        built = factory()
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            built = factory()
         if isinstance(built, nn.Module):
-            built = built.to(device).train()
+            built = (built if meta else built.to(device)).train()
     except Exception as error:
         if is_out_of_memory(error):
             fail(EXIT_OUT_OF_MEMORY, f"out of memory building {name} on {device}: {first_line(error)}")
@@ -217,7 +230,7 @@ def _build(factory: Callable[[], Any], name: str, device: torch.device) -> nn.Mo
 
 
 def _load_factory(
-    text: str, *, batch: int | None, input_shape: tuple[int, ...] | None, device: torch.device
+    text: str, *, batch: int | None, input_shape: tuple[int, ...] | None, device: torch.device, meta: bool
 ) -> Workload:
     module_name, _, attribute = text.partition(":")
     if not module_name or not attribute:
@@ -238,7 +251,8 @@ def _load_factory(
         fail(EXIT_BAD_MODEL, f"{text} is a {type(factory).__name__}, not a function returning an nn.Module")
     try:
         torch.manual_seed(0)
-        result = factory()
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            result = factory()
     except CliError:
         raise
     except Exception as error:
@@ -254,7 +268,7 @@ def _load_factory(
             f"{text}() returned {type(result).__name__}; it must return an nn.Module or a "
             "tuple (nn.Module, sample_input)",
         )
-    model = _build(lambda: result, text, device)
+    model = _build(lambda: result, text, device, meta)
     inputs = _factory_inputs(text, sample, batch=batch, input_shape=input_shape, device=device)
     fixed_inputs = inputs
     return Workload(text, model, lambda: (fixed_inputs, None), _sum_loss, "the output's own loss, else its sum", device)
@@ -276,7 +290,8 @@ def _factory_inputs(
         leaves = sample if isinstance(sample, tuple) else (sample,)
         if not leaves or not all(isinstance(t, Tensor) for t in leaves):
             fail(EXIT_BAD_MODEL, f"{text}() returned a sample input that is not a tensor or a tuple of tensors")
-        return tuple(t.to(device) for t in leaves)
+        # (a sample made on the meta device, with the model: zeros of its shapes)
+        return tuple(torch.zeros_like(t, device=device) if t.is_meta else t.to(device) for t in leaves)
     else:
         fail(
             EXIT_USAGE,
@@ -305,3 +320,46 @@ def human_count(n: int | None) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+def measure_workload(
+    workload: Workload, solver: str, output: Output, *, nested: bool, estimate: bool = False
+) -> tuple[Any, Any]:
+    """A ``Checkpointable`` of the workload's model measured on its batch, and that batch.
+
+    With `estimate`, nothing runs the model for real (see ``measure="estimated"``).
+    """
+    from remat.automatic import Checkpointable
+    from remat.bench.runner import call_with
+    from remat.cli.progress import measuring_progress
+
+    inputs, target = workload.make_batch()
+    loss_fn = workload.measurement_loss(target)
+    how = "estimated" if estimate else "sized"
+    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=loss_fn, nested=nested, measure=how)
+    with measuring_progress(workload.name, output) as progress:
+        with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
+            if not estimate:
+                _warm_up(workload, inputs, target)
+            progress("finding the chain of stages")
+            call_with(wrapper.measure, inputs)
+    return wrapper, inputs
+
+
+def _warm_up(workload: Workload, inputs: tuple[Any, ...], target: Any) -> None:
+    """Runs one training step and puts the model back: first-call costs stay out of the timings."""
+    from remat.bench.runner import call_with
+
+    model = workload.model
+    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    workload.loss_fn(call_with(model, inputs), target).backward()
+    for parameter in model.parameters():
+        parameter.grad = None
+    model.load_state_dict(state)
+
+
+def _shapes(inputs: Any) -> str:
+    from remat.bench.runner import input_tensors
+
+    shapes = [tuple(t.shape) for t in input_tensors(inputs)]
+    return ", ".join(str(s) for s in shapes) or "()"

@@ -44,11 +44,11 @@ from remat.cli.loading import (
     human_count,
     is_out_of_memory,
     load_workload,
+    measure_workload,
     model_failures,
     parameter_count,
     resolve_device,
 )
-from remat.cli.progress import measuring_progress
 from remat.cli.render import Output, bytes_and_mib, print_bench, print_plan, require_matplotlib
 from remat.errors import BudgetTooSmall, InvalidBudget, RematError
 
@@ -201,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         "feasible one (default: free device memory)",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    plan.add_argument(
+        "--estimate",
+        action="store_true",
+        help="plan without running the model: it is built on the meta device (no memory, so it may be larger "
+        "than the machine), sized on fake tensors, and its times estimated by a cost model calibrated on --device",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -287,40 +293,6 @@ def _budget(text: str, *, allow_minimum: bool) -> int | float | str:
         fail(EXIT_BAD_BUDGET, f"cannot read the budget {text!r}; use {BUDGET_FORMS}{also}")
 
 
-def _measure(workload: Workload, solver: str, output: Output, nested: bool) -> tuple[Any, Any]:
-    from remat.automatic import Checkpointable
-    from remat.bench.runner import call_with
-
-    inputs, target = workload.make_batch()
-    loss_fn = workload.measurement_loss(target)
-    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=loss_fn, nested=nested)
-    with measuring_progress(workload.name, output) as progress:
-        with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
-            _warm_up(workload, inputs, target)
-            progress("finding the chain of stages")
-            call_with(wrapper.measure, inputs)
-    return wrapper, inputs
-
-
-def _warm_up(workload: Workload, inputs: tuple[Any, ...], target: Any) -> None:
-    """Runs one training step and puts the model back: first-call costs stay out of the timings."""
-    from remat.bench.runner import call_with
-
-    model = workload.model
-    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    workload.loss_fn(call_with(model, inputs), target).backward()
-    for parameter in model.parameters():
-        parameter.grad = None
-    model.load_state_dict(state)
-
-
-def _shapes(inputs: Any) -> str:
-    from remat.bench.runner import input_tensors
-
-    shapes = [tuple(t.shape) for t in input_tensors(inputs)]
-    return ", ".join(str(s) for s in shapes) or "()"
-
-
 def _minimum_message(error: BudgetTooSmall, name: str) -> str:
     return (
         f"no recompute schedule of {name} fits the budget {bytes_and_mib(error.budget_bytes)}; "
@@ -337,13 +309,14 @@ def _workload(args: argparse.Namespace) -> Workload:
         device=resolve_device(args.device),
         hf=args.hf,
         hf_config=args.hf_config,
+        meta=getattr(args, "estimate", False),
     )
 
 
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     workload = _workload(args)
-    wrapper, inputs = _measure(workload, args.solver, output, args.nested)
+    wrapper, inputs = measure_workload(workload, args.solver, output, nested=args.nested, estimate=args.estimate)
     try:
         plan = wrapper.plan_for(budget)
     except BudgetTooSmall as error:

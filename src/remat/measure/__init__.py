@@ -7,6 +7,7 @@
 
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.instrument import StageMeasurement
-from remat.measure.step import isolated_inputs, measure_chain, preserved_model_state
+from remat.measure.isolation import isolated_inputs, preserved_model_state
+from remat.measure.step import measure_chain
 
 __all__ = ["ChainMeasurement", "StageMeasurement", "isolated_inputs", "measure_chain", "preserved_model_state"]

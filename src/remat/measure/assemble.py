@@ -24,7 +24,7 @@ from typing import NamedTuple
 from remat.discover.chain import Chain
 from remat.manual._state import snapshot_bytes
 from remat.measure.groups import group_stages, region_limits
-from remat.measure.instrument import StageMeasurement, StageWatch
+from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import cached_casts, glue_constants, held_outside_chain, recomputed, sum_except
 from remat.memory import AllocationRecord, MemoryTracker
 from remat.plan.lifetimes import GlueConstant, HeldInput
@@ -326,12 +326,15 @@ def _take_backward_windows(step: TrackedStep) -> None:
     """Sets each stage's backward window in the tracked step's events."""
     watch = step.watch
     end_event = step.tracker.n_events
+    end_work = work_mark(step.tracker)
     for index, stage in enumerate(watch.stages):
         # stage i's backward runs from the moment its output's gradient is complete to the
         # moment its input's gradient is (index i - 1; -1 stands for the chain input)
         start_event = watch.grad_ready_event.get(index)
         if start_event is not None:
             stage.backward_window = (start_event, watch.grad_ready_event.get(index - 1, end_event))
+            stop = watch.grad_ready_work.get(index - 1, end_work)
+            stage.backward_work = work_between(step.tracker, watch.grad_ready_work[index], stop)
 
 
 def _suffix(step: TrackedStep) -> _Suffix:

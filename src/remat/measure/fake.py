@@ -24,9 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.discover.intercept import uncompiled
-from remat.errors import RematError
+from remat.errors import RematError, UnsupportedModel
 
-__all__ = ["FakeRunFailed", "on_fake_tensors"]
+__all__ = ["FakeRunFailed", "on_fake_tensors", "refuse_meta_training"]
 
 
 class FakeRunFailed(Exception):
@@ -36,15 +36,26 @@ class FakeRunFailed(Exception):
 class _FakeModel:
     """The fake mode of one run, and what it converted."""
 
-    def __init__(self, mode: FakeTensorMode) -> None:
+    def __init__(self, mode: FakeTensorMode, device: torch.device) -> None:
         self.mode = mode
+        self.device = device
         self._memo: dict[int, torch.Tensor] = {}
+
+    def _from_meta(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A fake tensor on the device for a tensor of the meta device (a model built there)."""
+        if tensor.numel() <= 1 and not tensor.is_floating_point():
+            # a counter: its value is read as a number, and a meta tensor has none
+            real = torch.zeros(tensor.shape, dtype=tensor.dtype, device=self.device)
+            return self.mode.fake_tensor_converter.from_real_tensor(self.mode, real, make_constant=True)
+        return self.mode.fake_tensor_converter.from_meta_and_device(self.mode, tensor.detach(), self.device)
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """The fake counterpart of `tensor` (the same one for the same tensor)."""
         fake = self._memo.get(id(tensor))
         if fake is None:
-            if tensor.numel() <= 1 and not isinstance(tensor, nn.Parameter):
+            if tensor.is_meta:
+                converted = self._from_meta(tensor)
+            elif tensor.numel() <= 1 and not isinstance(tensor, nn.Parameter):
                 # A counter such as BatchNorm's num_batches_tracked is read as a number in
                 # the forward: a fake constant keeps its value and follows its updates.
                 converted = self.mode.fake_tensor_converter.from_real_tensor(
@@ -69,7 +80,7 @@ class _FakeModel:
         out = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                fake: torch.Tensor = self.mode.from_tensor(leaf.detach())
+                fake: torch.Tensor = self._from_meta(leaf) if leaf.is_meta else self.mode.from_tensor(leaf.detach())
                 if leaf.requires_grad:
                     with self.mode:
                         fake = fake.requires_grad_(True) if leaf.is_leaf else fake.requires_grad_(True).clone()
@@ -77,6 +88,16 @@ class _FakeModel:
             else:
                 out.append(leaf)
         return tree_unflatten(out, spec)
+
+
+def refuse_meta_training(model: nn.Module) -> None:
+    """Raises :class:`~remat.errors.UnsupportedModel` if `model` has parameters on the meta
+    device: such a model is sized and planned, never trained."""
+    if any(p.is_meta for p in model.parameters()):
+        raise UnsupportedModel(
+            "the model's parameters are on the meta device: it can be measured and planned "
+            "(measure='estimated', then plan_for), not trained. Build it on a real device to train"
+        )
 
 
 def _holds_fake(value: Any) -> bool:
@@ -87,8 +108,12 @@ def _holds_fake(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
+def on_fake_tensors(model: nn.Module, device: torch.device | None = None) -> Iterator[_FakeModel]:
     """Within this block, `model`'s parameters and buffers are fake tensors.
+
+    Those of the meta device (a model built under ``torch.device("meta")``, too large to
+    hold) become fake tensors on `device` (default: the first device other than meta among
+    the model's tensors, else the CPU), as if the model were there.
 
     Yields the converter; run the model inside ``with converter.mode:`` on inputs from
     :meth:`_FakeModel.inputs`. On exit the real parameters and buffers are back, and
@@ -96,7 +121,10 @@ def on_fake_tensors(model: nn.Module) -> Iterator[_FakeModel]:
     as it was (or removed). A failure inside the block is raised as
     :class:`FakeRunFailed`, with the cause chained.
     """
-    fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True))
+    if device is None:
+        held = [t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+        device = held[0] if held else torch.device("cpu")
+    fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True), device)
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     # Modules compiled with module.compile() run their own forward here: compiled code

@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,7 +30,32 @@ from remat.discover.intercept import call_original
 from remat.errors import UnsupportedModel
 from remat.memory import MemoryTracker
 
-__all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "tensors_in"]
+__all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "Work", "tensors_in", "work_between", "work_mark"]
+
+
+class Work(NamedTuple):
+    """What a stretch of a step computes, as the tracker counts it.
+
+    Attributes:
+        flops: floating-point operations of the operators ``torch.utils.flop_counter``
+            knows (matrix products, convolutions, attention).
+        operations: operators run (each costs a call, whatever its size).
+        allocated_bytes: bytes of the storages it allocates (written at least once).
+    """
+
+    flops: int = 0
+    operations: int = 0
+    allocated_bytes: int = 0
+
+
+def work_between(tracker: MemoryTracker, start: tuple[int, int, int], stop: tuple[int, int, int]) -> Work:
+    """The work between two marks of :func:`work_mark`."""
+    return Work(stop[0] - start[0], stop[1] - start[1], tracker.allocated_bytes(start[2], stop[2]))
+
+
+def work_mark(tracker: MemoryTracker | None) -> tuple[int, int, int]:
+    """(flops, operations, events) counted so far: where a stretch of work starts or stops."""
+    return (tracker.flops, tracker.operations, tracker.n_events) if tracker is not None else (0, 0, 0)
 
 
 @dataclass
@@ -58,8 +83,9 @@ class StageMeasurement:
             the stage before, after that stage returned it.
         input_requires_grad: for each tensor among its inputs (in flattening order),
             whether it required grad.
-        forward_flops: floating-point operations of its forward, where the tracker counts
-            them (matrix products, convolutions, attention; 0 otherwise).
+        forward_work: the work of its forward (its glue included), where the tracker counts
+            it (sized and tracked steps; zero in a timing step).
+        backward_work: the work of its backward, the same way.
         kept_constants: allocation id -> bytes of the tensors made since the chain began
             that the model's code after it (or the next stage) takes as they are: the
             executor keeps them for the replay when it recomputes the stage.
@@ -83,7 +109,8 @@ class StageMeasurement:
     modifies_input: bool = False
     input_changed: bool = False
     input_requires_grad: tuple[bool, ...] = ()
-    forward_flops: int = 0
+    forward_work: Work = Work()
+    backward_work: Work = Work()
     kept_constants: dict[int, int] = field(default_factory=dict)
     glue_replayable: bool = True
     glue_constants: frozenset[int] = frozenset()
@@ -166,12 +193,13 @@ class StageWatch:
         self.current: int | None = None
         self.next_stage = 0
         self._glue: GlueRecorder | None = None  # the running stage's glue, while it runs
-        self._started: tuple[float, int, int, int] = (0.0, 0, 0, 0)
+        self._started: tuple[float, int, int, tuple[int, int, int]] = (0.0, 0, 0, (0, 0, 0))
         self._block_outputs: dict[int, int] = {}
         self._saved_at_return = (0, 0)
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
         self.grad_ready_time: dict[int, float] = {}  # stage -> when its output's gradient was complete
         self.grad_ready_event: dict[int, int] = {}
+        self.grad_ready_work: dict[int, tuple[int, int, int]] = {}  # stage -> work mark then
         self.output_grad_bytes = 0
         self.gradient_allocations: set[int] = set()
         self.input_gradient_allocations: dict[int, set[int]] = {}  # stage -> its input's gradient
@@ -222,7 +250,7 @@ class StageWatch:
             time.perf_counter(),
             self.event(),
             tracker.n_saved if tracker is not None else 0,
-            tracker.flops if tracker is not None else 0,
+            work_mark(tracker),
         )
         try:
             if self._run is not None and torch.is_grad_enabled():
@@ -255,7 +283,7 @@ class StageWatch:
         made: list[torch.Tensor] = []
         stage = self.stages[index]
         tracker = self.tracker
-        start_time, start_event, start_saved, start_flops = self._started
+        start_time, start_event, start_saved, start_work = self._started
         if glue is not None and args is not None and kwargs is not None:
             recorded = glue.finish(args, kwargs)
             stage.glue_replayable = recorded.replayable
@@ -273,7 +301,7 @@ class StageWatch:
         stage.forward_time_s = time.perf_counter() - start_time
         stage.forward_window = (start_event, self.event())
         if tracker is not None:
-            stage.forward_flops = tracker.flops - start_flops
+            stage.forward_work = work_between(tracker, start_work, work_mark(tracker))
             # an output that the glue saves for its backward (x + gamma * block(x)) is the
             # stage's own saved tensor, not one that escapes to the model's code
             tracked_at, own_at = self._saved_at_return
@@ -331,6 +359,7 @@ class StageWatch:
         tracker = self.tracker
         self.grad_ready_time[index] = time.perf_counter()
         self.grad_ready_event[index] = tracker.n_events if tracker is not None else 0
+        self.grad_ready_work[index] = work_mark(tracker)
         if grad is None:
             received[position] = 0
         else:

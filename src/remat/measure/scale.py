@@ -30,7 +30,7 @@ __all__ = ["SCALING_RANGE", "ShapeTimings", "scaled_times", "work_ratio"]
 
 def _work(stages: Sequence[StageMeasurement]) -> tuple[int, int]:
     """(flops, bytes produced and kept) of these stages' forwards."""
-    flops = sum(stage.forward_flops for stage in stages)
+    flops = sum(stage.forward_work.flops for stage in stages)
     produced = sum(
         sum(stage.output_storages.values()) + sum(nbytes for nbytes, _ in stage.saved_storages.values())
         for stage in stages
@@ -98,7 +98,8 @@ class ShapeTimings:
             raise ValueError(f"timed_shapes is at least 1 (the first shape is timed), got {limit}")
         self.limit = limit
         self.timed: dict[Hashable, dict[Hashable, ChainMeasurement]] = {}
-        self.counts = {"timed": 0, "scaled": 0}
+        self.counts = {"timed": 0, "scaled": 0, "estimated": 0}
+        self._estimated: set[Hashable] = set()  # shapes planned once on estimated times
         self._unverified: dict[Hashable, float] = {}  # key -> predicted forward seconds
         self._retime: set[Hashable] = set()
 
@@ -121,10 +122,14 @@ class ShapeTimings:
             return None
         return scaled_times(reference, sized), ratio, reference
 
-    def record(self, key: Hashable, measurement: ChainMeasurement, *, scaled: bool) -> None:
-        """Notes how the shape `key` was measured."""
-        self.counts["scaled" if scaled else "timed"] += 1
-        if scaled:
+    def record(self, key: Hashable, measurement: ChainMeasurement, *, scaled: bool, estimated: bool = False) -> None:
+        """Notes how the shape `key` was measured (`estimated`: its times come from a cost
+        model, and it is timed at its next training step)."""
+        self.counts["estimated" if estimated else "scaled" if scaled else "timed"] += 1
+        if estimated:
+            self._estimated.add(key)
+            self._retime.add(key)
+        elif scaled:
             self._unverified[key] = sum(measurement.profile.forward_time_s)
         else:
             self.timed.setdefault(shape_family(key), {})[key] = measurement
@@ -148,6 +153,10 @@ class ShapeTimings:
             "; the shape is timed at its next step" if retime else "",
         )
         return out
+
+    def was_estimated(self, key: Hashable) -> bool:
+        """Whether the shape `key` was planned on estimated times before (it is timed now)."""
+        return key in self._estimated
 
     def must_retime(self, key: Hashable) -> bool:
         """Whether the shape `key` is to be timed again (its scaled times were off)."""

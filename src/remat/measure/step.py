@@ -31,27 +31,36 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import RematError, UnsupportedModel
-from remat.manual._state import is_state_attribute, learning_state, rehearsing
+from remat.manual._state import learning_state
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
+from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
-from remat.measure.parameters import alias_parameters
+from remat.measure.isolation import isolated_inputs, preserved_model_state
 from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
-__all__ = ["MEASURING_PHASES", "isolated_inputs", "measure_chain", "preserved_model_state"]
+__all__ = [
+    "MEASURING_PHASES",
+    "isolated_inputs",
+    "measure_chain",
+    "measure_on_device",
+    "preserved_model_state",
+    "step_device",
+    "step_devices",
+]
 
 logger = logging.getLogger("remat")
 
@@ -81,6 +90,7 @@ def measure_chain(
     sized: bool = False,
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None = None,
     known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None = None,
+    estimated_times: Estimator | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -110,20 +120,65 @@ def measure_chain(
             run (None: all; see :func:`remat.measure.timing.time_groups`), or raises to stop
             there (a budget below the feasible minimum). It is called first with no needs,
             before anything runs on the device, then again before the timing pass.
+        known_times: with `sized`, times for the measurement of bytes, if known (scaled
+            from another shape: no timing pass, nor its rehearsal), else None.
+        estimated_times: with `sized`, gives times for the measurement of bytes in place
+            of the timing pass (the profile's ``metadata["times"]`` says so). The pass is
+            still rehearsed on fake tensors, for what the model holds across stages, but
+            not run: nothing runs on the device.
     """
     default = _DefaultLoss()
     chosen: Callable[[Any], Any] = loss_fn if loss_fn is not None else default
-    devices = sorted({t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}, key=str)
-    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    devices = step_devices(model, args, kwargs)
+    device = step_device(model, args, kwargs)
     if sized:
         measurement = _sized_measurement(
-            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times
+            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times, estimated_times
         )
     else:
         measurement = _plain_measurement(model, chain, args, kwargs, chosen, devices, device, frugal)
     if default.from_output:
         measurement = dataclasses.replace(measurement, loss_from_output=True)
     return measurement
+
+
+def measure_on_device(
+    model: nn.Module,
+    chain: Chain,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], Any] | None,
+    *,
+    frugal: bool,
+) -> ChainMeasurement:
+    """A plain (or frugal) measured step; a plain one that runs out of memory is made frugal."""
+    try:
+        return measure_chain(model, chain, args, kwargs, loss_fn=loss_fn, frugal=frugal)
+    except torch.OutOfMemoryError:
+        if frugal:
+            raise
+    # A plain step does not fit the device: measure frugally instead (the model, its
+    # gradients and buffers were put back as they were).
+    warnings.warn(
+        "remat: a plain training step does not fit in memory; measuring with recompute instead (measure='frugal')",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return measure_chain(model, chain, args, kwargs, loss_fn=loss_fn, frugal=True)
+
+
+def step_devices(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.device]:
+    """The devices of the inputs and parameters (the meta device left out: a model built
+    there is sized on its inputs' device, see :func:`~remat.measure.fake.on_fake_tensors`)."""
+    everything = {t.device for t in tensors_in((args, kwargs))} | {p.device for p in model.parameters()}
+    return sorted((d for d in everything if d.type != "meta"), key=str)
+
+
+def step_device(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device a step is measured on: the first among :func:`step_devices` other than the CPU."""
+    return next((d for d in step_devices(model, args, kwargs) if d.type != "cpu"), torch.device("cpu"))
 
 
 def _plain_measurement(
@@ -173,6 +228,7 @@ def _sized_measurement(
     device: torch.device,
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
     known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None,
+    estimated_times: Estimator | None = None,
 ) -> ChainMeasurement:
     """Bytes from a step on fake tensors, then times from a pass of one group at a time."""
     run_loss = functools.partial(_loss_and_backward, loss_fn)
@@ -183,7 +239,7 @@ def _sized_measurement(
         return loss_fn(output)
 
     _phase(1, "a step sized on fake tensors (no device memory)")
-    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         versions = [
             t._version if isinstance(t, torch.Tensor) else None for t in tree_flatten((fake_args, fake_kwargs))[0]
@@ -217,15 +273,29 @@ def _sized_measurement(
     times = known_times(sized) if known_times is not None else None
     if times is not None:
         return with_times(sized, times)
-    _phase(3, f"timing the stages, one of {len(sized.groups)} groups at a time")
+    _phase(
+        3,
+        f"timing the stages, one of {len(sized.groups)} groups at a time"
+        if estimated_times is None
+        else "rehearsing the timing pass on fake tensors; times estimated from the sizes",
+    )
     # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
-    with preserved_model_state(model, devices), on_fake_tensors(model) as fake:
+    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
             rehearsal = time_groups(
                 model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device,
                 run_loss=run_loss, track_all=True, rehearsal=True,
             )  # fmt: skip
+    if estimated_times is not None:
+        estimated = with_times(sized, estimated_times(sized))
+        metadata = {**estimated.profile.metadata, "times": estimated_times.describe()}
+        return dataclasses.replace(
+            estimated,
+            profile=dataclasses.replace(estimated.profile, metadata=metadata),
+            input_held_until=rehearsal.input_held_until,
+            held_outputs=rehearsal.held_outputs,
+        )
     # the real pass runs on copies of the inputs the model changes in place (on aliases
     # of the others), which the rehearsal did not count
     leaves = tree_flatten((args, kwargs))[0]
@@ -472,89 +542,6 @@ def _loss_and_backward(
     # stages saved (the executor warns about a backward inside the region).
     torch.clear_autocast_cache()
     loss.backward()
-
-
-@contextlib.contextmanager
-def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
-    """Runs the body as remat's own run: the model is left as it was.
-
-    On exit, parameter gradients, every buffer (values and identity), every module's plain
-    attributes (numbers, strings, tensors held outside buffers) and the RNG states are
-    restored; meanwhile :func:`remat.is_recomputing` is True, so user code can tell these
-    runs from training forwards.
-    """
-    grads = [(p, p.grad) for p in model.parameters()]
-    aliased = alias_parameters(model)
-    buffers = [
-        (module, name, b, b.detach().clone())
-        for module in model.modules()
-        for name, b in module._buffers.items()
-        if b is not None
-    ]
-    attributes = [(module, dict(module.__dict__)) for module in model.modules()]
-    cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
-    try:
-        with torch.random.fork_rng(devices=cuda), rehearsing():
-            for p, _ in grads:
-                p.grad = None
-            yield
-    finally:
-        for table, name, parameter in aliased:
-            table[name] = parameter
-        with torch.no_grad():
-            for module, name, b, saved in buffers:
-                module._buffers[name] = b
-                b.copy_(saved)
-        for module, before in attributes:
-            for name in [n for n in module.__dict__ if n not in before and _restored(n)]:
-                del module.__dict__[name]
-            for name, value in before.items():
-                if _restored(name):
-                    module.__dict__[name] = value
-        for p, g in grads:
-            p.grad = g
-
-
-def _restored(name: str) -> bool:
-    """Whether measurement puts a module's attribute back: its state, and its training mode."""
-    return name == "training" or is_state_attribute(name)
-
-
-def isolated_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], *, copied: AbstractSet[int] | None = None
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Inputs for remat's own runs: the caller's tensors are never touched.
-
-    The measured steps run backward: on the caller's tensors that would accumulate
-    gradients into them (and into whatever they were computed from) and free the
-    caller's graph before its own backward; and a model that works in place on its input
-    would change the caller's tensor before remat could refuse it. Each tensor is
-    replaced by a copy with the same values and flags (one that requires grad gets a
-    graph of its own). With `copied` (the positions, among the flattened inputs, of the
-    tensors the model changes in place), the other tensors are detached aliases instead:
-    no memory, and still no gradient or graph of the caller's.
-    """
-    leaves, spec = tree_flatten((args, kwargs))
-    leaves = [
-        (_copy(leaf) if copied is None or position in copied else _alias(leaf))
-        if isinstance(leaf, torch.Tensor)
-        else leaf
-        for position, leaf in enumerate(leaves)
-    ]
-    return tree_unflatten(leaves, spec)
-
-
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    alias = tensor.detach()
-    return alias.requires_grad_(True) if tensor.requires_grad else alias
-
-
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
-    # A leaf stays a leaf: autocast caches its casts of leaves that require grad (until
-    # its region ends), not those of activations (NOTE [autocast casts]).
-    if tensor.requires_grad and not tensor.is_leaf:
-        return tensor.detach().requires_grad_(True).clone()
-    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
 
 
 def _check_no_cache(output: Any) -> None:

@@ -168,7 +168,7 @@ class _GroupTimer:
         if cut:
             out = _not_aliasing(out, cut)
         stage = self.stages[index]
-        if stage.forward_flops < REPEATED_BELOW_FLOPS and not stage.modifies_input:
+        if stage.forward_work.flops < REPEATED_BELOW_FLOPS and not stage.modifies_input:
             samples = [forward_s]
             with torch.no_grad():  # nothing kept: only the repeat's outputs, freed at once
                 for _ in range(FORWARD_REPEATS):

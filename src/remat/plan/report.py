@@ -124,6 +124,7 @@ class PlanReport:
             "overhead_fraction": self.overhead_fraction,
             "baseline_peak_bytes": self.baseline.peak_bytes,
             "baseline_time_s": self.baseline.time_s,
+            "times": schedule.profile.metadata.get("times", "measured"),
             "plan": plan_to_data(schedule.items),
             "region_breaks": list(schedule.profile.region_breaks),
             "pinned_stages": list(schedule.profile.pinned_stages),
@@ -157,6 +158,8 @@ class PlanReport:
             f"  recomputed:      {recomputed} of {n_stages} stages,"
             f" {extra_forwards} extra forward{'s' if extra_forwards != 1 else ''}",
         ]
+        if "times" in schedule.profile.metadata:
+            lines.append(f"  stage times:     {schedule.profile.metadata['times']}")
         if schedule.offloaded_stages:
             simulation = schedule.simulation
             lines.append(
