@@ -14,7 +14,8 @@ For each workload of ``benchmarks/planner.py`` (``gpt2``, ``resnet``, ``mlp``), 
 Bytes are the same either way (both come from the sized step), so both plans fit the same
 budget; the estimate can only cost time. One thread. Run
 ``python benchmarks/estimate.py [--workloads gpt2 resnet mlp] [--steps 5]``; it writes
-``results/estimate.json`` and ``results/estimate.md``.
+``results/estimate.json`` and ``results/estimate.md`` (``--render RESULT.json`` rewrites the
+table from a result).
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         '# Plans from sizes alone (`measure="estimated"`) against plans from timed stages',
         "",
-        f"torch {torch.__version__}, {platform.machine()}, 1 thread; {results[0]['cost_model'] if results else ''}",
+        f"torch {torch.__version__}, {platform.machine()}, 1 thread. The cost model of each workload, "
+        "calibrated within its largest stage's bytes (NOTE [calibrating within the budget]):",
+        "",
+        *(f"- {r['workload']}: {r['cost_model']}" for r in results),
         "",
         "## Stage times, estimated against timed",
         "",
@@ -189,7 +193,12 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--render", type=Path, default=None, metavar="RESULT.json", help="only rewrite its table")
     args = parser.parse_args()
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(results))
+        return
     torch.set_num_threads(1)
     results = [run_workload(name, args.steps) for name in args.workloads]
     args.output_dir.mkdir(parents=True, exist_ok=True)
