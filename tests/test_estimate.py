@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -142,6 +143,10 @@ def test_the_first_step_trains_on_estimated_times_and_the_next_one_times_the_sta
     assert first_plan is not None
     assert real_passes == [] and wrapper.measure_counts == {"timed": 0, "scaled": 0, "estimated": 1}
     assert first_plan.schedule.profile.metadata["times"].startswith("estimated from the sizes")
+    # a training step's cost model holds no more than the step's largest stage
+    # (every stage here saves or outputs one activation: three tensors fit in it)
+    elements = int(re.search(r"additions of (\d+) elements", first_plan.schedule.profile.metadata["times"])[1])
+    assert 3 * elements <= BATCH * WIDTH < 6 * elements
     assert max(first_plan.forward_counts) > 1, "a budget of 0.7 must make something recompute"
     assert tracker.peak_bytes <= first_plan.budget_bytes
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
@@ -191,6 +196,8 @@ def test_a_model_on_the_meta_device_is_planned_with_the_bytes_of_the_real_one() 
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert estimated.minimum_budget_bytes() == timed.minimum_budget_bytes()
     assert all(p.is_meta for p in on_meta.parameters()), "measuring leaves the model on the meta device"
+    # planning only: the cost model is calibrated at its full sizes, out of the caches
+    assert f"additions of {8 * 2**20} elements" in sized.metadata["times"]
     with pytest.raises(UnsupportedModel, match="meta device"):
         estimated(x)
 

@@ -178,3 +178,52 @@ def test_the_code_between_two_stages_is_timed_with_the_stage_before(monkeypatch:
     forward_s = [stage.forward_time_s for stage in measurement.stages]
     assert 1.0 < forward_s[0] < 1.1
     assert forward_s[1] < 0.1 and forward_s[2] < 0.1
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(hidden)) * mask
+
+
+class _MaskedBlocks(nn.Module):
+    """Blocks given a mask that the model makes once, after its first stage (as a decoder's
+    attention mask is made after its embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        mask = (x.abs() < 10).to(x.dtype)
+        for block in self.blocks:
+            hidden = block(hidden, mask)
+        return hidden
+
+
+@pytest.mark.parametrize("measure", ["sized", "plain"])
+def test_a_side_input_given_to_every_stage_does_not_hold_their_inputs(measure: str) -> None:
+    import remat
+
+    torch.manual_seed(0)
+    wrapper = remat.Checkpointable(_MaskedBlocks(), None, measure=measure, loss_fn=lambda out: out.sum())
+    measurement = wrapper.measure(torch.randn(64, 32))
+    # each block's input (the block before's output) dies with the block that takes it; the
+    # mask, which every block takes, is counted once, where it is made
+    assert measurement.input_held_until == tuple(range(len(measurement.stages)))
+    mask_bytes = 64 * 32 * 4
+    assert [nbytes for nbytes, *_ in measurement.glue_constants] == [mask_bytes]
+    # and the smallest budget holds, the mask alive through every block
+    model = _MaskedBlocks()
+    wrapper = remat.Checkpointable(model, "min", measure=measure, loss_fn=lambda out: out.sum())
+    x = torch.randn(64, 32)
+    wrapper.measure(x)  # (a plain measuring step is not bounded by the budget)
+    with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
+        wrapper(x).sum().backward()
+    assert wrapper.plan is not None and max(wrapper.plan.forward_counts) > 1
+    assert tracker.peak_bytes <= wrapper.plan.budget_bytes

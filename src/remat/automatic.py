@@ -278,6 +278,8 @@ class Checkpointable(ModelStandIn):
 
         estimate = how == "estimated" and not self._shapes.was_estimated(key)
         model, loss_fn = self.model, self._loss_fn
+        # the cost model of a training call holds no more than its step (NOTE [calibrating within the budget])
+        estimator = step_estimator(model, step_device(model, sample_inputs, sample_kwargs), bounded=training)
         if how in ("sized", "estimated"):
             try:
                 measurement = measure_chain(
@@ -289,9 +291,7 @@ class Checkpointable(ModelStandIn):
                     sized=True,
                     before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
                     known_times=known_times,
-                    estimated_times=step_estimator(model, step_device(model, sample_inputs, sample_kwargs))
-                    if estimate
-                    else None,
+                    estimated_times=estimator if estimate else None,
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.

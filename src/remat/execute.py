@@ -208,16 +208,7 @@ class _Run:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.offloads.after(index, out)
         if index == len(executor.chain) - 1 and torch.is_grad_enabled():
-            hooks = []
-            if executor.recomputes():
-                hooks.append(_refuse_retained_graph)
-            device_types = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-            if any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
-                hooks.append(functools.partial(_warn_backward_under_autocast, frozenset(device_types)))
-            for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    for hook in hooks:
-                        tensor.register_hook(hook)
+            _hook_chain_output(out, recomputes=executor.recomputes())
         return out
 
     # NOTE [glue between stages]
@@ -420,6 +411,13 @@ class ChainExecutor:
             refuse_compiled_state(chain, [call for call in compiled if self.first_forward[call][0] not in _STORES])
             hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
+        # NOTE [nothing to recompute]
+        # A schedule that stores every stage call (a budget of 1.0, or any budget the plain
+        # step fits in) is the plain step: the model runs its own forward, with no stage
+        # intercepted, so such a plan costs no time at all. What the executor would check
+        # (every stage called once, in order) matters only to a replay, and there is none.
+        self.plain = all(kind is _STORE for kind, _ in self.first_forward)
+
     def recomputes(self) -> bool:
         """Whether any stage call is recomputed (not stored by its first forward)."""
         return any(kind not in _STORES for kind, _ in self.first_forward)
@@ -430,6 +428,11 @@ class ChainExecutor:
             # Inside a block that remat.recompute is already recomputing: that block's
             # frame decides what is kept, the chain runs as plain code inside it.
             return model(*args, **kwargs)
+        if self.plain:  # NOTE [nothing to recompute]
+            out = model(*args, **kwargs)
+            if torch.is_grad_enabled():
+                _hook_chain_output(out, recomputes=False)
+            return out
         run = _Run(self)
         try:
             with intercept_stages(self.chain, run):
@@ -442,6 +445,21 @@ class ChainExecutor:
                 "needs every stage to run once per forward"
             )
         return out
+
+
+def _hook_chain_output(out: Any, *, recomputes: bool) -> None:
+    """Hooks on the chain's output: a retained graph is refused where stages are recomputed,
+    and a backward inside the forward's autocast region is warned about."""
+    hooks = []
+    if recomputes:
+        hooks.append(_refuse_retained_graph)
+    device_types = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    if any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
+        hooks.append(functools.partial(_warn_backward_under_autocast, frozenset(device_types)))
+    for tensor in tree_leaves(out):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for hook in hooks:
+                tensor.register_hook(hook)
 
 
 def _warn_backward_under_autocast(device_types: frozenset[str], grad: torch.Tensor) -> None:

@@ -52,6 +52,9 @@ class CostModel:
         flops_per_s: floating-point operations per second of a large matrix product.
         bytes_per_s: bytes per second that a large elementwise operator allocates and
             writes (reading its inputs included).
+        product_side: the side of the square matrices the product rate was measured on
+            (0 for a stand-in).
+        addition_elements: the elements of the tensors the byte rate was measured on.
     """
 
     device: str
@@ -59,6 +62,8 @@ class CostModel:
     call_s: float
     flops_per_s: float
     bytes_per_s: float
+    product_side: int = 0
+    addition_elements: int = 0
 
     def __post_init__(self) -> None:
         for name in ("call_s", "flops_per_s", "bytes_per_s"):
@@ -72,9 +77,14 @@ class CostModel:
 
     def describe(self) -> str:
         """One line: the rates and where they come from."""
+        sizes = (
+            f" (products {self.product_side}x{self.product_side}, additions of {self.addition_elements} elements)"
+            if self.product_side
+            else ""
+        )
         return (
             f"a cost model calibrated on {self.device} ({self.dtype}): {self.flops_per_s / 1e9:.1f} GFLOP/s, "
-            f"{self.bytes_per_s / 1e9:.2f} GB/s, {self.call_s * 1e6:.1f} us per operator"
+            f"{self.bytes_per_s / 1e9:.2f} GB/s, {self.call_s * 1e6:.1f} us per operator{sizes}"
         )
 
 
@@ -133,7 +143,7 @@ def _calibrate(device: str, dtype: torch.dtype, threads: int, side: int, element
     flops_per_s = 2 * side**3 / max(product_s - call_s, product_s / 2)
     add_s = _median_s(_operator_on((elements,), target, dtype, torch.add), synchronize, 5)
     bytes_per_s = elements * torch.empty((), dtype=dtype).element_size() / max(add_s - call_s, add_s / 2)
-    return CostModel(str(target), str(dtype).removeprefix("torch."), call_s, flops_per_s, bytes_per_s)
+    return CostModel(str(target), str(dtype).removeprefix("torch."), call_s, flops_per_s, bytes_per_s, side, elements)
 
 
 def calibrated_cost_model(
@@ -175,15 +185,23 @@ class Estimator:
     than what that step must hold anyway: every schedule holds, at some moment, a stage's
     whole saved tensors (at its backward) and a stage's whole output (when the next stage
     runs), so the largest of these is below every feasible budget, and calibrating within
-    it keeps the first step within its budget, the calibration included.
+    it keeps the first step within its budget, the calibration included. For a model of
+    small stages, that is the bandwidth of the caches, and the estimate is too fast. An
+    estimator that is not `bounded` (planning only: ``measure()``, ``remat plan --estimate``)
+    uses the full sizes of :func:`calibrated_cost_model`.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, bounded: bool = True) -> None:
         self.device = device
         self.dtype = dtype
+        self.bounded = bounded
         self.cost: CostModel | None = None
 
     def __call__(self, measurement: ChainMeasurement) -> list[tuple[float, float]]:
+        if not self.bounded:
+            self.cost = calibrated_cost_model(self.device, self.dtype)
+            logger.info("remat: the stages' times are %s", self.describe())
+            return estimated_times(measurement, self.cost)
         held = max(
             (
                 max(sum(nbytes for nbytes, _ in stage.saved_storages.values()), sum(stage.output_storages.values()))
@@ -202,9 +220,10 @@ class Estimator:
         return f"estimated from the sizes by {self.cost.describe()}"
 
 
-def step_estimator(model: torch.nn.Module, device: torch.device) -> Estimator:
+def step_estimator(model: torch.nn.Module, device: torch.device, *, bounded: bool = True) -> Estimator:
     """The estimator of `model`'s step on `device`: its cost model at the autocast dtype if
-    autocast is on there, else at the dtype of most of the model's floating parameters."""
+    autocast is on there, else at the dtype of most of the model's floating parameters
+    (`bounded`: see :class:`Estimator`)."""
     if torch.is_autocast_enabled(device.type):
-        return Estimator(device, torch.get_autocast_dtype(device.type))
-    return Estimator(device, dominant_dtype(list(model.parameters())))
+        return Estimator(device, torch.get_autocast_dtype(device.type), bounded=bounded)
+    return Estimator(device, dominant_dtype(list(model.parameters())), bounded=bounded)

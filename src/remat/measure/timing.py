@@ -23,6 +23,7 @@ would not fit in the budget runs its forward without grad and its backward is es
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import statistics
 import time
@@ -351,6 +352,7 @@ def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[di
     if not starts:
         return ()
     records = tracker.allocation_freed_events([a for taken in inputs for a in taken])
+    shared = collections.Counter(a for taken in inputs for a in taken)
     held = []
     for index, taken in enumerate(inputs):
         until = index
@@ -358,6 +360,11 @@ def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[di
             allocated, freed = records[allocation]
             if allocated < starts[0]:
                 continue  # held before the chain began (its input, the prefix): not the chain's
+            if shared.get(allocation, 0) > 1:
+                # other stages take it too: a side input the model gives several stages (an
+                # attention mask made once), held for all of them, not this stage's input;
+                # what is held of it is counted where it is made (glue constants)
+                continue
             # the last stage call that began before the storage was freed
             last = len(starts) - 1 if freed is None else bisect.bisect_left(starts, freed) - 1
             until = max(until, last)
