@@ -247,3 +247,12 @@ def test_the_command_lines_meta_models_hold_no_memory() -> None:
     assert all(p.is_meta for p in workload.model.parameters())
     inputs, _ = workload.make_batch()
     assert not any(t.is_meta for t in inputs)
+
+
+def test_remat_plan_estimate_takes_a_factorys_sample_input_made_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    # the factory runs under the meta device, so its sample input is made there too: the
+    # command gives zeros of its shape on the device instead
+    assert cli.main(["plan", "cli_factories:tiny_mlp_with_input", "--estimate", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["input_shapes"] == [[8, 16]]
+    assert document["schedule"]["times"].startswith("estimated")

@@ -23,7 +23,6 @@ would not fit in the budget runs its forward without grad and its backward is es
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import statistics
 import time
@@ -122,6 +121,7 @@ class _GroupTimer:
         self.group_windows: list[tuple[int, int]] = []
         self.stage_starts: list[int] = []  # with track_all: the event each stage call began at
         self.input_allocations: list[dict[int, int]] = []  # and what it took from before it
+        self.output_allocations: list[dict[int, int]] = []  # and what it returned
         self._group_start = 0
         self.suffix_start_event = 0
         self.gradient_event: int | None = None
@@ -195,9 +195,15 @@ class _GroupTimer:
             torch.clear_autocast_cache()
             if self.track_all:
                 self.group_windows.append((self._group_start, self._event()))
+        self._note_output(out)
         self.times[index] = (forward_s, backward_s)
         self._returned = self._now()
         return out
+
+    def _note_output(self, out: Any) -> None:
+        """Notes what a stage returned (when the pass tracks everything)."""
+        if self.everything is not None:
+            self.output_allocations.append(self.everything.allocations_of(tensors_in(out)))
 
     def _event(self) -> int:
         return self.everything.n_events if self.everything is not None else 0
@@ -329,7 +335,9 @@ def time_groups(
     if timer.everything is not None:
         timer.group_windows.append((timer._group_start, timer.everything.n_events))
         peaks = tuple(timer.everything.window(start, stop).peak_bytes for start, stop in timer.group_windows)
-        held = _input_held_until(timer.everything, timer.stage_starts, timer.input_allocations)
+        held = _input_held_until(
+            timer.everything, timer.stage_starts, timer.input_allocations, timer.output_allocations
+        )
         held_outputs = _held_outputs(timer.everything, timer.stage_starts, timer.input_allocations)
     if timer.tracker is None or timer.gradient_event is None:
         return TimingPass(times, None, peaks, held, held_outputs)
@@ -348,11 +356,16 @@ def time_groups(
 # without grad, each group's graph gone at its end, so what keeps a stage's input alive
 # there is the model alone: the stage call during which its storage is freed is the last
 # one it is held through (to the end of the forward when it outlives the pass).
-def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[dict[int, int]]) -> tuple[int, ...]:
+def _input_held_until(
+    tracker: MemoryTracker, starts: list[int], inputs: list[dict[int, int]], outputs: list[dict[int, int]]
+) -> tuple[int, ...]:
     if not starts:
         return ()
     records = tracker.allocation_freed_events([a for taken in inputs for a in taken])
-    shared = collections.Counter(a for taken in inputs for a in taken)
+    first_taker: dict[int, int] = {}
+    for index, taken in enumerate(inputs):
+        for allocation in taken:
+            first_taker.setdefault(allocation, index)
     held = []
     for index, taken in enumerate(inputs):
         until = index
@@ -360,10 +373,12 @@ def _input_held_until(tracker: MemoryTracker, starts: list[int], inputs: list[di
             allocated, freed = records[allocation]
             if allocated < starts[0]:
                 continue  # held before the chain began (its input, the prefix): not the chain's
-            if shared.get(allocation, 0) > 1:
-                # other stages take it too: a side input the model gives several stages (an
-                # attention mask made once), held for all of them, not this stage's input;
-                # what is held of it is counted where it is made (glue constants)
+            if first_taker[allocation] < index and allocation not in outputs[index - 1]:
+                # an earlier stage took it too, and the stage before did not return it: a
+                # side input the model gives several stages (an attention mask made once),
+                # held for all of them and counted with the first that takes it, not again
+                # with each. (A stage that returns its input, a dropout of probability 0,
+                # passes it on: then the next stage takes it from that stage.)
                 continue
             # the last stage call that began before the storage was freed
             last = len(starts) - 1 if freed is None else bisect.bisect_left(starts, freed) - 1
