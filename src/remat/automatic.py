@@ -260,6 +260,8 @@ class Checkpointable(ModelStandIn):
     def _measure(
         self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
     ) -> ChainMeasurement:
+        if training:
+            refuse_meta_training(self.model)  # (before its timing pass fails on the meta device)
         key = signature(self.model, sample_inputs, sample_kwargs)
         logger.info("remat is measuring the model (%s); its first step takes longer", what_changed(self._last_key, key))
         started = time.perf_counter()
@@ -276,10 +278,11 @@ class Checkpointable(ModelStandIn):
             references.append(found[2])
             return found[0]
 
-        estimate = how == "estimated" and not self._shapes.was_estimated(key)
         model, loss_fn = self.model, self._loss_fn
-        # the cost model of a training call holds no more than its step (NOTE [calibrating within the budget])
-        estimator = step_estimator(model, step_device(model, sample_inputs, sample_kwargs), bounded=training)
+        estimator = None
+        if how == "estimated" and not self._shapes.was_estimated(key):
+            # a training call's cost model holds no more than its step (NOTE [calibrating within the budget])
+            estimator = step_estimator(model, step_device(model, sample_inputs, sample_kwargs), bounded=training)
         if how in ("sized", "estimated"):
             try:
                 measurement = measure_chain(
@@ -291,7 +294,7 @@ class Checkpointable(ModelStandIn):
                     sized=True,
                     before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
                     known_times=known_times,
-                    estimated_times=estimator if estimate else None,
+                    estimated_times=estimator,
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.
@@ -309,7 +312,7 @@ class Checkpointable(ModelStandIn):
             measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)
         if references:  # the same model code holds the same inputs at every shape
             measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
-        estimated = estimate and how != "plain" and not scaled
+        estimated = estimator is not None and how != "plain" and not scaled
         self._shapes.record(key, measurement, scaled=bool(scaled), estimated=estimated)
         if scaled:
             how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"
@@ -442,7 +445,6 @@ class Checkpointable(ModelStandIn):
             self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan)
         else:
             if must_measure:
-                refuse_meta_training(self.model)
                 self._measure(args, kwargs, training=True)
             self._last_key, plan = key, self._plan(key, self.mem_limit)
         executor = self._executor(key, plan, args, kwargs)

@@ -92,9 +92,10 @@ def _table(
 def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
     """Prints the plan's report as a rich table, then its whole-step figures and budget split."""
     report = plan.report()
+    times = plan.schedule.profile.metadata.get("times")  # how the stage times were had, if not measured
     table = _table(
         f"recompute plan of {workload['model']} ({len(report.rows)} planned stages"
-        f"{', estimated times' if 'times' in plan.schedule.profile.metadata else ''})",
+        f"{', estimated times' if times else ''})",
         ("#", "stage", "forward", "backward", "output", "saved", "plan", "runs"),
         left_aligned={"stage", "plan"},
     )
@@ -127,8 +128,8 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
         f"(predicted step {format_seconds(plan.predicted_time_s)})",
         f"recomputed stages:   {recomputed} of {len(report.rows)}, {extra_forwards} extra stage forwards per step",
     ]
-    if "times" in plan.schedule.profile.metadata:
-        lines.append(f"stage times:         {plan.schedule.profile.metadata['times']}")
+    if times:
+        lines.append(f"stage times:         {times}")
     for line in lines:
         output.text(line)
 

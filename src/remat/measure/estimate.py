@@ -198,17 +198,15 @@ class Estimator:
         self.cost: CostModel | None = None
 
     def __call__(self, measurement: ChainMeasurement) -> list[tuple[float, float]]:
-        if not self.bounded:
-            self.cost = calibrated_cost_model(self.device, self.dtype)
-            logger.info("remat: the stages' times are %s", self.describe())
-            return estimated_times(measurement, self.cost)
-        held = max(
-            (
-                max(sum(nbytes for nbytes, _ in stage.saved_storages.values()), sum(stage.output_storages.values()))
-                for stage in measurement.stages
-            ),
-            default=0,
-        )
+        held = None
+        if self.bounded:
+            held = max(
+                (
+                    max(sum(nbytes for nbytes, _ in s.saved_storages.values()), sum(s.output_storages.values()))
+                    for s in measurement.stages
+                ),
+                default=0,
+            )
         self.cost = calibrated_cost_model(self.device, self.dtype, max_bytes=held)
         logger.info("remat: the stages' times are %s", self.describe())
         return estimated_times(measurement, self.cost)

@@ -108,12 +108,12 @@ def _holds_fake(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def on_fake_tensors(model: nn.Module, device: torch.device | None = None) -> Iterator[_FakeModel]:
+def on_fake_tensors(model: nn.Module, device: torch.device) -> Iterator[_FakeModel]:
     """Within this block, `model`'s parameters and buffers are fake tensors.
 
     Those of the meta device (a model built under ``torch.device("meta")``, too large to
-    hold) become fake tensors on `device` (default: the first device other than meta among
-    the model's tensors, else the CPU), as if the model were there.
+    hold) become fake tensors on `device` (the step's: see
+    :func:`remat.measure.step.step_device`), as if the model were there.
 
     Yields the converter; run the model inside ``with converter.mode:`` on inputs from
     :meth:`_FakeModel.inputs`. On exit the real parameters and buffers are back, and
@@ -121,9 +121,6 @@ def on_fake_tensors(model: nn.Module, device: torch.device | None = None) -> Ite
     as it was (or removed). A failure inside the block is raised as
     :class:`FakeRunFailed`, with the cause chained.
     """
-    if device is None:
-        held = [t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
-        device = held[0] if held else torch.device("cpu")
     fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True), device)
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]

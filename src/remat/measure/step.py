@@ -130,7 +130,7 @@ def measure_chain(
     default = _DefaultLoss()
     chosen: Callable[[Any], Any] = loss_fn if loss_fn is not None else default
     devices = step_devices(model, args, kwargs)
-    device = step_device(model, args, kwargs)
+    device = _first_accelerator(devices)
     if sized:
         measurement = _sized_measurement(
             model, chain, args, kwargs, chosen, devices, device, before_timing, known_times, estimated_times
@@ -178,7 +178,11 @@ def step_devices(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def step_device(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     """The device a step is measured on: the first among :func:`step_devices` other than the CPU."""
-    return next((d for d in step_devices(model, args, kwargs) if d.type != "cpu"), torch.device("cpu"))
+    return _first_accelerator(step_devices(model, args, kwargs))
+
+
+def _first_accelerator(devices: list[torch.device]) -> torch.device:
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def _plain_measurement(
