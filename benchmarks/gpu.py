@@ -174,10 +174,33 @@ def median_time(step: Callable[[], None], device: torch.device, repeats: int) ->
     return statistics.median(times)
 
 
+def blocks_of(model: Any) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face GPT-2 (its layers) or ResNet (its stages)."""
+    if hasattr(model, "transformer"):
+        return list(model.transformer.h)
+    return list(model.resnet.encoder.stages)
+
+
 def selective_matmuls(model: nn.Module) -> nn.Module:
-    """A copy with every GPT-2 block under torch's checkpoint with a policy saving matrix products."""
+    """A copy with every block under torch's checkpoint with a policy saving matrix products."""
     copied: Any = copy.deepcopy(model)
-    checkpoint_selectively(copied.transformer.h)
+    checkpoint_selectively(blocks_of(copied))
+    return copied
+
+
+def checkpointed_blocks(model: nn.Module) -> nn.Module:
+    """A copy with every block under torch's checkpoint: Hugging Face's own where the model has
+    it (GPT-2), else each block's forward wrapped (ResNet's stages)."""
+    copied: Any = copy.deepcopy(model)
+    if copied.supports_gradient_checkpointing:
+        copied.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return copied
+    for block in blocks_of(copied):
+
+        def checkpointed(*args: Any, _forward: Callable[..., Any] = block.forward, **kwargs: Any) -> Any:
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
     return copied
 
 
@@ -206,20 +229,19 @@ def memory_and_time(
     repeats: int,
     compile_budgets: bool,
     written: Callable[[list[dict[str, Any]]], None],
+    fractions: tuple[float, ...] = (0.5, 0.25),
 ) -> dict[str, Any]:
     model, kwargs = factory(small, device)
-    hf: Any = copy.deepcopy(model)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     strategies: dict[str, nn.Module] = {
         "no recompute": model,
-        "HF checkpointing": hf,
+        "torch checkpoint per block": checkpointed_blocks(model),
         "torch selective (save matmuls)": selective_matmuls(model),
     }
     strategies["remat policy save_matmuls"] = remat.Checkpointable(
         copy.deepcopy(model), policy=remat.policies.save_matmuls
     )
     offload = device.type == "cuda" or 8e9  # on the CPU (checking the script): a stand-in link
-    for fraction, offloading in ((1.0, False), (0.5, False), (0.5, offload), (0.25, False), (0.25, offload)):
+    for fraction, offloading in [(1.0, False)] + [(f, o) for f in fractions for o in (False, offload)]:
         wrapped = remat.Checkpointable(
             copy.deepcopy(model), fraction, loss_fn=lambda out: out.loss, output_kept=False, offload=offloading
         )
@@ -301,7 +323,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile's memory budget")
     parser.add_argument(
-        "--sections", default="exactness,free,gpt2,decoder", help="comma-separated: exactness,free,gpt2,decoder"
+        "--sections",
+        default="exactness,free,gpt2,decoder,resnet",
+        help="comma-separated: exactness,free,gpt2,decoder,resnet",
     )
     options = parser.parse_args()
     device = torch.device(options.device)
@@ -321,8 +345,13 @@ def main() -> None:
     if "free" in sections:
         result["free_memory_budget"] = free_memory_budget(options.small, device)
         print(json.dumps(result["free_memory_budget"]), flush=True)
-    titles = {"gpt2": "HF GPT-2 training step", "decoder": "wide GPT-style decoder (8 x 2048, 4 x 1024 tokens)"}
-    for section, factory in (("gpt2", gpt2), ("decoder", decoder)):
+    titles = {
+        "gpt2": "HF GPT-2 training step",
+        "decoder": "wide GPT-style decoder (8 x 2048, 4 x 1024 tokens)",
+        "resnet": "HF ResNet-50 layout (32 images of 224 pixels)",
+    }
+    curves = {"resnet": (0.75, 0.5, 0.35, 0.25)}
+    for section, factory in (("gpt2", gpt2), ("decoder", decoder), ("resnet", resnet)):
         if section not in sections:
             continue
 
@@ -334,7 +363,9 @@ def main() -> None:
                 table(f"remat on {name} (torch {torch.__version__}), {titles[section]}", rows)
             )
 
-        memory_and_time(factory, options.small, device, options.repeats, not options.no_compile, written)
+        compiling = not options.no_compile and section != "resnet"  # compile's budget: transformers only
+        fractions = curves.get(section, (0.5, 0.25))
+        memory_and_time(factory, options.small, device, options.repeats, compiling, written, fractions)
         print((options.out / ("gpu.md" if section == "gpt2" else f"gpu_{section}.md")).read_text(), flush=True)
 
 

@@ -41,10 +41,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda (nccl): one GPU per process; auto: cuda where each process has a GPU, else cpu (gloo)",
+    )
     args = parser.parse_args()
     budget: float | str = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
 
-    cuda = torch.cuda.is_available()
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= processes_here)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -202,6 +202,58 @@ def test_the_longest_chain_counts_the_stages_of_nested_sequentials() -> None:
     assert chain.names == expected + ["layer2.0", "layer3.0", "layer4.0", "avgpool", "fc"]
 
 
+class _Bottleneck(nn.Module):
+    """A Hugging Face ResNet layer's shape: its convolutions, a shortcut called after them,
+    the residual added in place, an activation."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width))
+        self.shortcut = nn.Identity()
+        self.activation = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = x
+        hidden = self.layer(x)
+        hidden += self.shortcut(residual)
+        return self.activation(hidden)
+
+
+class _Stage(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Bottleneck(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Staged(nn.Module):
+    def __init__(self, depths: tuple[int, ...], width: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.stages = nn.ModuleList(_Stage(width, depth) for depth in depths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_runs_joined_before_the_longest_are_whole_blocks_not_their_insides() -> None:
+    # The longest run is the last stage's blocks; the runs before it end with the stage
+    # before's blocks and, at the same point, with the shortcut and activation inside its
+    # last block: the blocks are joined, not the insides (whose convolutions would be left
+    # to the code between stages, and whose in-place addition would pin them).
+    torch.manual_seed(0)
+    chain = discover_chain(_Staged((2, 3, 6)), (torch.randn(2, 3, 8, 8),), {})
+    blocks = [f"stages.{i}.layers.{j}" for i, depth in enumerate((2, 3, 6)) for j in range(depth)]
+    assert chain.names == blocks  # the stem, a run of one call, runs before the chain
+
+
 # ----------------------------------------------------------------------------- measure() is clean
 def test_measuring_a_model_with_a_forward_leaves_it_untouched() -> None:
     case = build("resnet")

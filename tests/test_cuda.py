@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -209,3 +211,21 @@ def test_offloaded_blocks_on_cuda_are_exact() -> None:
         grads.append([p.grad.clone() for p in module.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_timing_pass_runs_twice_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [a cold device]: the first pass loads kernels and builds cuDNN's plans; its
+    # times are discarded (the rehearsal on fake tensors is not a timing pass)
+    step = importlib.import_module("remat.measure.step")
+    passes: list[bool] = []
+    timed = step.time_groups
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(kwargs.get("rehearsal", False))
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(step, "time_groups", counted)
+    torch.manual_seed(0)
+    wrapped = remat.Checkpointable(_mlp(p=0.0).cuda(), 0.5)
+    wrapped(torch.randn(64, 512, device="cuda")).sum().backward()
+    assert passes.count(False) == 2 and passes.count(True) == 1

@@ -140,7 +140,7 @@ def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path)
     example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(example)]
-    command += ["--steps", "2", "--tokens", "32", "--budget", "0.5"]
+    command += ["--steps", "2", "--tokens", "32", "--budget", "0.5", "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,

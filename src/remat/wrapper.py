@@ -185,7 +185,9 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         traced = torch.compiler.is_compiling()
         if traced and not (self.model.training and torch.is_grad_enabled()):
-            return forward(self, *args, **kwargs)  # the model's own forward: compiled
+            # the model's own call, compiled; the class's, past the stand-in an enabled model
+            # has on the instance (Dynamo, torch 2.11, cannot trace putting it aside)
+            return nn.Module._call_impl(self.model, *args, **kwargs)
         return eager(self, traced, args, kwargs)
 
     return run

@@ -364,7 +364,10 @@ def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
             joined = max(inside, key=lambda run: (_run_stages(calls, run), -run[0]))
             chain = chain + joined
         elif before:
-            joined = max(before, key=lambda run: run[-1])
+            # the nearest: the one whose last call returned last; of a run and the runs inside
+            # its last call, which return at the same point, the outer one (a ResNet stage's
+            # blocks, not the shortcut and activation inside its last block)
+            joined = max(before, key=lambda run: (calls[run[-1]].returned, -run[-1]))
             chain = joined + chain
         else:
             return chain

@@ -8,6 +8,7 @@ from typing import Any
 from remat.manual import _selective
 from remat.manual._frames import _STACK, _Context, _Root
 from remat.manual._tensors import RecomputeOptions
+from remat.manual.policies import save_nothing
 
 __all__ = ["RegionRecording"]
 
@@ -35,7 +36,8 @@ class RegionRecording:
         preserve_rng_state: bool = True,
         observer: Any = None,
     ) -> None:
-        self._root = _Root(function, args, kwargs, RecomputeOptions(preserve_rng_state=preserve_rng_state))
+        options = RecomputeOptions(save_nothing, preserve_rng_state=preserve_rng_state)
+        self._root = _Root(function, args, kwargs, options)
         self._root.observer = observer
 
     def stage(self) -> _DiscardingStage:

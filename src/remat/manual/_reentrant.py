@@ -21,6 +21,7 @@ from remat.errors import (
 from remat.manual import _debug, _state
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.manual.policies import save_nothing
 
 __all__ = ["recompute_reentrant"]
 
@@ -162,7 +163,7 @@ class _ReentrantCall:
         self.out_constants: list[Any] = []
         self.through: list[bool] = []
         self.state_log = _state.StateLog()
-        self.options = RecomputeOptions()
+        self.options = RecomputeOptions(save_nothing)
         self.out_metas: list[TensorMeta] = []
         self.original_ops: list[Any] | None = None  # debug=True (NOTE [op traces])
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 from remat.errors import RematError
-from remat.manual.policies import Policy, save_nothing
+from remat.manual.policies import Policy
 
 __all__ = ["DETERMINISM_CHECKS", "RecomputeOptions", "TensorMeta", "detached_alias", "graph_retained", "storage_key"]
 
@@ -60,14 +60,17 @@ DETERMINISM_CHECKS = ("default", "none")
 
 @dataclass(frozen=True)
 class RecomputeOptions:
-    """How one recomputed block runs (the options of :func:`remat.recompute`)."""
+    """How one recomputed block runs (the options of :func:`remat.recompute`).
 
+    ``policy`` has no default: Dynamo (torch 2.11) cannot trace a dataclass ``__init__``
+    whose default is an object of this project's."""
+
+    policy: Policy
     preserve_rng_state: bool = True
     determinism_check: str = "default"
     early_stop: bool = True
     context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None = None
     debug: bool = False
-    policy: Policy = save_nothing
 
     @property
     def checks(self) -> bool:

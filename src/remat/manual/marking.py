@@ -41,9 +41,11 @@ class _RecomputedForward:
         self.module = module
         self.options = dict(options)
         self.original = original  # an instance-level forward the module had before, if any
+        # the class's forward bound here, not in each call: Dynamo (torch 2.11) cannot trace `__get__`
+        self.bound = type(module).forward.__get__(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+        forward = self.original if self.original is not None else self.bound
         if self.options.get("offload"):
             return offload(forward, *args, **kwargs)
         return recompute(forward, *args, **self.options, **kwargs)

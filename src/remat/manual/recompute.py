@@ -156,7 +156,7 @@ def recompute(
                 "the block); call recompute(..., use_reentrant=False, comm='save')"
             )
         chosen = either(chosen, save_collectives)
-    options = RecomputeOptions(preserve_rng_state, determinism_check, early_stop, context_fn, debug, chosen)
+    options = RecomputeOptions(chosen, preserve_rng_state, determinism_check, early_stop, context_fn, debug)
     if use_reentrant and not (chosen.recomputes_everything or chosen.saves_everything):
         raise RematError(
             f"policy={chosen!r} needs the hook-based implementation: the reentrant one runs the block "
