@@ -220,21 +220,22 @@ class _Bottleneck(nn.Module):
 
 
 class _Stage(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
+    def __init__(self, width: int, depth: int, scale: float | None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_Bottleneck(width) for _ in range(depth))
+        self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
-        return x
+        return x if self.scale is None else x * self.scale
 
 
 class _Staged(nn.Module):
-    def __init__(self, depths: tuple[int, ...], width: int = 4) -> None:
+    def __init__(self, depths: tuple[int, ...], width: int = 4, scale: float | None = None) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, width, 3, padding=1)
-        self.stages = nn.ModuleList(_Stage(width, depth) for depth in depths)
+        self.stages = nn.ModuleList(_Stage(width, depth, scale) for depth in depths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -248,10 +249,26 @@ def test_runs_joined_before_the_longest_are_whole_blocks_not_their_insides() -> 
     # before's blocks and, at the same point, with the shortcut and activation inside its
     # last block: the blocks are joined, not the insides (whose convolutions would be left
     # to the code between stages, and whose in-place addition would pin them).
+    # The stages scale their output: they do not pass through (see below).
     torch.manual_seed(0)
-    chain = discover_chain(_Staged((2, 3, 6)), (torch.randn(2, 3, 8, 8),), {})
+    chain = discover_chain(_Staged((2, 3, 6), scale=0.5), (torch.randn(2, 3, 8, 8),), {})
     blocks = [f"stages.{i}.layers.{j}" for i, depth in enumerate((2, 3, 6)) for j in range(depth)]
     assert chain.names == blocks  # the stem, a run of one call, runs before the chain
+
+
+@pytest.mark.parametrize(("depths", "head"), [((2, 2, 2), ["stem"]), ((2, 3, 6), [])])
+def test_a_module_that_passes_through_its_blocks_is_its_blocks(depths: tuple[int, ...], head: list[str]) -> None:
+    # NOTE [modules that pass through]: a stage that only loops over its blocks is its
+    # blocks in the chain, whether the run of stages is the longer (2, 2, 2: four calls with
+    # the stem, against two blocks a stage) or a run of blocks (2, 3, 6: the stem, a run of
+    # one call before them, runs before the chain)
+    torch.manual_seed(0)
+    model = _Staged(depths)
+    chain = discover_chain(model, (torch.randn(2, 3, 8, 8),), {})
+    blocks = [f"stages.{i}.layers.{j}" for i, depth in enumerate(depths) for j in range(depth)]
+    assert chain.names == [*head, *blocks]
+    case = Case(model, (torch.randn(2, 3, 8, 8),), lambda out: out.square().mean(), [*head, *blocks])
+    train_and_check(case, None)
 
 
 # ----------------------------------------------------------------------------- measure() is clean

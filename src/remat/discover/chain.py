@@ -14,8 +14,8 @@ normally and is accounted for as fixed memory.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +86,12 @@ class _Call:
     first_from: int = 0  # the same for its first tensor input (the activation it transforms)
     eligible: bool = True  # may be a stage: not a marked module (remat.mark recomputes it already)
     returned: int = 0  # how many calls had started when it returned
+    first_input: Any = None  # a weak reference to its first tensor input
+    output: Any = None  # a weak reference to its output, when that is one tensor
+    takes_previous: bool = False  # its first input is its previous sibling's output (the first child: the parent's)
+    children: list[int] = field(default_factory=list)
+    returns_last: bool = False  # its output is its last child's
+    stages: list[tuple[str, nn.Module]] = field(default_factory=list)  # what it expands to as a stage
 
     def derives_from(self, earlier: int) -> bool:
         return bool(self.inputs_from >> earlier & 1)
@@ -164,6 +170,7 @@ def discover_chain(
         return sequential_chain(model)
     names = {id(m): n for n, m in model.named_modules()}
     calls: list[_Call] = []
+    top: list[int] = []  # the calls the model's own forward makes
     stack: list[int] = []
     call_counts: dict[int, int] = {}
     provenance = _Provenance()
@@ -181,6 +188,15 @@ def discover_chain(
         tensors = _tensor_leaves((hook_args, hook_kwargs))
         call.inputs_from = provenance.mask_of(tensors)
         call.first_from = provenance.mask_of(tensors[:1])
+        if tensors:
+            call.first_input = weakref.ref(tensors[0])
+            siblings = calls[parent].children if parent is not None else top
+            if siblings:
+                before = calls[siblings[-1]].output
+            else:
+                before = calls[parent].first_input if parent is not None else None
+            call.takes_previous = before is not None and before() is tensors[0]
+        (calls[parent].children if parent is not None else top).append(len(calls))
         calls.append(call)
         stack.append(len(calls) - 1)
         call_counts[id(module)] = call_counts.get(id(module), 0) + 1
@@ -189,8 +205,13 @@ def discover_chain(
         if not stack or in_manual_block():
             return
         index = stack.pop()
-        calls[index].returned = len(calls)
+        call = calls[index]
+        call.returned = len(calls)
         provenance.mark(_tensor_leaves(output), 1 << index)
+        if isinstance(output, torch.Tensor):
+            call.output = weakref.ref(output)
+            last = calls[call.children[-1]].output if call.children else None
+            call.returns_last = last is not None and last() is output
 
     # hooks of each module (the global ones are not given keyword inputs: a decoder block's
     # memory=, a mask=), removed whatever happens
@@ -210,10 +231,11 @@ def discover_chain(
     for index, call in enumerate(calls):
         on_loss_path = loss_from is None or bool(loss_from >> index & 1)
         call.eligible = call.eligible and call_counts[id(call.module)] == 1 and on_loss_path
+    _expand_passes(calls)
     best = _join_runs(calls, _runs(calls))
     if nested:
         best = _deepen(calls, best)
-    stages = _expand_sequentials([(calls[i].name, calls[i].module) for i in best])
+    stages = [stage for i in best for stage in calls[i].stages]
     if len(stages) < 2:
         raise UnsupportedModel(
             f"remat found no chain in {type(model).__name__}: no two submodules are called one "
@@ -273,7 +295,34 @@ def _loss_from(provenance: _Provenance, output: Any, loss_fn: Callable[[Any], An
     return provenance.mask_of(tensors) if tensors else None
 
 
+# NOTE [modules that pass through]
+# A module whose forward only calls its children one after another, each on what the one
+# before returned (the first on the module's input), and returns what the last returned
+# (a ResNet stage looping over its blocks, any ModuleList loop in a module of its own) is
+# an nn.Sequential by another name: in the chain it is its children's stages, so that a
+# run of such modules (a ResNet's four stages) plans every block. Nothing runs between its
+# children: splitting it adds no code between stages. Runs are still compared by their
+# calls (`_stage_count`): counted by their blocks, the insides of a transformer block
+# (whose MLP passes through its products) would outnumber the blocks.
+def _expand_passes(calls: list[_Call]) -> None:
+    """Sets what each call expands to as a stage: its children's stages for a module
+    that passes through them, else itself (an nn.Sequential flattened)."""
+    for call in reversed(calls):  # children come after their parent
+        passes = (
+            len(call.children) >= 2
+            and call.returns_last
+            and all(calls[c].eligible and calls[c].takes_previous for c in call.children)
+        )
+        if passes:
+            call.stages = [stage for c in call.children for stage in calls[c].stages]
+        else:
+            call.stages = _flatten_sequential(call.name, call.module)
+
+
 def _stage_count(call: _Call) -> int:
+    # runs are compared by their calls, nested Sequentials expanded, not modules that pass
+    # through: a transformer block's MLP (a product, an activation, a product) is one call,
+    # and a block's insides do not outnumber the blocks
     return len(_flatten_sequential(call.name, call.module))
 
 
@@ -373,13 +422,6 @@ def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
             return chain
         used = set(chain)
         candidates = [run for run in candidates if not used & set(run)]
-
-
-def _expand_sequentials(pairs: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    out: list[tuple[str, nn.Module]] = []
-    for name, module in pairs:
-        out.extend(_flatten_sequential(name, module))
-    return out
 
 
 # ----------------------------------------------------------------------- input links
