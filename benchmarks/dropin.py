@@ -113,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=int, default=4, help="width, batch and length multiplier of the configs")
     parser.add_argument("--only", choices=("hf", "plain"), default=None, help="run only one of the two families")
+    parser.add_argument("--models", default=None, help="comma-separated names: run only these (their rows updated)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # the use_cache and coverage notes, said in the table
@@ -121,9 +122,16 @@ def main() -> None:
         cases |= {name: lambda n=name: hugging_face_case(n, options.scale) for name in hugging_face_architectures()}
     if options.only != "hf":
         cases |= {name: lambda n=name: plain_pytorch_case(n) for name in PLAIN_PYTORCH}
+    if options.models is not None:
+        chosen = options.models.split(",")
+        unknown = sorted(set(chosen) - set(cases))
+        if unknown:
+            parser.error(f"unknown models {unknown}; choose among {sorted(cases)}")
+        cases = {name: cases[name] for name in chosen}
     path = RESULTS / "dropin.json"
-    # one family alone updates its rows of the last full run
-    results = json.loads(path.read_text()) if options.only is not None and path.exists() else {}
+    # one family, or some models, alone update their rows of the last full run
+    partial = options.only is not None or options.models is not None
+    results = json.loads(path.read_text()) if partial and path.exists() else {}
     for name, case in cases.items():
         results[name] = row = run(case())
         print(name, json.dumps(row), flush=True)
