@@ -11,12 +11,14 @@ only a GPU shows:
   budget (the allocator counts above what is allocated before the step: parameters and
   gradients), and the exact tracker's peak on the same step;
 * ``mem_limit=None``: the budget taken from the device's free memory;
-* median step times of plain training, Hugging Face gradient checkpointing, torch's selective
-  checkpointing saving matrix products, and remat at several budgets.
+* median step times of plain training, torch's checkpoint per block (Hugging Face's own on
+  GPT-2), torch's selective checkpointing saving matrix products and convolutions, and remat
+  at several budgets, with and without offload (``--sections resnet``: a ResNet-50 layout
+  along a curve of budgets).
 
 Run ``python benchmarks/gpu.py [--small]`` on a machine with a CUDA device (``--small`` and
 ``--device cpu`` check the script itself elsewhere). It writes ``results/gpu.json`` and
-``gpu.md`` (or into ``--out``), named with the device.
+``gpu.md``, ``gpu_decoder.*`` and ``gpu_resnet.*`` (or into ``--out``), named with the device.
 """
 
 from __future__ import annotations
