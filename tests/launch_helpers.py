@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_launch(process: subprocess.Popen[Any], port: int) -> None:
+    """Kills a torchrun launch started in a session of its own: torchrun's process group,
+    and every rank it started (torchrun may give each a session of its own), found by the
+    ``MASTER_PORT`` in its environment."""
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(process.pid, signal.SIGKILL)
+    marker = f"MASTER_PORT={port}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # a process that ended meanwhile, or one of another user
+            continue
+        if marker in environment:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def run_ranks(worker: Path, out_dir: Path, world_size: int, timeout_s: float) -> list[dict[str, Any]]:

@@ -9,16 +9,16 @@ error on one rank must be raised on every rank: no hang (the launch has a timeou
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from launch_helpers import free_port, run_ranks
+from launch_helpers import free_port, kill_launch, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -139,18 +139,25 @@ def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path)
     # ranks run the same schedule and hold the same weights after every step
     example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(example)]
+    port = free_port()
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), str(example)]
     command += ["--steps", "2", "--tokens", "32", "--budget", "0.5", "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks
-        stdout, stderr = process.communicate()
+    # the output goes to files, not pipes: a rank left running cannot hold the test open
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=err, text=True, cwd=tmp_path, start_new_session=True
+        )
+        try:
+            process.wait(timeout=180)
+            hung = False
+        except subprocess.TimeoutExpired:
+            kill_launch(process, port)
+            process.wait()
+            hung = True
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    if hung:
         lines = [line for line in stdout.splitlines() if line.startswith("step ")]
         verified = len(lines) == 2 and all("same plan on every rank: True, same weights: True" in x for x in lines)
         assert verified, f"the example hung before it finished training:\n{stdout}\n{stderr}"
@@ -198,3 +205,32 @@ def test_the_figures_combined_across_ranks_are_the_bytes_and_times_only() -> Non
     assert combined_outside.held_inputs == (HeldInput(1, 3, 100, True, False, True),)
     leaves = list(_walk(outside, "outside"))
     assert ("same", 3) in leaves and ("int", 40) in leaves  # a stage index, its bytes
+
+
+def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions() -> None:
+    # what the torchrun test does on a hang: torchrun's group, and a rank that left it
+    port = free_port()
+    rank = "import os, time; os.setsid(); open(os.environ['PID_FILE'], 'w').write(str(os.getpid())); time.sleep(600)"
+    launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); time.sleep(600)"
+    pid_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"remat-rank-{port}.pid"
+    env = dict(os.environ, MASTER_PORT=str(port), PID_FILE=str(pid_file))
+    process = subprocess.Popen([sys.executable, "-c", launcher], env=env, start_new_session=True)
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        rank_pid = int(pid_file.read_text())
+        kill_launch(process, port)
+        assert process.wait(timeout=10) == -9
+        for _ in range(200):  # the rank is not our child: wait until /proc no longer runs it
+            state = Path(f"/proc/{rank_pid}/stat")
+            if not state.exists() or state.read_text().split(")")[-1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the rank in a session of its own survived")
+    finally:
+        pid_file.unlink(missing_ok=True)
+        if process.poll() is None:
+            process.kill()
