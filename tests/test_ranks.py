@@ -207,12 +207,12 @@ def test_the_figures_combined_across_ranks_are_the_bytes_and_times_only() -> Non
     assert ("same", 3) in leaves and ("int", 40) in leaves  # a stage index, its bytes
 
 
-def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions() -> None:
+def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions(tmp_path: Path) -> None:
     # what the torchrun test does on a hang: torchrun's group, and a rank that left it
     port = free_port()
     rank = "import os, time; os.setsid(); open(os.environ['PID_FILE'], 'w').write(str(os.getpid())); time.sleep(600)"
     launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); time.sleep(600)"
-    pid_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"remat-rank-{port}.pid"
+    pid_file = tmp_path / "rank.pid"
     env = dict(os.environ, MASTER_PORT=str(port), PID_FILE=str(pid_file))
     process = subprocess.Popen([sys.executable, "-c", launcher], env=env, start_new_session=True)
     try:
@@ -231,6 +231,5 @@ def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions() -> None:
         else:
             raise AssertionError("the rank in a session of its own survived")
     finally:
-        pid_file.unlink(missing_ok=True)
         if process.poll() is None:
             process.kill()

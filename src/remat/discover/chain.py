@@ -188,15 +188,15 @@ def discover_chain(
         tensors = _tensor_leaves((hook_args, hook_kwargs))
         call.inputs_from = provenance.mask_of(tensors)
         call.first_from = provenance.mask_of(tensors[:1])
+        siblings = calls[parent].children if parent is not None else top
         if tensors:
             call.first_input = weakref.ref(tensors[0])
-            siblings = calls[parent].children if parent is not None else top
             if siblings:
                 before = calls[siblings[-1]].output
             else:
                 before = calls[parent].first_input if parent is not None else None
             call.takes_previous = before is not None and before() is tensors[0]
-        (calls[parent].children if parent is not None else top).append(len(calls))
+        siblings.append(len(calls))
         calls.append(call)
         stack.append(len(calls) - 1)
         call_counts[id(module)] = call_counts.get(id(module), 0) + 1
