@@ -46,9 +46,13 @@ class Store:
 
     Attributes:
         stage: the stage index.
+        option: None to keep everything; else the name of one of the profile's store
+            options: the stage runs as a selective recompute block under its policy
+            (NOTE [stored under a policy] in :mod:`remat.plan.options`).
     """
 
     stage: int
+    option: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,15 +93,16 @@ class Region:
 
     # A plan for the smallest budget nests a region in every body: a chain of 1,000 stages
     # gives a tree 1,000 deep, beyond what recursive hashing and comparison allow.
-    def _key(self) -> tuple[int, ...]:
-        """The tree as a flat tuple: a stage s is s, a region (-1, start, stop), its end -2."""
+    def _key(self) -> tuple[Any, ...]:
+        """The tree as a flat tuple: a stage s is s (-4, s, option under an option), a region
+        (-1, start, stop), its end -2, an offloaded stage (-3, s)."""
         key = self.__dict__.get("_cached_key")
         if key is not None:
             return key
-        out: list[int] = []
+        out: list[Any] = []
         for kind, item in _walk((self,)):
             if isinstance(item, Store):
-                out.append(item.stage)
+                out += (item.stage,) if item.option is None else (-4, item.stage, item.option)
             elif isinstance(item, Offload):
                 out += (-3, item.stage)
             else:
@@ -181,14 +186,19 @@ class Operation:
     Attributes:
         kind: what the step does.
         stage: the stage it runs; None for :attr:`OperationKind.LOSS`.
+        option: for :attr:`OperationKind.FORWARD_STORE`, the store option the stage runs
+            under (see :class:`Store`); None otherwise.
     """
 
     kind: OperationKind
     stage: int | None = None
+    option: str | None = None
 
     def __str__(self) -> str:
         if self.stage is None:
             return self.kind.value
+        if self.option is not None:
+            return f"{self.kind.value}({self.stage}, {self.option})"
         return f"{self.kind.value}({self.stage})"
 
 
@@ -224,7 +234,7 @@ def operations(plan: PlanTree) -> list[Operation]:
         items, top_level = work
         for item in items:
             if isinstance(item, Store):
-                result.append(Operation(OperationKind.FORWARD_STORE, item.stage))
+                result.append(Operation(OperationKind.FORWARD_STORE, item.stage, item.option))
             elif isinstance(item, Offload):
                 result.append(Operation(OperationKind.FORWARD_OFFLOAD, item.stage))
             else:
@@ -318,16 +328,22 @@ def _check_region(item: Region, position: int, start: int, stop: int, label: str
 
 
 def plan_to_data(plan: PlanTree) -> list[dict[str, Any]]:
-    """Returns a plan as flat JSON-able data: ``{"store": i}``, ``{"offload": i}``, or
-    ``{"region": [s, t]}`` followed by the entries of its body and ``{"end": [s, t]}``.
+    """Returns a plan as flat JSON-able data: ``{"store": i}`` (``{"store": i, "option":
+    name}`` under a store option), ``{"offload": i}``, or ``{"region": [s, t]}`` followed
+    by the entries of its body and ``{"end": [s, t]}``.
 
     Flat, so that a plan nested as deep as a long chain (the smallest budget's) is written
     and read without recursion. See :func:`plan_from_data` for the way back.
     """
-    return [
-        {kind: item.stage} if isinstance(item, Store | Offload) else {kind: [item.start, item.stop]}
-        for kind, item in _walk(plan)
-    ]
+    data: list[dict[str, Any]] = []
+    for kind, item in _walk(plan):
+        if isinstance(item, Store) and item.option is not None:
+            data.append({kind: item.stage, "option": item.option})
+        elif isinstance(item, Store | Offload):
+            data.append({kind: item.stage})
+        else:
+            data.append({kind: [item.start, item.stop]})
+    return data
 
 
 def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
@@ -352,6 +368,8 @@ def plan_from_data(data: Sequence[Mapping[str, Any]]) -> PlanTree:
         keys = set(entry) if isinstance(entry, Mapping) else set()
         if keys == {"store"}:
             levels[-1][0].append(Store(int(entry["store"])))
+        elif keys == {"store", "option"} and isinstance(entry["option"], str):
+            levels[-1][0].append(Store(int(entry["store"]), entry["option"]))
         elif keys == {"offload"}:
             levels[-1][0].append(Offload(int(entry["offload"])))
         elif keys in ({"region"}, {"region", "body"}):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy
 
 from remat.errors import RematError
+from remat.plan.options import StoreOption, checked_options
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ChainProfile", "InvalidProfile"]
 
@@ -91,6 +92,9 @@ class ChainProfile:
         offload_time_per_byte_s: seconds to move one byte between the device and host
             memory, one way (pinned host memory, measured on the device); None where offload
             was not measured, and plans then never offload (:class:`~remat.plan.Offload`).
+        store_options: other ways to store each stage, as a selective recompute block under
+            a policy (:class:`~remat.plan.options.StoreOption`, NOTE [stored under a
+            policy]); a plan names the one it takes in :class:`~remat.plan.Store`.
 
     Raises:
         InvalidProfile: a sequence has the wrong length, a size or time is negative or not
@@ -111,6 +115,7 @@ class ChainProfile:
     region_breaks: tuple[int, ...] = ()
     pinned_stages: tuple[int, ...] = ()
     offload_time_per_byte_s: float | None = None
+    store_options: tuple[StoreOption, ...] = ()
 
     def __post_init__(self) -> None:
         names = _as_tuple(self.names, "names")
@@ -143,6 +148,22 @@ class ChainProfile:
                     f"offload_time_per_byte_s must be a positive number of seconds or None, got {per_byte!r}"
                 )
             object.__setattr__(self, "offload_time_per_byte_s", float(per_byte))
+        try:
+            object.__setattr__(self, "store_options", checked_options(self.store_options, self.saved_bytes))
+        except ValueError as error:
+            raise InvalidProfile(str(error)) from None
+
+    def store_option(self, name: str) -> StoreOption:
+        """The store option called ``name``.
+
+        Raises:
+            InvalidProfile: the profile has no such option.
+        """
+        for option in self.store_options:
+            if option.name == name:
+                return option
+        known = [option.name for option in self.store_options]
+        raise InvalidProfile(f"the profile has no store option {name!r}; its options are {known}")
 
     def transfer_time_s(self, stage: int) -> float:
         """Seconds to move what stage ``stage`` saves (``saved_bytes``) to host memory, or back.
@@ -237,6 +258,8 @@ class ChainProfile:
                 data[field_name] = list(getattr(self, field_name))
         if self.offload_time_per_byte_s is not None:
             data["offload_time_per_byte_s"] = self.offload_time_per_byte_s
+        if self.store_options:
+            data["store_options"] = [option.to_dict() for option in self.store_options]
         data["metadata"] = dict(self.metadata)
         return data
 
@@ -269,7 +292,7 @@ class ChainProfile:
         missing = [key for key in required if key not in data]
         if missing:
             raise InvalidProfile(f"saved chain profile lacks the keys {missing}")
-        scalars = {"offload_time_per_byte_s"}
+        scalars = {"offload_time_per_byte_s", "store_options"}
         unknown = sorted(
             set(data) - set(required) - set(_OPTIONAL_FIELDS) - scalars - {"format", "version", "metadata"}
         )

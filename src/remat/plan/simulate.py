@@ -23,6 +23,7 @@ from remat.plan.operations import (
     operations,
     validate_plan,
 )
+from remat.plan.options import StoreOption
 from remat.plan.profile import ChainProfile
 
 __all__ = ["SimulationResult", "TimelineEntry", "simulate"]
@@ -199,6 +200,9 @@ class _Simulation:
         self.host_bytes = 0
         self.host_peak_bytes = 0
         self.stalls_s: list[float] = []
+        # stages stored under a store option (NOTE [stored under a policy]), until their backward
+        self.options: dict[int, StoreOption] = {}
+        self.extras_s: list[float] = []
 
     # -- values of the boundaries x_k and their holders
     def is_live(self, boundary: int) -> bool:
@@ -243,7 +247,9 @@ class _Simulation:
         self.gradient_live[self.n_stages] = True
         return peak_during, self.end_frontier()
 
-    def forward(self, kind: OperationKind, stage: int, where: _Where) -> tuple[int, int | None]:
+    def forward(
+        self, kind: OperationKind, stage: int, where: _Where, option_name: str | None = None
+    ) -> tuple[int, int | None]:
         profile = self.profile
         if not self.is_live(stage):
             raise InvalidPlan(f"{where}: its input x_{stage} is not live")
@@ -276,10 +282,17 @@ class _Simulation:
             if self.saved_live[stage]:
                 raise InvalidPlan(f"{where}: stage {stage} is already stored")
             self.saved_live[stage] = True
-            self.live_bytes += profile.saved_bytes[stage]
-            if profile.saves_input[stage] and stage > 0:
+            option = self.option_of(option_name, kind, stage, where)
+            if option is not None:  # NOTE [stored under a policy]
+                self.options[stage] = option
+                self.live_bytes += cast(int, option.saved_bytes[stage])
+                saves_input, saves_output = True, option.saves_output[stage]
+            else:
+                self.live_bytes += profile.saved_bytes[stage]
+                saves_input, saves_output = profile.saves_input[stage], profile.saves_output[stage]
+            if saves_input and stage > 0:
                 self.stored_holder[stage] = self.hold(stage)
-            if profile.saves_output[stage]:
+            if saves_output:
                 self.output_holder[stage + 1] = self.hold(stage + 1)
         elif kind is OperationKind.FORWARD_CHECKPOINT and stage > 0:
             checkpoint = self.hold(stage)
@@ -288,6 +301,20 @@ class _Simulation:
         ended = self.end_frontier()
         self.frontier = created
         return peak_during, ended
+
+    def option_of(self, name: str | None, kind: OperationKind, stage: int, where: _Where) -> StoreOption | None:
+        """The store option a forward names (None: none), checked against the profile."""
+        if name is None:
+            return None
+        if kind is not OperationKind.FORWARD_STORE:
+            raise InvalidPlan(f"{where}: only a stored stage runs under a store option")
+        matches = [option for option in self.profile.store_options if option.name == name]
+        if not matches:
+            known = [option.name for option in self.profile.store_options]
+            raise InvalidPlan(f"{where}: the profile has no store option {name!r} (its options: {known})")
+        if not matches[0].applies(stage):
+            raise InvalidPlan(f"{where}: the store option {name!r} does not apply to stage {stage}")
+        return matches[0]
 
     def backward(self, stage: int, where: _Where) -> tuple[int, int | None]:
         profile = self.profile
@@ -299,6 +326,7 @@ class _Simulation:
             raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
         self.backward_done[stage] = True
         self.times_s.append(profile.backward_time_s[stage])
+        option = self.options.pop(stage, None)
         if stage in self.on_host:  # nothing brought it back: this backward waits for it
             self.bring_back(stage, 0.0)
         if stage > 0 and stage - 1 in self.on_host:  # the copy back overlaps this backward
@@ -307,9 +335,15 @@ class _Simulation:
         # consumes it, so only a holder other than the frontier keeps it.
         self.release(self.end_frontier())
         peak_during = self.live_bytes + profile.gradient_bytes[stage] + profile.backward_temp_bytes[stage]
-        self.live_bytes += (
-            profile.gradient_bytes[stage] - profile.gradient_bytes[stage + 1] - profile.saved_bytes[stage]
-        )
+        saved_bytes = profile.saved_bytes[stage]
+        if option is not None:  # runs its forward again first (NOTE [stored under a policy])
+            self.extras_s.append(option.extra_time_s[stage])
+            output_bytes = 0 if option.saves_output[stage] else profile.activation_bytes[stage + 1]
+            live_bytes = self.live_bytes - option.shared(stage)
+            recompute_peak = live_bytes + output_bytes + saved_bytes + profile.forward_temp_bytes[stage]
+            peak_during = max(recompute_peak, peak_during - option.shared(stage) + saved_bytes)
+            saved_bytes = cast(int, option.saved_bytes[stage])
+        self.live_bytes += profile.gradient_bytes[stage] - profile.gradient_bytes[stage + 1] - saved_bytes
         self.gradient_live[stage] = True
         self.gradient_live[stage + 1] = False
         self.saved_live[stage] = False
@@ -355,7 +389,7 @@ class _Simulation:
         if stage is None or not 0 <= stage < self.n_stages:
             raise InvalidPlan(f"{where}: stage must be in [0, {self.n_stages})")
         if operation.kind.is_forward:
-            return self._finish(self.forward(operation.kind, stage, where))
+            return self._finish(self.forward(operation.kind, stage, where, operation.option))
         return self._finish(self.backward(stage, where))
 
     def _finish(self, outcome: tuple[int, int | None]) -> int:
@@ -377,10 +411,12 @@ class _Simulation:
             raise InvalidPlan(f"the schedule never runs the backward of stages {missing}")
         forward_times_s = self.profile.forward_time_s
         stall_s = math.fsum(self.stalls_s)
+        extra_s = math.fsum(self.extras_s)
         return SimulationResult(
             peak_bytes=peak,
-            time_s=math.fsum(self.times_s) + stall_s,
+            time_s=math.fsum(self.times_s) + stall_s + extra_s,
             overhead_s=stall_s
+            + extra_s
             + math.fsum(
                 (count - 1) * forward_s for count, forward_s in zip(self.forward_counts, forward_times_s, strict=True)
             ),

@@ -122,6 +122,14 @@ class _ChainArrays:
     forward_backward_s: np.ndarray  # (n,) float64: forward + backward seconds
     forward_prefix_s: np.ndarray  # (n+1,) float64: cumulative forward seconds
     base_s: np.ndarray  # (n, n) float64: store-everything seconds of stages a..b
+    # The profile's store options o (NOTE [stored under a policy] in remat/plan/options.py),
+    # (K, n) each; an option that does not apply to a stage has FORBIDDEN_REGION peaks.
+    option_names: tuple[str, ...]
+    option_background: np.ndarray  # int64: bg of "store a" under o: x_a + S^o_a (both h)
+    option_backward: np.ndarray  # int64: peak of backward(a) of "store a" under o (its recompute first)
+    option_single_peak: np.ndarray  # int64: peak of the one-stage subproblem (a, a, .) under o
+    option_saves_output: np.ndarray  # int64 0/1: so^o_a
+    option_forward_backward_s: np.ndarray  # float64: forward + backward + the option's extra seconds
 
     @classmethod
     def from_profile(cls, profile: ChainProfile, unit_bytes: int) -> _ChainArrays:
@@ -172,6 +180,31 @@ class _ChainArrays:
         for start in range(n - 2, -1, -1):
             base_s[start, start] = forward_backward_s[start]
             base_s[start, start + 1 :] = forward_backward_s[start] + base_s[start + 1, start + 1 :]
+        # Store options: x_a is kept (the block keeps its input), S^o_a held; the backward
+        # first runs the forward again, then the backward proper, on top of G_{a+1}.
+        n_options = len(profile.store_options)
+        option_background = np.full((n_options, n), FORBIDDEN_REGION, dtype=np.int64)
+        option_backward = np.full((n_options, n), FORBIDDEN_REGION, dtype=np.int64)
+        option_single_peak = np.full((n_options, n), FORBIDDEN_REGION, dtype=np.int64)
+        option_saves_output = np.zeros((n_options, n), dtype=np.int64)
+        option_forward_backward_s = np.zeros((n_options, n), dtype=np.float64)
+        for index, option in enumerate(profile.store_options):
+            applies = np.asarray([value is not None for value in option.saved_bytes])
+            kept = units(tuple(0 if value is None else value for value in option.saved_bytes))
+            saves = np.asarray(option.saves_output, dtype=np.int64)
+            background = activation[:-1] + kept
+            recompute = (1 - saves) * activation[1:] + saved + forward_temp
+            backward = saved + gradient[:-1] + backward_temp
+            # K is taken off, so rounded down: the peak in units stays at least the real one
+            shared = np.asarray(option.shared_bytes or [0] * n, dtype=np.int64) // unit_bytes
+            peak = background - shared + gradient[1:] + saves * activation[1:] + np.maximum(recompute, backward)
+            single = np.maximum(own_forward[:, 0], peak)
+            single[last] = max(single[last], background[last] + activation[n] + gradient[n])
+            option_background[index] = np.where(applies, background, FORBIDDEN_REGION)
+            option_backward[index] = np.where(applies, peak, FORBIDDEN_REGION)
+            option_single_peak[index] = np.where(applies, single, FORBIDDEN_REGION)
+            option_saves_output[index] = saves
+            option_forward_backward_s[index] = forward_backward_s + np.asarray(option.extra_time_s)
         return cls(
             n_stages=n,
             unit_bytes=unit_bytes,
@@ -192,6 +225,29 @@ class _ChainArrays:
             forward_backward_s=forward_backward_s,
             forward_prefix_s=forward_prefix_s,
             base_s=base_s,
+            option_names=tuple(option.name for option in profile.store_options),
+            option_background=option_background,
+            option_backward=option_backward,
+            option_single_peak=option_single_peak,
+            option_saves_output=option_saves_output,
+            option_forward_backward_s=option_forward_backward_s,
+        )
+
+    @property
+    def single_least(self) -> np.ndarray:
+        """(n, 2) int64: the least peak of each one-stage subproblem, stored whole or under an option."""
+        if not self.option_names:
+            return self.single_peak
+        return np.minimum(self.single_peak, self.option_single_peak.min(axis=0)[:, None])
+
+    def option_own_peak(self, option: int, start: int, end: int) -> int:
+        """The peak of "store start" under store option ``option`` (0-based) without the rest of ``(start, end, .)``."""
+        if start == end:
+            return int(self.option_single_peak[option, start])
+        return int(
+            kernels.option_own_peak(
+                self.activation, self.outer_gradient, self.first_forward, self.option_backward, option, start, end
+            )
         )
 
     def store_own_peak(self, start: int, end: int, held: int) -> int:
@@ -265,6 +321,14 @@ def _plan_peak_units(arrays: _ChainArrays, plan: PlanTree) -> int:
         first = items[0]
         if isinstance(first, Offload):
             raise ValueError(f"stage {first.stage} is offloaded: outside the program's family")
+        if isinstance(first, Store) and first.option is not None:
+            option = arrays.option_names.index(first.option)
+            own = arrays.option_own_peak(option, start, end)
+            if start == end:
+                return own
+            background = int(arrays.option_background[option, start])
+            rest = level_peak(items[1:], start + 1, end, int(arrays.option_saves_output[option, start]))
+            return max(own, background + rest)
         if isinstance(first, Store):
             own = arrays.store_own_peak(start, end, held)
             if start == end:

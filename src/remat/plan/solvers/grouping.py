@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from remat.plan.operations import Offload, PlanItem, PlanTree, Region, Store
+from remat.plan.options import StoreOption
 from remat.plan.profile import ChainProfile
 
 __all__: list[str] = []
@@ -134,6 +135,19 @@ def merged_profile(profile: ChainProfile, starts: tuple[int, ...]) -> ChainProfi
             )
         ),
         offload_time_per_byte_s=profile.offload_time_per_byte_s,
+        store_options=tuple(_merged_option(option, bounds) for option in profile.store_options),
+    )
+
+
+def _merged_option(option: StoreOption, bounds: tuple[int, ...]) -> StoreOption:
+    """A store option of the merged chain: a group of one stage keeps the stage's; a longer
+    group has none (it is stored whole or recomputed)."""
+    single = [e - s == 1 for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    return StoreOption(
+        option.name,
+        tuple(option.saved_bytes[s] if one else None for s, one in zip(bounds[:-1], single, strict=True)),
+        tuple(option.saves_output[s] and one for s, one in zip(bounds[:-1], single, strict=True)),
+        tuple(option.extra_time_s[s] if one else 0.0 for s, one in zip(bounds[:-1], single, strict=True)),
     )
 
 
@@ -163,8 +177,8 @@ def expanded_plan(plan: PlanTree, starts: tuple[int, ...], n_stages: int) -> Pla
         item = pending.pop()
         if isinstance(item, Offload):
             raise ValueError(f"group {item.stage} is offloaded: a plan over groups stores or recomputes")
-        if isinstance(item, Store):
-            into.extend(Store(stage) for stage in range(bounds[item.stage], bounds[item.stage + 1]))
+        if isinstance(item, Store):  # (an option is only on a group of one stage)
+            into.extend(Store(stage, item.option) for stage in range(bounds[item.stage], bounds[item.stage + 1]))
         else:
             stack.append((list(reversed(item.body)), [], item, into))
     return tuple(root)

@@ -29,6 +29,7 @@ __all__ = [
     "close_subproblem",
     "compiled_programs",
     "one_stage_peaks",
+    "option_own_peak",
     "region_forward_peak",
     "region_peak",
     "store_own_peak",
@@ -87,17 +88,44 @@ def store_own_peak(
     return np.maximum(forward, store_backward[start, held])
 
 
+def option_own_peak(
+    activation: np.ndarray,
+    outer_gradient: np.ndarray,
+    first_forward: np.ndarray,
+    option_backward: np.ndarray,
+    option: int,
+    start: int,
+    end: int,
+) -> Any:
+    """The peak of the forward and the backward of "store ``start``" under a store option, start < end.
+
+    The forward is the stage's stored whole (NOTE [stored under a policy] in
+    ``remat/plan/options.py``); ``option_backward`` holds the backward's, its recompute first.
+    """
+    forward = activation[start] + outer_gradient[end] + first_forward[start]
+    return max(forward, option_backward[option, start])
+
+
 # ------------------------------------------------------------ the least-peak program
 
 
-def one_stage_peaks(single_peak: np.ndarray, infinity: np.int64) -> tuple[np.ndarray, np.ndarray]:
-    """The (least, store-everything) peak tables, (n, n, 2), with the one-stage subproblems filled."""
+def one_stage_peaks(
+    single_peak: np.ndarray, option_single_peak: np.ndarray, infinity: np.int64
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (least, store-everything) peak tables, (n, n, 2), with the one-stage subproblems filled.
+
+    A one-stage subproblem's least peak is the least of storing it whole and under each
+    store option; its store-everything peak is that of storing it whole.
+    """
     n = single_peak.shape[0]
     least = np.full((n, n, 2), infinity, dtype=np.int64)
     saturation = np.full((n, n, 2), infinity, dtype=np.int64)
     for start in range(n):
         for held in range(2):
-            least[start, start, held] = single_peak[start, held]
+            lowest = single_peak[start, held]
+            for option in range(option_single_peak.shape[0]):
+                lowest = min(lowest, option_single_peak[option, start])
+            least[start, start, held] = lowest
             saturation[start, start, held] = single_peak[start, held]
     return least, saturation
 
@@ -114,9 +142,17 @@ def close_subproblem(
     store_background: np.ndarray,
     store_backward: np.ndarray,
     saves_output: np.ndarray,
+    option_background: np.ndarray,
+    option_backward: np.ndarray,
+    option_saves_output: np.ndarray,
 ) -> None:
-    """Fills the peaks of ``(start, end, h)`` from ``region`` (the least of its regions') and "store start"."""
+    """Fills the peaks of ``(start, end, h)`` from ``region`` (the least of its regions'),
+    "store start", and "store start" under each store option (the same for both h)."""
     held_next = saves_output[start]
+    for option in range(option_background.shape[0]):
+        own = option_own_peak(activation, outer_gradient, first_forward, option_backward, option, start, end)
+        following = least[start + 1, end, option_saves_output[option, start]]
+        region = min(region, max(own, option_background[option, start] + following))
     for held in range(2):
         own = store_own_peak(activation, outer_gradient, first_forward, store_backward, start, end, held)
         background = store_background[start, held]
@@ -134,10 +170,14 @@ def _least_peaks_loops(  # pragma: no cover - compiled by numba
     store_backward: np.ndarray,
     single_peak: np.ndarray,
     saves_output: np.ndarray,
+    option_background: np.ndarray,
+    option_backward: np.ndarray,
+    option_single_peak: np.ndarray,
+    option_saves_output: np.ndarray,
     infinity: np.int64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The loop form of the least-peak program: the regions of a subproblem one stop at a time."""
-    least, saturation = one_stage_peaks(single_peak, infinity)
+    least, saturation = one_stage_peaks(single_peak, option_single_peak, infinity)
     n = single_peak.shape[0]
     for length in range(2, n + 1):
         for start in range(0, n - length + 1):
@@ -160,6 +200,9 @@ def _least_peaks_loops(  # pragma: no cover - compiled by numba
                 store_background,
                 store_backward,
                 saves_output,
+                option_background,
+                option_backward,
+                option_saves_output,
             )
     return least, saturation
 
@@ -267,12 +310,28 @@ def _costs_loops(  # pragma: no cover - compiled by numba
     saturation: np.ndarray,
     offsets: np.ndarray,
     total: int,
+    option_background: np.ndarray,
+    option_backward: np.ndarray,
+    option_single_peak: np.ndarray,
+    option_saves_output: np.ndarray,
+    option_forward_backward_s: np.ndarray,
 ) -> np.ndarray:
     """The loop form of the time program: the rows of every subproblem, in one flat array."""
     # Order: b increasing, a decreasing, so that the rows (j, b, 0) of the rests, used by
     # every a, stay in cache; the layout keeps them, and the rows (a, c, 1) of the bodies,
     # next to each other.
     values = np.empty(total, dtype=np.float64)
+    n_options = option_background.shape[0]
+    # One-stage subproblems have rows only below storing whole: the store options'.
+    for start in range(least.shape[0]):
+        for held in range(2):
+            row_offset = offsets[start, start, held] - least[start, start, held]
+            for m in range(least[start, start, held], min(budget_units + 1, saturation[start, start, held])):
+                value = np.inf
+                for option in range(n_options):
+                    if m >= option_single_peak[option, start]:
+                        value = min(value, option_forward_backward_s[option, start])
+                values[row_offset + m] = value
     for end in range(1, least.shape[0]):
         for start in range(end - 1, -1, -1):
             low = min(least[start, end, 0], least[start, end, 1])
@@ -318,6 +377,21 @@ def _costs_loops(  # pragma: no cover - compiled by numba
                     saturation[start, stop - 1, 1],
                     base_s[start, stop - 1],
                 )
+            # "store start" under each option: the same for both h (NOTE [stored under a policy]).
+            option_first = np.empty(n_options, dtype=np.int64)
+            option_offset = np.empty(n_options, dtype=np.int64)
+            option_next_saturation = np.empty(n_options, dtype=np.int64)
+            option_next_base_s = base_s[start + 1, end]
+            for option in range(n_options):
+                saves = option_saves_output[option, start]
+                option_background_units = option_background[option, start]
+                option_next_least = least[start + 1, end, saves]
+                option_first[option] = max(
+                    option_own_peak(activation, outer_gradient, first_forward, option_backward, option, start, end),
+                    option_background_units + option_next_least,
+                )
+                option_offset[option] = offsets[start + 1, end, saves] - option_next_least - option_background_units
+                option_next_saturation[option] = saturation[start + 1, end, saves] + option_background_units
             # Each row (start, end, h): best, lowered by "store start" with h's own background.
             for held in range(2):
                 row_start = least[start, end, held]
@@ -333,6 +407,12 @@ def _costs_loops(  # pragma: no cover - compiled by numba
                     if m >= store_first:
                         stored = own_s + _row_cost_s(values, next_offset, next_saturation + background, next_base_s, m)
                         value = min(value, stored)
+                    for option in range(n_options):
+                        if m >= option_first[option]:
+                            optional = option_forward_backward_s[option, start] + _row_cost_s(
+                                values, option_offset[option], option_next_saturation[option], option_next_base_s, m
+                            )
+                            value = min(value, optional)
                     values[row_offset + m] = value
     return values
 
@@ -343,6 +423,7 @@ _COMPILED_HELPERS = (
     region_forward_peak,
     region_peak,
     store_own_peak,
+    option_own_peak,
     one_stage_peaks,
     close_subproblem,
     _row_cost_s,

@@ -95,7 +95,9 @@ class OffloadingSolver:
         """`plan` with its top-level stored stages of `offloaded` offloaded (never the last item)."""
         last = len(plan) - 1
         return tuple(
-            Offload(item.stage) if isinstance(item, Store) and item.stage in offloaded and index < last else item
+            Offload(item.stage)
+            if isinstance(item, Store) and item.option is None and item.stage in offloaded and index < last
+            else item
             for index, item in enumerate(plan)
         )
 

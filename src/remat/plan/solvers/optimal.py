@@ -47,9 +47,12 @@ def _baseline_plans(profile: ChainProfile) -> list[PlanTree]:
 def _plan_time_s(profile: ChainProfile, plan: PlanTree) -> float:
     """The time of a plan from its forward counts, without simulating it."""
     counts = [0] * profile.n_stages
+    extras_s: list[float] = []
     pending: list[PlanItem] = list(plan)
     while pending:
         item = pending.pop()
+        if isinstance(item, Store) and item.option is not None:
+            extras_s.append(profile.store_option(item.option).extra_time_s[item.stage])
         if isinstance(item, Store | Offload):
             counts[item.stage] += 1
         else:
@@ -59,6 +62,7 @@ def _plan_time_s(profile: ChainProfile, plan: PlanTree) -> float:
     return math.fsum(
         [count * forward_s for count, forward_s in zip(counts, profile.forward_time_s, strict=True)]
         + list(profile.backward_time_s)
+        + extras_s
     )
 
 

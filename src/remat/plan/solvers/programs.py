@@ -42,9 +42,10 @@ def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
         inner_by_length[length, : n - length + 1] = arrays.region_inner_forward[starts, starts + length]
     activation = arrays.activation[:n]
     saves_output = arrays.saves_output.astype(bool)
+    single_least = arrays.single_least
     for held in (0, 1):
-        by_start[held][1] = arrays.single_peak[:, held]
-        by_end[held][1] = arrays.single_peak[:, held]
+        by_start[held][1] = single_least[:, held]
+        by_end[held][1] = single_least[:, held]
         saturation_by_start[held][1] = arrays.single_peak[:, held]
     for length in range(2, n + 1):
         count = n - length + 1
@@ -56,6 +57,17 @@ def _least_peaks_numpy(arrays: _ChainArrays) -> tuple[np.ndarray, np.ndarray]:
         bodies = by_start[1][1:length, :count]
         region = region_peak(forward, start_activation[None, :], rests, bodies).min(axis=0)
         after = slice(1, count + 1)  # the subproblems (a + 1, b) of "store a"
+        for option in range(len(arrays.option_names)):  # "store a" under each store option
+            own = np.maximum(
+                start_activation + arrays.outer_gradient[ends] + arrays.first_forward[:count],
+                arrays.option_backward[option, :count],
+            )
+            following = np.where(
+                arrays.option_saves_output[option, :count].astype(bool),
+                by_start[1][length - 1, after],
+                by_start[0][length - 1, after],
+            )
+            region = np.minimum(region, np.maximum(own, arrays.option_background[option, :count] + following))
         next_least = np.where(saves_output[:count], by_start[1][length - 1, after], by_start[0][length - 1, after])
         next_saturation = np.where(
             saves_output[:count],
@@ -102,6 +114,10 @@ def least_peaks(arrays: _ChainArrays, implementation: str) -> tuple[np.ndarray, 
         arrays.store_backward,
         arrays.single_peak,
         arrays.saves_output,
+        arrays.option_background,
+        arrays.option_backward,
+        arrays.option_single_peak,
+        arrays.option_saves_output,
         INT_INFINITY,
     )
 
@@ -183,10 +199,15 @@ def _dense_costs_numpy(
     tables = (np.full((n, n, width), np.inf), np.full((n, n, width), np.inf))  # h = 0 by end, h = 1 by start
     workspace = np.empty((max(n - 1, 1), width), dtype=np.float64)
     region = np.empty(width, dtype=np.float64)
+    n_options = len(arrays.option_names)
     for start in range(n):
         for held in (0, 1):
             fits = memory >= arrays.single_peak[start, held]
             tables[held][start, start, fits] = arrays.forward_backward_s[start]
+            for option in range(n_options):
+                fits = memory >= arrays.option_single_peak[option, start]
+                row = tables[held][start, start]
+                row[fits] = np.minimum(row[fits], arrays.option_forward_backward_s[option, start])
     for end in range(1, n):
         rests = tables[0][end]
         for start in range(end - 1, -1, -1):
@@ -220,6 +241,16 @@ def _dense_costs_numpy(
                     np.add(following[: width - background], arrays.forward_backward_s[start], out=row[background:])
                 row[: min(arrays.store_own_peak(start, end, held), width)] = np.inf
                 np.minimum(row, region, out=row)
+            for option in range(n_options):  # "store start" under each option, the same for both h
+                background = int(arrays.option_background[option, start])
+                if background >= width:
+                    continue
+                following = tables[1][start + 1, end] if arrays.option_saves_output[option, start] else rests[start + 1]
+                stored = following[: width - background] + arrays.option_forward_backward_s[option, start]
+                stored[: max(0, arrays.option_own_peak(option, start, end) - background)] = np.inf
+                for held in (0, 1):
+                    row = rests[start] if held == 0 else tables[1][start, end]
+                    np.minimum(row[background:], stored, out=row[background:])
     return _DenseCosts(*tables)
 
 
@@ -257,6 +288,11 @@ def _jagged_costs_compiled(
         saturation,
         offsets,
         total,
+        arrays.option_background,
+        arrays.option_backward,
+        arrays.option_single_peak,
+        arrays.option_saves_output,
+        arrays.option_forward_backward_s,
     )
     return _JaggedCosts(arrays, least, saturation, offsets, values)
 

@@ -32,8 +32,9 @@ class _OpenLevel:
 def _build_plan(arrays: _ChainArrays, memory: int, choose: Callable[[int, int, int, int], int]) -> PlanTree:
     """Builds the plan from the top-level problem, asking ``choose`` at every subproblem.
 
-    ``choose(start, end, held, memory)`` returns 0 for "store start" or the stop of the
-    region to open. Iterative, so that deep nestings do not hit Python's recursion limit.
+    ``choose(start, end, held, memory)`` returns 0 for "store start", ``-1 - o`` for "store
+    start" under store option ``o``, or the stop of the region to open. Iterative, so that
+    deep nestings do not hit Python's recursion limit.
     """
     root = _OpenLevel([], 0, 0, arrays.n_stages - 1, 0, memory, None)
     stack = [root]
@@ -47,7 +48,13 @@ def _build_plan(arrays: _ChainArrays, memory: int, choose: Callable[[int, int, i
             continue
         start = level.start
         stop = choose(start, level.end, level.held, level.memory)
-        if stop == 0:
+        if stop < 0:
+            option = -1 - stop
+            level.items.append(Store(start, arrays.option_names[option]))
+            level.memory -= int(arrays.option_background[option, start])
+            level.held = int(arrays.option_saves_output[option, start])
+            level.start = start + 1
+        elif stop == 0:
             level.items.append(Store(start))
             level.memory -= int(arrays.store_background[start, level.held])
             level.held = int(arrays.saves_output[start])
@@ -66,7 +73,7 @@ def _fastest_choice(arrays: _ChainArrays, costs: CostTable) -> Callable[[int, in
 
     def choose(start: int, end: int, held: int, memory: int) -> int:
         if start == end:
-            return 0
+            return _fastest_single(arrays, start, held, memory)
         store = math.inf
         if memory >= arrays.store_own_peak(start, end, held):
             background = int(arrays.store_background[start, held])
@@ -77,6 +84,19 @@ def _fastest_choice(arrays: _ChainArrays, costs: CostTable) -> Callable[[int, in
                 np.array(memory - background),
             )
             store = float(arrays.forward_backward_s[start] + following)
+        option_choice, option_cost = 0, math.inf
+        for option in range(len(arrays.option_names)):
+            if memory < arrays.option_own_peak(option, start, end):
+                continue
+            following = costs.lookup(
+                np.array(start + 1),
+                np.array(end),
+                np.array(arrays.option_saves_output[option, start]),
+                np.array(memory - int(arrays.option_background[option, start])),
+            )
+            cost = float(arrays.option_forward_backward_s[option, start] + following)
+            if cost < option_cost:
+                option_choice, option_cost = -1 - option, cost
         stops = np.arange(start + 1, end + 1)
         activation = int(arrays.activation[start])
         feasible = memory >= arrays.region_forward_peaks(start, end)
@@ -86,13 +106,29 @@ def _fastest_choice(arrays: _ChainArrays, costs: CostTable) -> Callable[[int, in
         regions = np.where(feasible, recompute_s + rest + body, np.inf)
         best_index = int(np.argmin(regions))
         best = float(regions[best_index])
-        if math.isinf(store) and math.isinf(best):
+        if math.isinf(store) and math.isinf(best) and math.isinf(option_cost):
             raise RematError(f"internal error: subproblem ({start}, {end}, {held}) has no plan within {memory} slots")
-        if store <= best + relative_tolerance * abs(best):
+        least = min(best, option_cost)
+        if store <= least + relative_tolerance * abs(least):
             return 0
+        if option_cost <= best + relative_tolerance * abs(best):
+            return option_choice
         return int(stops[best_index])
 
     return choose
+
+
+def _fastest_single(arrays: _ChainArrays, start: int, held: int, memory: int) -> int:
+    """A one-stage subproblem's choice: store whole if it fits, else the fastest store option that does."""
+    if memory >= arrays.single_peak[start, held]:
+        return 0
+    choice, fastest = 0, math.inf
+    for option in range(len(arrays.option_names)):
+        if memory >= arrays.option_single_peak[option, start] and arrays.option_forward_backward_s[option, start] < fastest:
+            choice, fastest = -1 - option, float(arrays.option_forward_backward_s[option, start])
+    if math.isinf(fastest):
+        raise RematError(f"internal error: stage {start} has no way to be stored within {memory} units")
+    return choice
 
 
 def _least_peak_choice(arrays: _ChainArrays, least: np.ndarray) -> Callable[[int, int, int, int], int]:
@@ -100,7 +136,7 @@ def _least_peak_choice(arrays: _ChainArrays, least: np.ndarray) -> Callable[[int
 
     def choose(start: int, end: int, held: int, memory: int) -> int:
         if start == end:
-            return 0
+            return _fastest_single(arrays, start, held, memory)
         background = int(arrays.store_background[start, held])
         store = max(
             arrays.store_own_peak(start, end, held),
@@ -108,6 +144,19 @@ def _least_peak_choice(arrays: _ChainArrays, least: np.ndarray) -> Callable[[int
         )
         if store <= memory:
             return 0
+        fitting_options = [
+            option
+            for option in range(len(arrays.option_names))
+            if max(
+                arrays.option_own_peak(option, start, end),
+                int(arrays.option_background[option, start])
+                + int(least[start + 1, end, arrays.option_saves_output[option, start]]),
+            )
+            <= memory
+        ]
+        if fitting_options:
+            fastest = min(fitting_options, key=lambda option: float(arrays.option_forward_backward_s[option, start]))
+            return -1 - fastest
         peaks = arrays.region_peaks(least, start, end)
         fitting = np.flatnonzero(peaks <= memory)
         if fitting.size == 0:
