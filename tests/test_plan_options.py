@@ -205,7 +205,15 @@ def test_groups_of_one_stage_keep_their_options() -> None:
     plan = tuple(Store(g, "option0" if option.applies(g) else None) for g in range(len(starts)))
     expanded = expanded_plan(plan, starts, profile.n_stages)
     assert [item.option for item in expanded] == [
-        plan[0].option, None, None, None, plan[2].option, None, None, None, plan[4].option
+        plan[0].option,
+        None,
+        None,
+        None,
+        plan[2].option,
+        None,
+        None,
+        None,
+        plan[4].option,
     ]
     # the merged plan's peak bounds the expanded one's
     assert simulate(profile, expanded).peak_bytes <= simulate(merged, plan).peak_bytes

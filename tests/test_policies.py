@@ -506,8 +506,8 @@ def test_enable_with_a_policy_per_stage() -> None:
 
 
 def test_enable_refuses_what_it_cannot_do_with_a_policy() -> None:
-    with pytest.raises(NotImplementedError, match="budget"):
-        remat.enable(nn.Sequential(MLP(), MLP()), 0.5, policy=policies.save_matmuls)
+    with pytest.raises(NotImplementedError, match="budget with a mapping"):
+        remat.enable(nn.Sequential(MLP(), MLP()), 0.5, policy={"0": policies.save_matmuls})
     model = nn.Sequential(MLP(), MLP())
     remat.enable(model, policy={"nope": policies.save_matmuls})
     with pytest.raises(RematError, match="not in the model's chain"):

@@ -29,6 +29,7 @@ from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
+from remat.measure.options import named_policies, with_store_options
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
@@ -155,9 +156,10 @@ class Checkpointable(ModelStandIn):
             at a scaled shape checks its forward's time and has the shape timed at the
             next step when it is off by more than that. ``measure_counts`` says how many
             shapes were timed and scaled.
-        policy: selective recompute instead of a plan (:mod:`remat.policies`): every stage call
-            recomputed alone under it, or a mapping of stage names or indices to policies (others
-            stored). Nothing is measured or planned; a ``mem_limit`` with it is not implemented.
+        policy: without ``mem_limit`` or ``plan``, selective recompute instead of a plan: each stage
+            call recomputed alone under it (:mod:`remat.policies`), or a mapping of stage names or
+            indices to policies (others stored). With one, a policy or a list of them the planner
+            may store any stage under, beside storing it whole or recomputing it (NOTE [stored under a policy]).
         agree_ranks: under ``torch.distributed``, all ranks run one plan, from the figures of
             all ranks (NOTE [one plan for all ranks] in :mod:`remat.ranks`); False: each its own.
         offload: plan offload to host memory beside store and recompute (NOTE [planning offload]):
@@ -233,7 +235,8 @@ class Checkpointable(ModelStandIn):
         self.policy = policy
         self.nested = bool(nested)
         self._ranks = RankAgreement() if agree_ranks else None
-        self._selective = None if policy is None else SelectiveRuns(policy, mem_limit, plan, preserve_rng_state)
+        self._policies = named_policies(policy) if mem_limit is not None or plan is not None else {}
+        self._selective = None if policy is None or self._policies else SelectiveRuns(policy, preserve_rng_state)
 
     # ------------------------------------------------------------------ public
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
@@ -310,6 +313,8 @@ class Checkpointable(ModelStandIn):
         else:
             frugal = how == "frugal"
             measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)
+        if self._policies:  # NOTE [sizing store options]
+            measurement = with_store_options(model, chain, measurement, sample_inputs, sample_kwargs, self._policies)
         if references:  # the same model code holds the same inputs at every shape
             measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
         estimated = estimator is not None and how != "plain" and not scaled
@@ -478,9 +483,8 @@ class Checkpointable(ModelStandIn):
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
     def _options(self, mem_limit: Budget) -> _PlanOptions:
-        return _PlanOptions(
-            mem_limit, type(mem_limit).__name__, self.solver_name, self.slots, self._margin_option, self.output_kept
-        )
+        form = type(mem_limit).__name__
+        return _PlanOptions(mem_limit, form, self.solver_name, self.slots, self._margin_option, self.output_kept)
 
     def _measured_key(self) -> Hashable:
         if self._last_key is None:
@@ -525,7 +529,7 @@ class Checkpointable(ModelStandIn):
             refuse_meta_training(self.model)
             ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
             executor = self._executors[(key, plan)] = ChainExecutor(
-                chain, ops, preserve_rng_state=self.preserve_rng_state
+                chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies
             )
         return executor
 
@@ -589,12 +593,8 @@ class Checkpointable(ModelStandIn):
         schedule, split = planning.solve(planning.split(total))
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
-        logger.info(
-            "remat planned for a budget of %s: predicted peak %s, overhead +%.0f%%, %d of %d stages recomputed",
-            format_bytes(total),
-            format_bytes(plan.predicted_peak_bytes),
-            100 * plan.overhead_fraction,
-            sum(count > 1 for count in plan.forward_counts),
-            len(plan.forward_counts),
-        )
+        counts, peak = plan.forward_counts, format_bytes(plan.predicted_peak_bytes)
+        recomputed = f"{sum(count > 1 for count in counts)} of {len(counts)} stages recomputed"
+        logger.info("remat planned for a budget of %s: predicted peak %s, overhead +%.0f%%, %s",
+                    format_bytes(total), peak, 100 * plan.overhead_fraction, recomputed)  # fmt: skip
         return plan

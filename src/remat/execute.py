@@ -96,7 +96,7 @@ def expand_operations(ops: Sequence[Operation], groups: Sequence[tuple[int, int]
             expanded.append(Operation(_CHECKPOINT, first))
             expanded.extend(Operation(_DISCARD, call) for call in range(first + 1, stop))
         else:
-            expanded.extend(Operation(operation.kind, call) for call in range(first, stop))
+            expanded.extend(Operation(operation.kind, call, operation.option) for call in range(first, stop))
     return expanded
 
 
@@ -108,6 +108,7 @@ class _Step:
     start: int
     stop: int
     body: _Level | None = None  # what a region replays
+    option: str | None = None  # a stored stage's store option (NOTE [stored under a policy])
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _read_level(
             raise RematError(f"{where}: expected the loss marker after the first forward")
         position += 1
     bodies: dict[int, _Level] = {}
-    for kind, step_start, step_stop in reversed(steps):
+    for kind, step_start, step_stop, _ in reversed(steps):
         if kind in _STORES:
             if kind is _OFFLOAD and not top_level:
                 raise RematError(f"{where}: stage {step_start} is offloaded inside a region (top level only)")
@@ -147,12 +148,12 @@ def _read_level(
             body, used = _read_level(ops[position:], step_start, step_stop, f"{where}, region {step_start}")
             bodies[step_start] = body
             position += used
-    level = _Level(tuple(_Step(kind, a, b, bodies.get(a)) for kind, a, b in steps))
+    level = _Level(tuple(_Step(kind, a, b, bodies.get(a), option) for kind, a, b, option in steps))
     return level, position
 
 
 def _read_first_forward(ops: Sequence[Operation], start: int, stop: int, where: str) -> list[list[Any]]:
-    """The steps of a level's first forward, as ``[kind, start, stop]``: stores and regions."""
+    """The steps of a level's first forward, as ``[kind, start, stop, option]``: stores and regions."""
     steps: list[list[Any]] = []
     for position, stage in enumerate(range(start, stop)):
         operation = ops[position] if position < len(ops) else None
@@ -163,7 +164,7 @@ def _read_first_forward(ops: Sequence[Operation], start: int, stop: int, where: 
                 raise RematError(f"{where}: {operation} is not inside a region")
             steps[-1][2] = stage + 1
         else:
-            steps.append([operation.kind, stage, stage + 1])
+            steps.append([operation.kind, stage, stage + 1, operation.option])
     return steps
 
 
@@ -202,7 +203,9 @@ class _Run:
         kind, step = executor.first_forward[index]
         if kind is _OFFLOAD and index < len(executor.chain) - 1:
             self.offloads.open(index, module, (args, kwargs))
-        if kind in _STORES:
+        if step.option is not None:  # NOTE [stored under a policy]
+            out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(step.option))
+        elif kind in _STORES:
             out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
@@ -295,13 +298,15 @@ class _Run:
                 # freed before the glue runs, as in the first forward (NOTE [glue between stages])
                 holder = [(args, kwargs)]
                 del args, kwargs
-                args, kwargs = self._replay_stage(step.start, holder)
+                args, kwargs = self._replay_stage(step.start, holder, step.option)
             else:
                 assert step.body is not None
                 args, kwargs = recompute(_Replay(self, step.body), args, kwargs)
         return args, kwargs
 
-    def _replay_stage(self, stage: int, holder: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _replay_stage(
+        self, stage: int, holder: list[Any], option: str | None = None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # NOTE [random state of replayed stages]
         # The model's own code between stages may draw random numbers, so each stage of a
         # model's forward is replayed from the state it started with, its glue after it. In
@@ -312,7 +317,10 @@ class _Run:
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
-            out = call_stage(module, args, kwargs)
+            if option is not None:
+                out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
+            else:
+                out = call_stage(module, args, kwargs)
             glue = self.glues.get(stage)
             if glue is None:  # the chain's last stage: nothing follows it
                 return (out,), {}
@@ -371,6 +379,8 @@ class ChainExecutor:
         observer: ``observer(span)`` gives the observer of each top-level region's
             recording (see :class:`remat.manual._recording.RegionRecording`); ``span`` is
             the region's :class:`RegionSpan`. Used by measurement.
+        policies: the policy of each store option the schedule names, by name; a stage
+            stored under one runs as :func:`remat.recompute` under it.
 
     Raises:
         RematError: the operations are not a schedule of the chain's stage calls.
@@ -383,8 +393,10 @@ class ChainExecutor:
         *,
         preserve_rng_state: bool = True,
         observer: Callable[[RegionSpan], Any] | None = None,
+        policies: Mapping[str, Policy] | None = None,
     ) -> None:
         self.chain = chain
+        self.policies = dict(policies or {})
         if all(isinstance(item, Operation) for item in schedule):
             ops = [item for item in schedule if isinstance(item, Operation)]
         else:
@@ -394,6 +406,12 @@ class ChainExecutor:
         self.observer = observer
         with _room_for(len(chain)):  # the levels nest at most as deep as the chain is long
             level = _read_schedule(self.operations, len(chain))
+        missing = sorted({op.option for op in self.operations if op.option is not None} - set(self.policies))
+        if missing:
+            raise RematError(
+                f"the schedule stores stages under the store options {missing}, whose policies were not given: "
+                f"pass them as policy= (the options given: {sorted(self.policies)})"
+            )
         # How the first forward runs each stage call, and the region it belongs to.
         self.first_forward: list[tuple[OperationKind, _Step]] = []
         for step in level.steps:
@@ -408,7 +426,14 @@ class ChainExecutor:
                     f"the plan offloads stages compiled with torch.compile ({', '.join(offloaded)}): offload of "
                     "compiled code is not built. Plan without offload, or compile the whole model instead"
                 )
-            refuse_compiled_state(chain, [call for call in compiled if self.first_forward[call][0] not in _STORES])
+            refuse_compiled_state(
+                chain,
+                [
+                    call
+                    for call in compiled
+                    if self.first_forward[call][0] not in _STORES or self.first_forward[call][1].option
+                ],
+            )
             hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
         # NOTE [nothing to recompute]
@@ -416,11 +441,15 @@ class ChainExecutor:
         # step fits in) is the plain step: the model runs its own forward, with no stage
         # intercepted, so such a plan costs no time at all. What the executor would check
         # (every stage called once, in order) matters only to a replay, and there is none.
-        self.plain = all(kind is _STORE for kind, _ in self.first_forward)
+        self.plain = all(kind is _STORE and step.option is None for kind, step in self.first_forward)
 
     def recomputes(self) -> bool:
-        """Whether any stage call is recomputed (not stored by its first forward)."""
-        return any(kind not in _STORES for kind, _ in self.first_forward)
+        """Whether any stage call is recomputed (not stored by its first forward, or stored under a policy)."""
+        return any(kind not in _STORES or step.option is not None for kind, step in self.first_forward)
+
+    def option_arguments(self, option: str) -> dict[str, Any]:
+        """The keyword arguments of :func:`remat.recompute` for a stage stored under `option`."""
+        return {"policy": self.policies[option], "preserve_rng_state": self.preserve_rng_state}
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs ``model(*args, **kwargs)`` with the schedule applied to its chain."""
@@ -544,20 +573,13 @@ def stage_policies(policy: Any, chain: Chain) -> list[Policy | None]:
 
 
 class SelectiveRuns:
-    """The automatic mode's ``policy=``: a :class:`PolicyRunner` per input signature.
+    """The automatic mode's ``policy=`` without a budget: a :class:`PolicyRunner` per input signature.
 
     Raises:
-        NotImplementedError: a budget or a pinned plan comes with the policy.
         RematError: `policy` is not a policy (nor a mapping of stages to policies).
     """
 
-    def __init__(self, policy: Any, mem_limit: Any, plan: Any, preserve_rng_state: bool) -> None:
-        if mem_limit is not None or plan is not None:
-            raise NotImplementedError(
-                "a budget (or a pinned plan) together with policy= is not implemented: the planner "
-                "prices whole-stage recompute only. Pass policy= alone (every stage recomputed under "
-                "it), or a budget alone"
-            )
+    def __init__(self, policy: Any, preserve_rng_state: bool) -> None:
         if not isinstance(policy, Mapping):
             as_policy(policy)  # fail now on a value that is not a policy
         self.policy = policy

@@ -45,6 +45,8 @@ _COMBINED_INTEGERS = "bytes"
 _COMBINED_FLOATS = ("_s", "time_s")
 # (field, position): bytes inside pairs of indices and bytes
 _COMBINED_PAIRS = {"leftover_freed": 1}
+# bytes a figure takes off a peak (a store option's shared bytes): the smallest of any rank
+_COMBINED_MINIMA = frozenset({"shared_bytes"})
 
 
 def agreement_group_active() -> bool:
@@ -114,6 +116,8 @@ def _rebuild(
         return type(value)([_rebuild(item, name, take, seen, i if pair else -1) for i, item in enumerate(value)])
     if isinstance(value, bool) or value is None or isinstance(value, str):
         kind = "same"
+    elif isinstance(value, int) and name in _COMBINED_MINIMA:
+        kind = "min"
     elif isinstance(value, int):
         kind = "int" if _COMBINED_INTEGERS in name or _COMBINED_PAIRS.get(name) == position else "same"
     elif isinstance(value, float):
@@ -200,9 +204,13 @@ class RankAgreement:
                 "collective)"
             )
         integers = iter(_all_reduce_max([v for kind, v in leaves if kind == "int"]))
+        negated = [-v for kind, v in leaves if kind == "min"]  # (the same count on every rank)
+        minima = iter(_all_reduce_max(negated) if negated else [])
         floats = iter(_all_reduce_max_float([v for kind, v in leaves if kind == "float"]))
 
         def take(kind: str, _value: Any) -> Any:
+            if kind == "min":
+                return -next(minima)
             return next(integers) if kind == "int" else next(floats)
 
         profile = _rebuild(planning.profile, "profile", take)

@@ -38,9 +38,7 @@ def _body_plans(start: int, stop: int, options: tuple[str, ...]) -> tuple[PlanTr
     if start == stop:
         return ((),)
     plans: list[PlanTree] = [
-        (Store(start, option),) + rest
-        for option in (None, *options)
-        for rest in _level_plans(start + 1, stop, options)
+        (Store(start, option),) + rest for option in (None, *options) for rest in _level_plans(start + 1, stop, options)
     ]
     for region_stop in range(start + 1, stop):
         for body in _body_plans(start, region_stop, options):

@@ -139,7 +139,7 @@ def _checked(option: StoreOption, stage_saved: tuple[int, ...], where: str) -> S
         flags.append(bool(flag))
     times = []
     for stage, seconds in enumerate(lists["extra_time_s"]):
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= float(seconds) < math.inf:
             raise _InvalidOption(f"{where}.extra_time_s[{stage}] must be finite seconds >= 0, got {seconds!r}")
         times.append(float(seconds))
     shared = tuple(option.shared_bytes)

@@ -36,6 +36,8 @@ class StageRow:
         kept: whether the first forward keeps what the backward needs (never recomputed).
         forward_runs: how many times the forward runs (1 + recomputations).
         offloaded: whether what it keeps waits in host memory for its backward.
+        option: the store option the first forward runs it under (NOTE [stored under a
+            policy]); ``saved_bytes`` is then what it keeps under the option.
     """
 
     index: int
@@ -47,10 +49,13 @@ class StageRow:
     kept: bool
     forward_runs: int
     offloaded: bool = False
+    option: str | None = None
 
     @property
     def decision(self) -> str:
-        """``"keep"``, ``"offload"`` or ``"recompute"``."""
+        """``"keep"``, ``"offload"``, ``"recompute"``, or ``"policy: <option>"`` (stored under a policy)."""
+        if self.option is not None:
+            return f"policy: {self.option}"
         return "offload" if self.offloaded else "keep" if self.kept else "recompute"
 
     def formatted_figures(self) -> tuple[str, ...]:
@@ -81,6 +86,7 @@ class PlanReport:
         self.baseline = simulate(profile, tuple(Store(stage) for stage in range(profile.n_stages)))
         kept = set(schedule.stored_stages)
         offloaded = set(schedule.offloaded_stages)
+        options = {item.stage: item.option for item in schedule.items if isinstance(item, Store) and item.option}
         self.rows = tuple(
             StageRow(
                 index=index,
@@ -88,10 +94,13 @@ class PlanReport:
                 forward_time_s=profile.forward_time_s[index],
                 backward_time_s=profile.backward_time_s[index],
                 output_bytes=profile.activation_bytes[index + 1],
-                saved_bytes=profile.saved_bytes[index],
+                saved_bytes=profile.saved_bytes[index]
+                if index not in options
+                else int(profile.store_option(options[index]).saved_bytes[index] or 0),
                 kept=index in kept,
                 forward_runs=schedule.forward_counts[index],
                 offloaded=index in offloaded,
+                option=options.get(index),
             )
             for index in range(profile.n_stages)
         )

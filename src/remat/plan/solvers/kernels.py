@@ -294,6 +294,57 @@ def _lower_by_region(  # pragma: no cover - compiled by numba
             target[index] = min(target[index], constant)
 
 
+def _one_stage_rows(  # pragma: no cover - compiled by numba
+    values: np.ndarray,
+    budget_units: int,
+    least: np.ndarray,
+    saturation: np.ndarray,
+    offsets: np.ndarray,
+    option_single_peak: np.ndarray,
+    option_forward_backward_s: np.ndarray,
+) -> None:
+    """The rows of the one-stage subproblems: below storing whole, the fastest store option that fits."""
+    for start in range(least.shape[0]):
+        for held in range(2):
+            row_offset = offsets[start, start, held] - least[start, start, held]
+            for m in range(least[start, start, held], min(budget_units + 1, saturation[start, start, held])):
+                value = np.inf
+                for option in range(option_single_peak.shape[0]):
+                    if m >= option_single_peak[option, start]:
+                        value = min(value, option_forward_backward_s[option, start])
+                values[row_offset + m] = value
+
+
+def _option_store_terms(  # pragma: no cover - compiled by numba
+    start: int,
+    end: int,
+    activation: np.ndarray,
+    outer_gradient: np.ndarray,
+    first_forward: np.ndarray,
+    least: np.ndarray,
+    saturation: np.ndarray,
+    offsets: np.ndarray,
+    option_background: np.ndarray,
+    option_backward: np.ndarray,
+    option_saves_output: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For "store start" of ``(start, end, .)`` under each option: the least memory it needs,
+    and the offset and saturation (in this subproblem's memory) of the row of its rest."""
+    n_options = option_background.shape[0]
+    first = np.empty(n_options, dtype=np.int64)
+    offset = np.empty(n_options, dtype=np.int64)
+    next_saturation = np.empty(n_options, dtype=np.int64)
+    for option in range(n_options):
+        saves = option_saves_output[option, start]
+        background = option_background[option, start]
+        next_least = least[start + 1, end, saves]
+        own = option_own_peak(activation, outer_gradient, first_forward, option_backward, option, start, end)
+        first[option] = max(own, background + next_least)
+        offset[option] = offsets[start + 1, end, saves] - next_least - background
+        next_saturation[option] = saturation[start + 1, end, saves] + background
+    return first, offset, next_saturation
+
+
 def _costs_loops(  # pragma: no cover - compiled by numba
     budget_units: int,
     activation: np.ndarray,
@@ -322,16 +373,7 @@ def _costs_loops(  # pragma: no cover - compiled by numba
     # next to each other.
     values = np.empty(total, dtype=np.float64)
     n_options = option_background.shape[0]
-    # One-stage subproblems have rows only below storing whole: the store options'.
-    for start in range(least.shape[0]):
-        for held in range(2):
-            row_offset = offsets[start, start, held] - least[start, start, held]
-            for m in range(least[start, start, held], min(budget_units + 1, saturation[start, start, held])):
-                value = np.inf
-                for option in range(n_options):
-                    if m >= option_single_peak[option, start]:
-                        value = min(value, option_forward_backward_s[option, start])
-                values[row_offset + m] = value
+    _one_stage_rows(values, budget_units, least, saturation, offsets, option_single_peak, option_forward_backward_s)
     for end in range(1, least.shape[0]):
         for start in range(end - 1, -1, -1):
             low = min(least[start, end, 0], least[start, end, 1])
@@ -378,20 +420,11 @@ def _costs_loops(  # pragma: no cover - compiled by numba
                     base_s[start, stop - 1],
                 )
             # "store start" under each option: the same for both h (NOTE [stored under a policy]).
-            option_first = np.empty(n_options, dtype=np.int64)
-            option_offset = np.empty(n_options, dtype=np.int64)
-            option_next_saturation = np.empty(n_options, dtype=np.int64)
+            option_first, option_offset, option_next_saturation = _option_store_terms(
+                start, end, activation, outer_gradient, first_forward, least, saturation, offsets,
+                option_background, option_backward, option_saves_output,
+            )  # fmt: skip
             option_next_base_s = base_s[start + 1, end]
-            for option in range(n_options):
-                saves = option_saves_output[option, start]
-                option_background_units = option_background[option, start]
-                option_next_least = least[start + 1, end, saves]
-                option_first[option] = max(
-                    option_own_peak(activation, outer_gradient, first_forward, option_backward, option, start, end),
-                    option_background_units + option_next_least,
-                )
-                option_offset[option] = offsets[start + 1, end, saves] - option_next_least - option_background_units
-                option_next_saturation[option] = saturation[start + 1, end, saves] + option_background_units
             # Each row (start, end, h): best, lowered by "store start" with h's own background.
             for held in range(2):
                 row_start = least[start, end, held]
@@ -429,6 +462,8 @@ _COMPILED_HELPERS = (
     _row_cost_s,
     _first_at_most,
     _lower_by_region,
+    _one_stage_rows,
+    _option_store_terms,
 )
 
 

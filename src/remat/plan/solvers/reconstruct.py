@@ -124,7 +124,10 @@ def _fastest_single(arrays: _ChainArrays, start: int, held: int, memory: int) ->
         return 0
     choice, fastest = 0, math.inf
     for option in range(len(arrays.option_names)):
-        if memory >= arrays.option_single_peak[option, start] and arrays.option_forward_backward_s[option, start] < fastest:
+        if (
+            memory >= arrays.option_single_peak[option, start]
+            and arrays.option_forward_backward_s[option, start] < fastest
+        ):
             choice, fastest = -1 - option, float(arrays.option_forward_backward_s[option, start])
     if math.isinf(fastest):
         raise RematError(f"internal error: stage {start} has no way to be stored within {memory} units")

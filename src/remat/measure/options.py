@@ -1,0 +1,320 @@
+"""What each planned stage keeps, and costs, stored under a policy: the profile's store options.
+
+NOTE [sizing store options]
+For every policy the planner may store stages under (``policy=`` with a budget), each
+stage call is run once, on fake tensors, as :func:`remat.recompute` under the policy,
+forward and backward, from its input in a forward of the model without grad; the
+operations are observed as :func:`remat.explain` observes them. Of the call's outputs:
+
+* *kept* are those the policy keeps (held until the call's backward, then handed to its
+  recompute); those that autograd saves too are *shared* (the recompute takes them over);
+* *saved* are those autograd saves and the policy does not keep, made again by the
+  recompute.
+
+The planned stage's ``saved_bytes`` under the option is its ``saved_bytes`` stored whole,
+less what its calls' autograd saves, plus what they keep: what the model's code between
+calls saves (a residual addition's inputs) stays as it is. A group of calls keeps the
+inputs of its calls after the first (each call is its own block, which keeps its input).
+The output is kept when a kept operation returned it. The option's extra time is the
+operations the recompute runs again, priced by the device's cost model
+(:mod:`remat.measure.estimate`) as a share of the call's timed forward, plus the policy's
+cost of deciding on each operation of the forward and the recompute, timed once per
+process (:func:`policy_call_s`). Bytes are exact; the extra time is an estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import flop_registry
+
+from remat.discover.chain import Chain
+from remat.discover.intercept import call_original, intercept_stages
+from remat.errors import RematError
+from remat.manual import _selective
+from remat.manual._tensors import storage_key
+from remat.manual.explain import _Observer, _outer_pack
+from remat.manual.policies import Policy, as_policy
+from remat.manual.recompute import recompute
+from remat.measure.assemble import ChainMeasurement
+from remat.measure.estimate import CostModel, calibrated_cost_model, dominant_dtype
+from remat.measure.fake import on_fake_tensors
+from remat.measure.instrument import StageMeasurement, Work, tensors_in
+from remat.measure.isolation import preserved_model_state
+from remat.measure.timing import _cut_inputs, _detached
+from remat.plan.options import StoreOption
+
+__all__ = ["CallUnderPolicy", "named_policies", "option_name", "policy_call_s", "store_options", "with_store_options"]
+
+
+def option_name(policy: Policy) -> str:
+    """The name a plan gives a policy's store option: its repr without the module."""
+    return repr(policy).removeprefix("remat.policies.")
+
+
+def named_policies(policy: Any) -> dict[str, Policy]:
+    """The store options of ``policy=`` with a budget: one policy, or a sequence of them, by name (None: none).
+
+    Raises:
+        NotImplementedError: a mapping of stages to policies (with a budget).
+        RematError: a value is not a policy, or two policies have one name.
+    """
+    if policy is None:
+        return {}
+    if isinstance(policy, Mapping):
+        raise NotImplementedError(
+            "a budget with a mapping of stages to policies is not implemented: with a budget, pass a "
+            "policy (or a list of policies) the planner may store any stage under, or the mapping alone"
+        )
+    values = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    named: dict[str, Policy] = {}
+    for value in values:
+        checked = as_policy(value)
+        name = option_name(checked)
+        if name in named:
+            raise RematError(f"policy= names {name!r} twice; give each store option once")
+        named[name] = checked
+    return named
+
+
+@dataclass(frozen=True)
+class CallUnderPolicy:
+    """One stage call run under a policy (see NOTE [sizing store options]).
+
+    Attributes:
+        kept_bytes: bytes of the outputs the policy keeps, the call's output not counted.
+        shared_bytes: of those, the bytes autograd saves too.
+        autograd_bytes: bytes autograd saves of what the call makes, its output not counted
+            (what the block stored whole keeps of its own).
+        keeps_output: whether a kept operation returned the call's output.
+        forward_work: the work of the call's forward.
+        recompute_work: the work its recompute runs again.
+        dispatched: the operations the policy's mode sees, in the forward and the recompute.
+    """
+
+    kept_bytes: int
+    shared_bytes: int
+    autograd_bytes: int
+    keeps_output: bool
+    forward_work: Work
+    recompute_work: Work
+    dispatched: int
+
+
+class _Probe(_Observer):
+    """:func:`remat.explain`'s observer that also counts each operation's flops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        rows = len(self.ops)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.ops) > rows:
+            count = flop_registry.get(func._overloadpacket)
+            self.flops.append(0 if count is None else int(count(*args, **(kwargs or {}), out_val=out)))
+        return out
+
+    def work(self, rows: Sequence[int]) -> Work:
+        return Work(
+            sum(self.flops[row] for row in rows),
+            len(rows),
+            sum(self.ops[row].nbytes for row in rows),
+        )
+
+
+def _run_under_policy(module: nn.Module, args: Any, kwargs: Any, policy: Policy) -> CallUnderPolicy:
+    """Runs one stage call under `policy`, forward and backward, observed (grad on, inputs cut)."""
+    probe = _Probe()
+    with _selective.observed_by(probe), probe:
+        with torch.autograd.graph.saved_tensors_hooks(_outer_pack(probe), lambda t: t):
+            out = recompute(call_original, module, args, kwargs, policy=policy)
+        before_end = [row.status for row in probe.ops]
+        probe.end_forward()
+        outputs = {storage_key(t) for t in tensors_in(out) if t.layout == torch.strided}
+        # (the storages of outputs freed early are reused: only live ones are looked up)
+        made = {row for row, op in enumerate(probe.ops) if op.nbytes and op.status not in ("view", "in-place")}
+        output_rows = {row for key, (row, _) in probe.by_storage.items() if key in outputs}
+        kept = shared = autograd = 0
+        for row in made - output_rows:
+            nbytes, status, was = probe.ops[row].nbytes, probe.ops[row].status, before_end[row]
+            if status == "kept":
+                kept += nbytes
+                shared += nbytes if was == "recomputed" else 0
+            if was in ("recomputed", "saved"):
+                autograd += nbytes
+        keeps_output = any(probe.ops[row].status == "kept" for row in output_rows)
+        # (fake tensors answer device queries as operations of their own: not the model's)
+        operations = [i for i, row in enumerate(probe.ops) if not row.op.startswith("prim.")]
+        forward_rows = [i for i in operations if not probe.ops[i].view]
+        roots = [t for t in tensors_in(out) if t.requires_grad and t.is_floating_point()]
+        if roots:
+            with _selective.internal():
+                grads = [torch.ones_like(t) for t in roots]
+            torch.autograd.backward(roots, grads)
+        # what the recompute ran again (the kept operations are served, not run); it
+        # dispatches every operation of the block again, served ones and views included
+        recompute_rows = [i for i in forward_rows if probe.ops[i].reruns]
+        dispatched = 2 * len(operations)
+        del out, roots
+    return CallUnderPolicy(
+        kept, shared, autograd, keeps_output, probe.work(forward_rows), probe.work(recompute_rows), dispatched
+    )
+
+
+class _OptionPass:
+    """Called instead of each stage module: runs it under every policy, then on without grad."""
+
+    def __init__(self, chain: Chain, stages: list[StageMeasurement], policies: Mapping[str, Policy]) -> None:
+        self.chain = chain
+        self.stages = stages
+        self.policies = policies
+        self.calls: list[dict[str, CallUnderPolicy]] = []
+
+    def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        figures = {}
+        with torch.enable_grad():
+            cut_args, cut_kwargs = _cut_inputs(args, kwargs, self.stages[index])
+            for name, policy in self.policies.items():
+                figures[name] = _run_under_policy(module, cut_args, cut_kwargs, policy)
+        self.calls.append(figures)
+        return _detached(call_original(module, args, kwargs))
+
+
+@functools.lru_cache(maxsize=8)
+def policy_call_s(device: str) -> float:
+    """Seconds a policy's dispatch mode adds to one operation on `device` (measured once, tiny tensors)."""
+    target = torch.device(device)
+    synchronize = (lambda: torch.cuda.synchronize(target)) if target.type == "cuda" else (lambda: None)
+    calls = 200
+    start = torch.ones(4, device=target, requires_grad=True)
+
+    def block(value: torch.Tensor) -> torch.Tensor:
+        for _ in range(calls):
+            value = value * 1.0001
+        return value
+
+    def median_s(run: Any) -> float:
+        run()
+        samples = []
+        for _ in range(5):
+            synchronize()
+            began = time.perf_counter()
+            run()
+            synchronize()
+            samples.append(time.perf_counter() - began)
+        return statistics.median(samples)
+
+    from remat.policies import save_matmuls
+
+    plain_s = median_s(lambda: block(start))
+    selective_s = median_s(lambda: recompute(block, start, policy=save_matmuls))
+    return max(0.0, selective_s - plain_s) / calls
+
+
+def store_options(
+    model: nn.Module,
+    chain: Chain,
+    measurement: ChainMeasurement,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    policies: Mapping[str, Policy],
+) -> tuple[StoreOption, ...]:
+    """The store options of `measurement`'s planned stages under `policies` (NOTE [sizing store options]).
+
+    Runs the model once on fake tensors; the model is left as it was.
+    """
+    devices = [p.device for p in model.parameters()]
+    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
+        fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        probe = _OptionPass(chain, measurement.stages, policies)
+        with fake.mode, torch.no_grad(), intercept_stages(chain, probe):
+            model(*fake_args, **fake_kwargs)
+    if len(probe.calls) != len(chain):
+        raise RematError(f"the forward ran {len(probe.calls)} of the chain's {len(chain)} stages while sizing options")
+    held = max((sum(nbytes for nbytes, _ in s.saved_storages.values()) for s in measurement.stages), default=0)
+    cost = (
+        calibrated_cost_model(device, dominant_dtype(list(model.parameters())), max_bytes=max(held, 2**16))
+        if device.type != "meta"
+        else None
+    )
+    per_op_s = policy_call_s(str(device)) if device.type != "meta" else 0.0
+    return tuple(_option(name, measurement, probe.calls, cost, per_op_s) for name in policies)
+
+
+def _seconds(cost: CostModel | None, work: Work) -> float:
+    if cost is None:
+        return float(work.flops + work.allocated_bytes + work.operations)
+    return cost.seconds(work)
+
+
+def _option(
+    name: str,
+    measurement: ChainMeasurement,
+    calls: list[dict[str, CallUnderPolicy]],
+    cost: CostModel | None,
+    per_op_s: float,
+) -> StoreOption:
+    profile = measurement.profile
+    saved: list[int | None] = []
+    shared: list[int] = []
+    outputs: list[bool] = []
+    extras: list[float] = []
+    for group, (first, stop) in enumerate(measurement.groups):
+        figures = [calls[index][name] for index in range(first, stop)]
+        whole = profile.saved_bytes[group]
+        autograd = sum(f.autograd_bytes for f in figures)
+        inner_inputs = sum(profile_boundary_bytes(measurement, index) for index in range(first + 1, stop))
+        kept = max(0, whole - autograd) + sum(f.kept_bytes for f in figures) + inner_inputs
+        saved.append(kept)
+        shared.append(min(sum(f.shared_bytes for f in figures), whole, kept))
+        outputs.append(figures[-1].keeps_output)
+        extra = 0.0
+        for index, f in zip(range(first, stop), figures, strict=True):
+            forward_s = measurement.stages[index].forward_time_s
+            share = _seconds(cost, f.recompute_work) / max(_seconds(cost, f.forward_work), 1e-12)
+            extra += forward_s * min(1.0, share) + per_op_s * f.dispatched
+        extras.append(extra)
+    return StoreOption(name, tuple(saved), tuple(outputs), tuple(extras), tuple(shared))
+
+
+def profile_boundary_bytes(measurement: ChainMeasurement, index: int) -> int:
+    """Bytes of stage call `index`'s input (what the call before it returned to it)."""
+    return sum(measurement.stages[index].input_storages.values())
+
+
+def with_store_options(
+    model: nn.Module,
+    chain: Chain,
+    measurement: ChainMeasurement,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policies: Mapping[str, Policy],
+) -> ChainMeasurement:
+    """`measurement` with its profile's store options under `policies` (NOTE [sizing store options]).
+
+    Raises:
+        RematError: the model cannot run on fake tensors, where the options are sized.
+    """
+    from remat.measure.fake import FakeRunFailed
+    from remat.measure.step import step_device
+
+    try:
+        options = store_options(model, chain, measurement, args, kwargs, step_device(model, args, kwargs), policies)
+    except FakeRunFailed as error:
+        raise RematError(
+            f"storing stages under a policy needs a model that runs on fake tensors, where the options are "
+            f"sized, and this one does not ({error}); pass a budget without policy="
+        ) from None
+    profile = dataclasses.replace(measurement.profile, store_options=options)
+    return dataclasses.replace(measurement, profile=profile)

@@ -1,0 +1,205 @@
+"""The automatic mode storing stages under a policy (``remat.enable(model, budget, policy=...)``).
+
+NOTE [stored under a policy] and NOTE [sizing store options]: the planner may store a stage
+as a selective recompute block under the given policies. Gradients, outputs and buffers
+are compared with plain autograd (``torch.equal``), and the peak with the exact tracker.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+import remat.automatic
+from remat import policies
+from remat.discover.chain import discover_chain
+from remat.errors import RematError
+from remat.execute import ChainExecutor
+from remat.plan import Region, Store
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: its matrix products are most of its work, not of its memory."""
+
+    def __init__(self, width: int = 32, p: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(self.norm(x))))))
+
+
+class Tower(nn.Module):
+    def __init__(self, depth: int = 5, width: int = 32, p: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, p) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, seed: int = 3) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    loss_fn(out).backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def free_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Store options cost no time: the planner takes them wherever they fit (their figures
+    of bytes stay measured), whatever this machine's timings."""
+    measured = remat.automatic.with_store_options
+
+    def free(*args: Any, **kwargs: Any) -> Any:
+        measurement = measured(*args, **kwargs)
+        profile = measurement.profile
+        options = tuple(
+            dataclasses.replace(option, extra_time_s=(0.0,) * profile.n_stages) for option in profile.store_options
+        )
+        return dataclasses.replace(measurement, profile=dataclasses.replace(profile, store_options=options))
+
+    monkeypatch.setattr(remat.automatic, "with_store_options", free)
+
+
+def options_taken(control: remat.Checkpointable) -> list[str | None]:
+    plan = control.plan
+    assert plan is not None
+    return [op.option for op in plan.schedule.operations if op.option is not None]
+
+
+@pytest.mark.usefixtures("free_options")
+@pytest.mark.parametrize("budget", [0.7, 0.45])
+def test_stages_stored_under_a_policy_give_plain_gradients_within_the_budget(budget: float) -> None:
+    torch.manual_seed(0)
+    model = Tower(p=0.2)
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 24, 32)
+    expected = plain_step(model, x)
+    control = remat.enable(twin, budget, policy=policies.save_matmuls, loss_fn=loss_fn)
+    got = plain_step(twin, x)  # measures, plans and runs the plan
+    got = plain_step(twin, x)
+    assert "save_matmuls" in options_taken(control)
+    assert torch.equal(expected[0], got[0])
+    for a, b in zip(expected[1], got[1], strict=True):
+        assert torch.equal(a, b)
+    with control.check_step() as check:
+        plain_step(twin, x)
+    assert check.within_budget
+    assert 0.99 <= check.ratio <= 1.0  # the prediction, to within 1% of the measured peak
+    assert "policy: save_matmuls" in str(control.plan)
+
+
+def test_options_are_planned_only_where_they_pay() -> None:
+    model = Tower()
+    x = torch.randn(16, 24, 32)
+    control = remat.enable(model, 1.0, policy=[policies.save_matmuls, policies.save_nothing], loss_fn=loss_fn)
+    plain_step(model, x)
+    profile = control.plan.measurement.profile
+    assert [option.name for option in profile.store_options] == ["save_matmuls", "save_nothing"]
+    # storing whole fits: nothing is recomputed, under a policy or otherwise
+    assert options_taken(control) == [] and control.plan.overhead_fraction == 0.0
+    matmuls, nothing = profile.store_options
+    for stage in range(len(model.blocks)):
+        # a block keeps less under save_matmuls than stored whole, and its input alone under save_nothing
+        assert nothing.saved_bytes[stage] < matmuls.saved_bytes[stage] < profile.saved_bytes[stage]
+        assert matmuls.extra_time_s[stage] > 0
+    assert remat.plan.ChainProfile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.usefixtures("free_options")
+def test_batch_norm_statistics_are_updated_once_under_an_option() -> None:
+    class ConvBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x))) + x
+
+    torch.manual_seed(1)
+    model = nn.Sequential(*(ConvBlock() for _ in range(4)), nn.Flatten(), nn.Linear(8 * 12 * 12, 1))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8, 12, 12)
+    expected = plain_step(model, x)
+    control = remat.enable(twin, 0.6, policy=policies.save_ops(torch.ops.aten.convolution), loss_fn=loss_fn)
+    got = plain_step(twin, x)
+    assert options_taken(control)
+    assert torch.equal(expected[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+        assert torch.equal(a, b)  # running statistics once, as without recompute
+    assert control.plan.predicted_peak_bytes <= control.plan.budget.total_bytes
+
+
+def test_a_stage_stored_under_a_policy_inside_a_region_body() -> None:
+    torch.manual_seed(2)
+    model = Tower(depth=4, p=0.3)
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16, 32)
+    expected = plain_step(model, x)
+    chain = discover_chain(twin, (x,), {})
+    stages = len(chain)
+    body = (Store(0, "save_matmuls"), Region(1, 3, (Store(1), Store(2, "save_matmuls"))))
+    plan = (Region(0, 3, body),) + tuple(Store(stage, "save_matmuls") for stage in range(3, stages - 1))
+    plan += (Store(stages - 1),)
+    executor = ChainExecutor(chain, plan, policies={"save_matmuls": policies.save_matmuls})
+    torch.manual_seed(3)
+    out = executor(twin, (x,), {})
+    loss_fn(out).backward()
+    assert torch.equal(expected[0], out.detach())
+    for a, b in zip(expected[1], [p.grad for p in twin.parameters()], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_what_cannot_be_stored_under_a_policy_is_refused_clearly() -> None:
+    model = Tower(depth=2)
+    x = torch.randn(4, 8, 32)
+    chain = discover_chain(model, (x,), {})
+    with pytest.raises(RematError, match="whose policies were not given"):
+        ChainExecutor(chain, (Store(0, "save_matmuls"), Store(1), Store(2)))
+    with pytest.raises(NotImplementedError, match="mapping"):
+        remat.enable(Tower(), 0.5, policy={"blocks.0": policies.save_matmuls})
+    with pytest.raises(RematError, match="twice"):
+        remat.enable(Tower(), 0.5, policy=[policies.save_matmuls, policies.save_matmuls])
+
+
+@pytest.mark.usefixtures("free_options")
+def test_a_saved_plan_with_options_is_pinned_with_its_policies(tmp_path: Any) -> None:
+    torch.manual_seed(4)
+    model = Tower(depth=4)
+    x = torch.randn(8, 16, 32)
+    expected = plain_step(copy.deepcopy(model), x)
+    enabled = copy.deepcopy(model)
+    control = remat.enable(enabled, 0.7, policy=policies.save_matmuls, loss_fn=loss_fn)
+    plain_step(enabled, x)
+    assert options_taken(control)
+    path = tmp_path / "plan.json"
+    path.write_text(control.plan.to_json())
+    pinned = copy.deepcopy(model)
+    remat.enable(pinned, plan=str(path), policy=policies.save_matmuls)
+    got = plain_step(pinned, x)
+    assert torch.equal(expected[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))
+    without = copy.deepcopy(model)
+    remat.enable(without, plan=str(path))
+    with pytest.raises(RematError, match="whose policies were not given"):
+        plain_step(without, x)
