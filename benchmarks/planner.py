@@ -21,7 +21,9 @@ Strategies, each on its own copy of the same weights:
    at each fraction; its overhead is also taken against its own budget 1.0;
 5. ``remat.Checkpointable`` at each fraction, at the smallest feasible budget (``"min"``),
    and at the peak strategy 2 measured, in bytes; with ``--nested``, the same points again
-   with ``nested=True`` (blocks split into their submodules), in the same run.
+   with ``nested=True`` (blocks split into their submodules), in the same run; with
+   ``--policy``, the same points again with ``policy=save_matmuls`` (the planner may store
+   any stage under the policy).
 
 Peaks are those of one training step (forward, loss, backward), parameter gradients
 excluded, from the exact tracker :class:`remat.MemoryTracker`, except for compiled code:
@@ -81,7 +83,8 @@ MLP_WIDTHS = (256, 1024, 512, 2048)
 PLAIN = "no recompute"
 REMAT_NESTED = "remat nested"
 REMAT_COMPILED = "remat, compiled blocks"
-REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED)
+REMAT_POLICY = "remat + save_matmuls"
+REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED, REMAT_POLICY)
 COMPILED_FAMILIES = ("torch.compile", REMAT_COMPILED)
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
@@ -252,20 +255,24 @@ def compiled(workload: Workload, budget: float) -> Strategy:
     return strategy
 
 
-def rematerialized(
-    workload: Workload, budget: float | int | str, label: str, *, nested: bool = False, compiled: bool = False
-) -> Strategy:
+def rematerialized(workload: Workload, budget: float | int | str, label: str, *, family: str = "remat") -> Strategy:
     """Strategy 5 at one budget; infeasible budgets come back with ``feasible`` False.
 
-    With `compiled`, each block of a fresh copy is compiled first (``block.compile()``,
-    inductor): the first step measures, plans and compiles (its wall time is ``compile_s``).
+    With the family `REMAT_COMPILED`, each block of a fresh copy is compiled first
+    (``block.compile()``, inductor): the first step measures, plans and compiles (its wall
+    time is ``compile_s``). `REMAT_POLICY` lets the planner store any stage under
+    ``save_matmuls`` too (``policy=`` with the budget).
     """
+    compiled, nested = family == REMAT_COMPILED, family == REMAT_NESTED
+    policy = remat.policies.save_matmuls if family == REMAT_POLICY else None
     model = copy.deepcopy(workload.model)
     if compiled:
         for block in workload.blocks(model):
             block.compile(dynamic=False)
-    wrapped = remat.Checkpointable(model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested)
-    row = row_of(REMAT_COMPILED if compiled else REMAT_NESTED if nested else "remat", label, budget)
+    wrapped = remat.Checkpointable(
+        model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested, policy=policy
+    )
+    row = row_of(family, label, budget)
     strategy = Strategy(row, functools.partial(workload.call, wrapped), wrapped)
     started = time.perf_counter()
     try:
@@ -285,6 +292,7 @@ def rematerialized(
         predicted_overhead=plan.overhead,
         recomputed_stages=sum(count > 1 for count in plan.forward_counts),
         stages=len(plan.forward_counts),
+        policy_stages=sum(op.option is not None for op in plan.schedule.operations),
     )
     return strategy
 
@@ -432,6 +440,7 @@ def build_strategies(
     nested: bool = False,
     with_compile: bool = True,
     compiled_blocks: bool = False,
+    with_policy: bool = False,
 ) -> tuple[list[Strategy], dict[str, Any]]:
     plain = Strategy(row_of("plain", PLAIN), functools.partial(workload.call, workload.model), workload.model)
     second = recompute_sequentially(workload)
@@ -450,11 +459,10 @@ def build_strategies(
     points: list[tuple[float | int | str, str]] = [(f, str(f)) for f in fractions]
     points += [("min", "min"), (second.row["measured_peak_bytes"], f"at {second.row['family']} peak")]
     families = ["remat"] + ([REMAT_NESTED] if nested else []) + ([REMAT_COMPILED] if compiled_blocks else [])
+    families += [REMAT_POLICY] if with_policy else []
     for family in families:
         for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
-            strategy = rematerialized(
-                workload, budget, label, nested=family == REMAT_NESTED, compiled=family == REMAT_COMPILED
-            )
+            strategy = rematerialized(workload, budget, label, family=family)
             print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
             strategies.append(strategy)
     compile_info = {"frames_compiled": dynamo_frames() - frames_before}
@@ -652,7 +660,11 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [table_row(row) for row in result["rows"]]
-    for key, title in (("targets", "targets"), ("targets_nested", f"targets of {REMAT_NESTED}")):
+    for key, title in (
+        ("targets", "targets"),
+        ("targets_nested", f"targets of {REMAT_NESTED}"),
+        ("targets_policy", f"targets of {REMAT_POLICY}"),
+    ):
         if key not in result:
             continue
         lines += ["", f"## {title}", ""]
@@ -688,6 +700,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "remat": ("tab:blue", "o"),
         REMAT_NESTED: ("tab:purple", "P"),
         REMAT_COMPILED: ("tab:cyan", "X"),
+        REMAT_POLICY: ("tab:olive", "D"),
     }
     rows = [r for r in result["rows"] if r.get("median_step_s")]
     for family, (colour, marker) in styles.items():
@@ -744,6 +757,9 @@ def main() -> None:
     parser.add_argument("--nested", action="store_true", help="remat with nested=True too, in the same run")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile's points out")
     parser.add_argument(
+        "--policy", action="store_true", help="remat storing stages under save_matmuls too, in the same run"
+    )
+    parser.add_argument(
         "--compiled-blocks", action="store_true", help="remat over blocks compiled one by one too, in the same run"
     )
     parser.add_argument(
@@ -766,6 +782,7 @@ def main() -> None:
             nested=options.nested,
             with_compile=not options.no_compile,
             compiled_blocks=options.compiled_blocks,
+            with_policy=options.policy,
         )
         timed = [s for s in strategies if s.row["feasible"]]
         frames_before = dynamo_frames()
@@ -791,8 +808,11 @@ def main() -> None:
     result["targets"] = targets(workload.name, rows)
     if options.nested:
         result["targets_nested"] = targets(workload.name, rows, REMAT_NESTED)
+    if options.policy:
+        result["targets_policy"] = targets(workload.name, rows, REMAT_POLICY)
     RESULTS.mkdir(exist_ok=True)
     name = workload.name + ("_nested" if options.nested else "") + ("_compiled" if options.compiled_blocks else "")
+    name += "_policy" if options.policy else ""
     stem = RESULTS / f"planner_{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     text = markdown(result)

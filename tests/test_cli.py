@@ -208,6 +208,18 @@ def test_plan_of_a_hugging_face_architecture_from_its_config(capsys: pytest.Capt
     assert document["predicted_peak_bytes"] <= document["budget_bytes"]
 
 
+def test_plan_with_policies_sizes_their_store_options(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", tiny_catalogue, "--batch", str(BATCH), "--budget", "0.5", "--json"]
+    code, out, _ = run([*argv, "--policy", "save_matmuls", "--policy", "save_nothing"], capsys)
+    assert code == cli.EXIT_OK
+    document = json.loads(out)
+    profile = ChainProfile.from_dict(document["profile"])
+    assert [option.name for option in profile.store_options] == ["save_matmuls", "save_nothing"]
+    assert document["predicted_peak_bytes"] <= document["budget_bytes"]
+    code, _, err = run([*argv, "--policy", "save:nonsense_op"], capsys)
+    assert code != cli.EXIT_OK and "nonsense_op" in err
+
+
 def test_plan_nested_splits_the_blocks_into_their_submodules(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     argv = ["plan", "--hf", "gpt2", "--hf-config", "n_layer=2,n_embd=32", "--budget", "0.4", "--json", "--nested"]

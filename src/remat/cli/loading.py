@@ -323,11 +323,18 @@ def human_count(n: int | None) -> str:
 
 
 def measure_workload(
-    workload: Workload, solver: str, output: Output, *, nested: bool, estimate: bool = False
+    workload: Workload,
+    solver: str,
+    output: Output,
+    *,
+    nested: bool,
+    estimate: bool = False,
+    policies: list[Any] | None = None,
 ) -> tuple[Any, Any]:
     """A ``Checkpointable`` of the workload's model measured on its batch, and that batch.
 
-    With `estimate`, nothing runs the model for real (see ``measure="estimated"``).
+    With `estimate`, nothing runs the model for real (see ``measure="estimated"``). With
+    `policies`, its plans may store stages under them (their options are sized too).
     """
     from remat.automatic import Checkpointable
     from remat.bench.runner import call_with
@@ -336,7 +343,11 @@ def measure_workload(
     inputs, target = workload.make_batch()
     loss_fn = workload.measurement_loss(target)
     how = "estimated" if estimate else "sized"
-    wrapper = Checkpointable(workload.model, None, solver=solver, loss_fn=loss_fn, nested=nested, measure=how)
+    # (a budget makes the policies store options; plans for other budgets come from plan_for)
+    budget, policy = (1.0, policies) if policies else (None, None)
+    wrapper = Checkpointable(
+        workload.model, budget, solver=solver, loss_fn=loss_fn, nested=nested, measure=how, policy=policy
+    )
     with measuring_progress(workload.name, output) as progress:
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             if not estimate:

@@ -36,7 +36,7 @@ from remat.cli.codes import (
     exit_code_table,
     fail,
 )
-from remat.cli.explaining import add_explain_command, command_explain
+from remat.cli.explaining import POLICY_FORMS, add_explain_command, command_explain, policy_from_text
 from remat.cli.loading import (
     DEFAULT_BATCH,
     Workload,
@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     plan.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help=f"a policy the plan may store stages under ({POLICY_FORMS}); repeat for several",
+    )
+    plan.add_argument(
         "--estimate",
         action="store_true",
         help="plan without running the model: it is built on the meta device (no memory, so it may be larger "
@@ -316,7 +323,10 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     workload = _workload(args)
-    wrapper, inputs = measure_workload(workload, args.solver, output, nested=args.nested, estimate=args.estimate)
+    policies = [policy_from_text(text) for text in args.policy or []]
+    wrapper, inputs = measure_workload(
+        workload, args.solver, output, nested=args.nested, estimate=args.estimate, policies=policies
+    )
     try:
         plan = wrapper.plan_for(budget)
     except BudgetTooSmall as error:

@@ -101,6 +101,8 @@ def print_plan(plan: Plan, workload: dict[str, Any], output: Output) -> None:
     )
     for row in report.rows:
         decision = "kept" if row.kept else "[yellow]recomputed[/yellow]"
+        if row.option is not None:
+            decision = f"[cyan]{row.option}[/cyan]"  # stored under the policy: its own recompute
         table.add_row(*row.formatted_figures(), decision, str(row.forward_runs))
     output.out.print(table)
     split = plan.budget

@@ -214,7 +214,7 @@ def policy_call_s(device: str) -> float:
             samples.append(time.perf_counter() - began)
         return statistics.median(samples)
 
-    from remat.policies import save_matmuls
+    from remat.manual.policies import save_matmuls
 
     plain_s = median_s(lambda: block(start))
     selective_s = median_s(lambda: recompute(block, start, policy=save_matmuls))
