@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/solver_speed.py [--stages 100 200 400 1000] [--slots 500] [--repeat 3]
-        [--implementations numpy numba] [--exact-up-to 400] [--output-dir benchmarks/results]
+        [--implementations numpy numba] [--exact-up-to 400] [--options K] [--output-dir benchmarks/results]
 
 For each chain length, chain (a random heterogeneous one and a uniform transformer-like one),
 implementation and budget, it times a whole solve by a fresh solver (least peaks, the time
@@ -12,7 +12,10 @@ warm-up call that compiles the numba kernels (or loads them from numba's cache).
 longer than the solver's ``max_stages`` are planned over groups of stages; up to
 ``--exact-up-to`` stages, the step time of the plan is compared with the plan of the
 program solved stage by stage (``max_stages`` unbounded, numba when installed) at the same
-budget. Writes ``solver_speed.json`` and ``solver_speed.md`` to ``--output-dir``.
+budget. With ``--options K``, every stage also has K store options (a stage stored under a
+policy, NOTE [stored under a policy]): the random chain's from ``random_chain``, the uniform
+chain's keeping a half, a quarter, ... of its saved bytes for a growing extra time. Writes
+``solver_speed.json`` and ``solver_speed.md`` (``solver_speed_options<K>``) to ``--output-dir``.
 """
 
 from __future__ import annotations
@@ -28,15 +31,26 @@ from pathlib import Path
 from typing import Any
 
 from remat.plan import ChainProfile, OptimalSolver, Store, numba_available, simulate
+from remat.plan.options import StoreOption
 from remat.testing import random_chain
 
 FRACTIONS = (0.1, 0.5, 0.9)
 """Budgets, as fractions of the way from the least peak to the store-everything peak."""
 
 
-def uniform_chain(n_stages: int) -> ChainProfile:
+def uniform_chain(n_stages: int, n_options: int = 0) -> ChainProfile:
     """A transformer-like chain: every stage alike (32 MiB out, 96 MiB saved)."""
     mib = 2**20
+    options = tuple(
+        StoreOption(
+            f"option{index}",
+            (96 * mib // 2 ** (index + 1),) * n_stages,
+            (False,) * n_stages,
+            (0.002 * (index + 1),) * n_stages,
+            (32 * mib // 2 ** (index + 1),) * n_stages,
+        )
+        for index in range(n_options)
+    )
     return ChainProfile(
         names=tuple(f"block{index}" for index in range(n_stages)),
         forward_time_s=(0.01,) * n_stages,
@@ -48,6 +62,7 @@ def uniform_chain(n_stages: int) -> ChainProfile:
         saves_output=(False,) * n_stages,
         forward_temp_bytes=(16 * mib,) * n_stages,
         backward_temp_bytes=(64 * mib,) * n_stages,
+        store_options=options,
     )
 
 
@@ -83,6 +98,7 @@ def measure(
             row = {
                 "chain": chain,
                 "n_stages": n,
+                "options": len(profile.store_options),
                 "implementation": implementation,
                 "groups": min(n, limit),
                 "budget_fraction": fraction,
@@ -100,8 +116,10 @@ def measure(
 
 
 def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    options = f", {header['options']} store options per stage" if header.get("options") else ""
     lines = [
-        f"# Solver speed ({header['slots']} slots; {header['cpu_count']} CPUs, load {header['load_average']})",
+        f"# Solver speed ({header['slots']} slots{options}; {header['cpu_count']} CPUs, "
+        f"load {header['load_average']})",
         "",
         "Wall seconds of a whole solve, best of the repeats; overhead as a share of a step without",
         "recompute; step time against the program solved stage by stage at the same budget.",
@@ -136,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         default=["numpy", "numba"] if numba_available() else ["numpy"],
         choices=["numba", "numpy"],
     )
+    parser.add_argument("--options", type=int, default=0, help="store options per stage (default 0)")
     parser.add_argument("--output-dir", default=None, help="write solver_speed.json and .md there")
     args = parser.parse_args(argv)
     results = []
     for n_stages in args.stages:
         chains = {
-            "random": random_chain(0, n_stages, max_units=100, unit_bytes=2**20),
-            "uniform": uniform_chain(n_stages),
+            "random": random_chain(0, n_stages, max_units=100, unit_bytes=2**20, store_options=args.options),
+            "uniform": uniform_chain(n_stages, args.options),
         }
         for chain_name, profile in chains.items():
             exact = n_stages <= args.exact_up_to
@@ -150,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "benchmark": "solver_speed",
         "slots": args.slots,
+        "options": args.options,
         "cpu_count": os.cpu_count(),
         "load_average": [round(value, 2) for value in os.getloadavg()],
         "python": platform.python_version(),
@@ -160,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_dir:
         directory = Path(args.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "solver_speed.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-        (directory / "solver_speed.md").write_text(markdown(results, header), encoding="utf-8")
+        stem = "solver_speed" + (f"_options{args.options}" if args.options else "")
+        (directory / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        (directory / f"{stem}.md").write_text(markdown(results, header), encoding="utf-8")
     return 0
 
 

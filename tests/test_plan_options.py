@@ -7,6 +7,7 @@ options, and its two implementations against each other.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -217,3 +218,19 @@ def test_groups_of_one_stage_keep_their_options() -> None:
     ]
     # the merged plan's peak bounds the expanded one's
     assert simulate(profile, expanded).peak_bytes <= simulate(merged, plan).peak_bytes
+
+
+def test_offload_and_options_plan_together_within_the_budget() -> None:
+    from remat.plan import Offload, OffloadingSolver
+
+    for seed in range(6):
+        profile = dataclasses.replace(
+            random_chain(seed, 10, max_units=30, unit_bytes=100, store_options=1), offload_time_per_byte_s=1e-6
+        )
+        solver = OffloadingSolver(OptimalSolver(implementation="numpy", slots=300))
+        budget = solver.minimum_bytes(profile) * 12 // 10
+        schedule = solver(profile, budget)
+        assert schedule.predicted_peak_bytes <= budget
+        assert simulate(profile, schedule.items).peak_bytes == schedule.predicted_peak_bytes
+        for item in schedule.items:
+            assert not (isinstance(item, Offload) and getattr(item, "option", None))

@@ -233,3 +233,29 @@ def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions(tmp_path: 
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_store_options_combine_their_bytes_up_and_their_shared_bytes_down() -> None:
+    # a store option's shared bytes are taken off a peak: the smallest of any rank is safe
+    from remat.ranks import _rebuild, _walk
+    from remat.testing import random_chain
+
+    import dataclasses
+
+    profile = random_chain(5, 6, store_options=1)
+    option = profile.store_options[0]
+    shared = tuple(min(kept or 0, whole) // 2 for kept, whole in zip(option.saved_bytes, profile.saved_bytes))
+    option = dataclasses.replace(option, shared_bytes=shared)
+    profile = dataclasses.replace(profile, store_options=(option,))
+    assert any(shared)
+    kinds = {kind for kind, _ in _walk(profile, "profile")}
+    assert "min" in kinds
+
+    def marked(kind: str, value: Any) -> Any:
+        return {"int": 2 * value, "float": 2 * value, "min": value // 2}[kind]
+
+    combined = _rebuild(profile, "profile", marked).store_options[0]
+    assert combined.name == option.name and combined.saves_output == option.saves_output
+    assert combined.saved_bytes == tuple(None if b is None else 2 * b for b in option.saved_bytes)
+    assert combined.extra_time_s == tuple(2 * t for t in option.extra_time_s)
+    assert combined.shared_bytes == tuple(b // 2 for b in option.shared_bytes)

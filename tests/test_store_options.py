@@ -203,3 +203,20 @@ def test_a_saved_plan_with_options_is_pinned_with_its_policies(tmp_path: Any) ->
     remat.enable(without, plan=str(path))
     with pytest.raises(RematError, match="whose policies were not given"):
         plain_step(without, x)
+
+
+def test_the_timing_pass_times_each_stage_under_each_policy() -> None:
+    # NOTE [timing store options]: the extra seconds of a policy are timed, not estimated,
+    # for every group of one stage call whose backward the timing pass runs
+    model = Tower(depth=3)
+    x = torch.randn(8, 16, 32)
+    control = remat.enable(model, 0.8, policy=[policies.save_matmuls, policies.save_nothing], loss_fn=loss_fn)
+    plain_step(model, x)
+    measurement = control.plan.measurement
+    timed = [extra for extra in measurement.option_extra_s if extra]
+    assert len(timed) >= len(model.blocks)
+    assert all(set(extra) == {"save_matmuls", "save_nothing"} for extra in timed)
+    option = measurement.profile.store_option("save_matmuls")
+    for stage, (first, stop) in enumerate(measurement.groups):
+        if stop - first == 1 and measurement.option_extra_s[first]:
+            assert option.extra_time_s[stage] == measurement.option_extra_s[first]["save_matmuls"]

@@ -232,8 +232,7 @@ class Checkpointable(ModelStandIn):
         self._shapes = ShapeTimings(timed_shapes)
         self._cache_warned = self._default_budget_warned = self._coverage_warned = False
         self._solver()  # fail now on an unknown solver name
-        self.policy = policy
-        self.nested = bool(nested)
+        self.policy, self.nested = policy, bool(nested)
         self._ranks = RankAgreement() if agree_ranks else None
         self._policies = named_policies(policy) if mem_limit is not None or plan is not None else {}
         self._selective = None if policy is None or self._policies else SelectiveRuns(policy, preserve_rng_state)
@@ -298,6 +297,7 @@ class Checkpointable(ModelStandIn):
                     before_timing=lambda sized, needs: self._timed_backwards(key, sized, needs, training),
                     known_times=known_times,
                     estimated_times=estimator,
+                    policies=self._policies,
                 )
             except FakeRunFailed as error:
                 # Measured for real instead; a user's error raises there as itself.

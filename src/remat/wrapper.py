@@ -85,7 +85,7 @@ def model_own_call(model: nn.Module) -> Iterator[None]:
 
 def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """A training call's kwargs with ``use_cache=False`` for a model whose forward takes
-    it (NOTE [key/value caches] in ``remat.measure.step``), unless the caller chose; and
+    it (NOTE [key/value caches] in ``remat.measure.losses``), unless the caller chose; and
     whether that turned off a cache the model's config turns on (Hugging Face's gradient
     checkpointing does the same). It is passed even when the config says False: some
     models build a cache for a sub-stack whose own config says True (T5's decoder)."""

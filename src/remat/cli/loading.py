@@ -72,7 +72,7 @@ class Workload:
 def _sum_loss(output: Any, target: Any) -> Tensor:
     """The default loss of a user's model: the loss its output carries (``output.loss``, a
     Hugging Face model's), else the sum of every floating-point output."""
-    from remat.measure.step import output_loss
+    from remat.measure.losses import output_loss
 
     carried = output_loss(output)
     if carried is not None:

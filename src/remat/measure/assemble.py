@@ -84,6 +84,9 @@ class ChainMeasurement:
             model holds beyond the next stage call without passing it on (a U-Net's
             skip): ``(stage call, last stage call it is held through, bytes, whether
             the stage saves it too)``; empty when not measured or when there is none.
+        option_extra_s: per stage call, the seconds each policy of ``policy=`` (by name)
+            adds to its forward and backward, timed (NOTE [timing store options]); empty
+            where not timed.
     """
 
     stages: list[StageMeasurement]
@@ -104,6 +107,7 @@ class ChainMeasurement:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     suffix_backward_excess_bytes: int = 0
     loss_from_output: bool = False
+    option_extra_s: tuple[dict[str, float], ...] = ()
     glue_constants: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
 
     @property

@@ -15,11 +15,14 @@ The planned stage's ``saved_bytes`` under the option is its ``saved_bytes`` stor
 less what its calls' autograd saves, plus what they keep: what the model's code between
 calls saves (a residual addition's inputs) stays as it is. A group of calls keeps the
 inputs of its calls after the first (each call is its own block, which keeps its input).
-The output is kept when a kept operation returned it. The option's extra time is the
-operations the recompute runs again, priced by the device's cost model
+The output is kept when a kept operation returned it. The option's extra time is timed
+by the timing pass where it can be (NOTE [timing store options] in
+:mod:`remat.measure.timing`: a group of one stage call whose backward is timed); elsewhere
+(groups of several calls, the last stage, times estimated or scaled from another shape) it
+is estimated: the operations the recompute runs again, priced by the device's cost model
 (:mod:`remat.measure.estimate`) as a share of the call's timed forward, plus the policy's
 cost of deciding on each operation of the forward and the recompute, timed once per
-process (:func:`policy_call_s`). Bytes are exact; the extra time is an estimate.
+process (:func:`policy_call_s`). Bytes are exact.
 """
 
 from __future__ import annotations
@@ -281,6 +284,10 @@ def _option(
         outputs.append(figures[-1].keeps_output)
         extra = 0.0
         for index, f in zip(range(first, stop), figures, strict=True):
+            timed = measurement.option_extra_s[index] if measurement.option_extra_s else {}
+            if name in timed:  # NOTE [timing store options]
+                extra += timed[name]
+                continue
             forward_s = measurement.stages[index].forward_time_s
             share = _seconds(cost, f.recompute_work) / max(_seconds(cost, f.forward_work), 1e-12)
             extra += forward_s * min(1.0, share) + per_op_s * f.dispatched

@@ -42,13 +42,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
-from remat.errors import RematError, UnsupportedModel
+from remat.errors import UnsupportedModel
 from remat.manual._state import learning_state
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
 from remat.measure.isolation import isolated_inputs, preserved_model_state
+from remat.measure.losses import _check_no_cache, _DefaultLoss, _loss_and_backward
 from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
@@ -91,6 +92,7 @@ def measure_chain(
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None = None,
     known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None = None,
     estimated_times: Estimator | None = None,
+    policies: Mapping[str, Any] | None = None,
 ) -> ChainMeasurement:
     """Measures one training step of `model`, stage by stage, and groups the stages.
 
@@ -126,6 +128,8 @@ def measure_chain(
             of the timing pass (the profile's ``metadata["times"]`` says so). The pass is
             still rehearsed on fake tensors, for what the model holds across stages, but
             not run: nothing runs on the device.
+        policies: with `sized`, policies the timing pass also times each stage under
+            (NOTE [timing store options]), by name.
     """
     default = _DefaultLoss()
     chosen: Callable[[Any], Any] = loss_fn if loss_fn is not None else default
@@ -133,7 +137,7 @@ def measure_chain(
     device = _first_accelerator(devices)
     if sized:
         measurement = _sized_measurement(
-            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times, estimated_times
+            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times, estimated_times, policies
         )
     else:
         measurement = _plain_measurement(model, chain, args, kwargs, chosen, devices, device, frugal)
@@ -233,6 +237,7 @@ def _sized_measurement(
     before_timing: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
     known_times: Callable[[ChainMeasurement], Sequence[tuple[float, float]] | None] | None,
     estimated_times: Estimator | None = None,
+    policies: Mapping[str, Any] | None = None,
 ) -> ChainMeasurement:
     """Bytes from a step on fake tensors, then times from a pass of one group at a time."""
     run_loss = functools.partial(_loss_and_backward, loss_fn)
@@ -289,7 +294,7 @@ def _sized_measurement(
         with fake.mode:
             rehearsal = time_groups(
                 model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device,
-                run_loss=run_loss, track_all=True, rehearsal=True,
+                run_loss=run_loss, track_all=True, rehearsal=True, policies=policies,
             )  # fmt: skip
     if estimated_times is not None:
         estimated = with_times(sized, estimated_times(sized))
@@ -322,11 +327,13 @@ def _sized_measurement(
                 device,
                 backward_groups,
                 run_loss=run_loss,
+                policies=policies,
             )
     measurement = dataclasses.replace(
         with_times(sized, timing.times),
         input_held_until=rehearsal.input_held_until,
         held_outputs=rehearsal.held_outputs,
+        option_extra_s=timing.option_extra_s,
     )
     if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
         # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
@@ -496,84 +503,6 @@ def _in_place_spans(
         else:
             spans.append((index, index + 1))
     return spans
-
-
-class _DefaultLoss:
-    """The loss of a step measured without a ``loss_fn``: the one the output carries, if any."""
-
-    def __init__(self) -> None:
-        self.from_output = False
-
-    def __call__(self, output: Any) -> torch.Tensor:
-        carried = output_loss(output)
-        if carried is not None:
-            self.from_output = True
-            return carried
-        return _default_loss(output)
-
-
-def output_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model's output carries (``output.loss`` or ``output["loss"]``, a scalar
-    that requires grad: a Hugging Face model called with ``labels``), or None."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
-        return loss
-    return None
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    tensors = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
-    if not tensors:
-        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in tensors_in(output)})
-        what = "tensors of " + "; ".join(found) if found else f"no tensor ({type(output).__name__})"
-        raise RematError(
-            f"remat cannot form a default loss from the model's output: it holds {what}, and the "
-            "default (the sum of the outputs) needs a real floating-point tensor that requires "
-            "grad. Pass loss_fn=lambda output: ... to remat.Checkpointable (the loss of your "
-            "training step), and check that the model is in training mode and its parameters "
-            "require grad"
-        )
-    return torch.stack([t.sum() for t in tensors]).sum()
-
-
-def _loss_and_backward(
-    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[], None] | None = None
-) -> None:
-    """Computes the loss, drops the output (as a training loop does), then runs backward.
-
-    `output` is a one-element list so that this function holds the only reference;
-    `on_loss` is called once the loss is computed, before its backward.
-    """
-    loss = loss_fn(output.pop())
-    if on_loss is not None:
-        on_loss()
-    if loss is None:  # the loss function ran the backward itself
-        return
-    if not isinstance(loss, torch.Tensor):
-        raise RematError(f"loss_fn must return the loss tensor (or None), got {type(loss).__name__}")
-    if loss.numel() != 1:
-        loss = loss.sum()
-    # A training loop leaves the autocast region before its backward, which empties the
-    # cache of weight casts: measured so, the casts the backward still needs are those the
-    # stages saved (the executor warns about a backward inside the region).
-    torch.clear_autocast_cache()
-    loss.backward()
-
-
-def _check_no_cache(output: Any) -> None:
-    # NOTE [key/value caches]
-    # A model that fills a key/value cache in its training forward (Hugging Face models
-    # built with use_cache=True) appends to it again when remat recomputes a block: the
-    # recompute then attends over twice the keys (NondeterministicRecompute, or a silently
-    # corrupted cache), and the cache keeps the blocks' tensors alive against the plan.
-    cache = output.get("past_key_values") if isinstance(output, Mapping) else getattr(output, "past_key_values", None)
-    if cache is not None:
-        raise UnsupportedModel(
-            "the model returned a key/value cache (past_key_values) from its training forward; "
-            "recomputing a block would append to that cache again. Build the model with "
-            "use_cache=False (Hugging Face: from_pretrained(..., use_cache=False) or "
-            "config.use_cache = False) or call it with use_cache=False"
-        )
 
 
 def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> list[tuple[float, float]]:

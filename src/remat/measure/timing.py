@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +55,11 @@ REPEATED_BELOW_FLOPS = 50_000_000
 #: budget (a matrix product's backward makes two products).
 BACKWARD_PER_FORWARD = 2.0
 
+#: Runs of a stage as it is and under each policy, taking turns (NOTE [timing store options]);
+#: a short stage (below ``REPEATED_BELOW_FLOPS``) is run ``SHORT_OPTION_ROUNDS`` times.
+OPTION_ROUNDS = 2
+SHORT_OPTION_ROUNDS = 5
+
 
 class TimingPass(NamedTuple):
     """What the timing pass gives.
@@ -72,6 +78,8 @@ class TimingPass(NamedTuple):
             that the model holds beyond the next stage call, other than that call's input
             (a U-Net's skip): ``(stage call, last stage call it is held through, bytes,
             whether the stage also saves it for its backward)``.
+        option_extra_s: for each stage call, the seconds each policy (by name) adds to its
+            forward and backward (NOTE [timing store options]); empty where not timed.
     """
 
     times: list[tuple[float, float]]
@@ -79,6 +87,7 @@ class TimingPass(NamedTuple):
     group_peak_bytes: tuple[int, ...] = ()
     input_held_until: tuple[int, ...] = ()
     held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
+    option_extra_s: tuple[dict[str, float], ...] = ()
 
 
 class _GroupTimer:
@@ -94,8 +103,11 @@ class _GroupTimer:
         device_type: str,
         track_all: bool,
         track_suffix: bool,
+        policies: Mapping[str, Any] | None = None,
     ) -> None:
         self.chain = chain
+        self.policies = dict(policies or {})
+        self.option_extra_s: list[dict[str, float]] = [{} for _ in range(len(chain))]
         self.stages = stages
         self.first = {first for g, (first, _) in enumerate(groups) if g in backward_groups}
         self.last = {stop - 1 for g, (_, stop) in enumerate(groups) if g in backward_groups}
@@ -181,13 +193,7 @@ class _GroupTimer:
         if suffix_follows:
             self._watch_output_gradient(out)  # grad stays on: the pass's no_grad block puts it back
         elif index in self.last:
-            outputs = [t for t in tensors_in(out) if t.requires_grad]
-            if outputs:
-                started = self._now()
-                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-                backward_s = self._now() - started
-            torch.set_grad_enabled(self._grad_mode)
-            out = _detached(out)
+            out, backward_s = self._group_backward(index, module, args, kwargs, out)
         if index in self.last_stages and not suffix_follows:
             # Autocast's cache would keep every group's casts of weights to the end of the
             # pass; emptied, only one group's are alive at a time (a weight used again later
@@ -199,6 +205,52 @@ class _GroupTimer:
         self.times[index] = (forward_s, backward_s)
         self._returned = self._now()
         return out
+
+    def _group_backward(
+        self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> tuple[Any, float]:
+        """Runs the backward of the group ending at `index`; returns its output, detached, and its seconds."""
+        backward_s = 0.0
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
+        if outputs:
+            started = self._now()
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            backward_s = self._now() - started
+        del outputs
+        if self.policies and index in self.first and not self.stages[index].modifies_input:
+            self._time_options(index, module, args, kwargs)
+        torch.set_grad_enabled(self._grad_mode)
+        return _detached(out), backward_s
+
+    # NOTE [timing store options]
+    # With policies to store stages under (NOTE [stored under a policy]), each group of one
+    # stage call whose backward is timed is run again, forward and backward, as it is and
+    # under each policy, twice (five times for a short stage), taking turns; the extra
+    # seconds of a policy are the difference of the quickest runs (its dispatch, and the
+    # recompute of what it does not keep). They run after the group's own backward, within the group's window: the
+    # rehearsal counts what they need in the group's peak, so the pass keeps its budget.
+    def _time_options(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        from remat.manual.recompute import recompute
+
+        def run(policy: Any) -> float:
+            started = self._now()
+            if policy is None:
+                out = call_original(module, args, kwargs)
+            else:
+                out = recompute(call_original, module, args, kwargs, policy=policy)
+            outputs = [t for t in tensors_in(out) if t.requires_grad]
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            return self._now() - started
+
+        plain_s = math.inf
+        best = dict.fromkeys(self.policies, math.inf)
+        short = self.stages[index].forward_work.flops < REPEATED_BELOW_FLOPS
+        for _ in range(SHORT_OPTION_ROUNDS if short else OPTION_ROUNDS):
+            plain_s = min(plain_s, run(None))
+            for name, policy in self.policies.items():
+                best[name] = min(best[name], run(policy))
+        self.option_extra_s[index] = {name: max(0.0, seconds - plain_s) for name, seconds in best.items()}
 
     def _note_output(self, out: Any) -> None:
         """Notes what a stage returned (when the pass tracks everything)."""
@@ -284,6 +336,7 @@ def time_groups(
     *,
     track_all: bool = False,
     rehearsal: bool = False,
+    policies: Mapping[str, Any] | None = None,
 ) -> TimingPass:
     """The seconds of each stage call from one timing pass (see the module), and its suffix's bytes.
 
@@ -303,12 +356,15 @@ def time_groups(
             rehearsal on fake tensors gives what the real pass will need).
         rehearsal: a pass on fake tensors of ``device``: nothing to synchronise (its
             trackers count that device's storages all the same).
+        policies: policies to time the stages under, by name (NOTE [timing store options]).
     """
     on_device = device.type == "cuda" and not rehearsal
     synchronize = (lambda: torch.cuda.synchronize(device)) if on_device else None
     every = frozenset(range(len(groups)))
     chosen = every if backward_groups is None else backward_groups
-    timer = _GroupTimer(chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None)
+    timer = _GroupTimer(
+        chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None, policies
+    )
     everything = timer.everything if timer.everything is not None else contextlib.nullcontext()
     # what each group saves, to tell a tensor the model holds from one its stage keeps anyway
     saving = timer.everything.saved_tensors_hooks() if timer.everything is not None else contextlib.nullcontext()
@@ -339,13 +395,14 @@ def time_groups(
             timer.everything, timer.stage_starts, timer.input_allocations, timer.output_allocations
         )
         held_outputs = _held_outputs(timer.everything, timer.stage_starts, timer.input_allocations)
+    options = tuple(timer.option_extra_s)
     if timer.tracker is None or timer.gradient_event is None:
-        return TimingPass(times, None, peaks, held, held_outputs)
+        return TimingPass(times, None, peaks, held, held_outputs, options)
     # the last group's backward: from its output's gradient to the end of the step
     last = len(chain) - 1
     times[last] = (times[last][0], ended - timer.gradient_time)
     suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
-    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held, held_outputs)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held, held_outputs, options)
 
 
 # NOTE [inputs the model holds]

@@ -1,0 +1,91 @@
+"""The loss of a measured step: the user's, the one the output carries, or a sum, and its backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from remat.errors import RematError, UnsupportedModel
+from remat.measure.instrument import tensors_in
+
+__all__ = ["output_loss"]
+
+
+class _DefaultLoss:
+    """The loss of a step measured without a ``loss_fn``: the one the output carries, if any."""
+
+    def __init__(self) -> None:
+        self.from_output = False
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        carried = output_loss(output)
+        if carried is not None:
+            self.from_output = True
+            return carried
+        return _default_loss(output)
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model's output carries (``output.loss`` or ``output["loss"]``, a scalar
+    that requires grad: a Hugging Face model called with ``labels``), or None."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return loss
+    return None
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    tensors = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+    if not tensors:
+        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in tensors_in(output)})
+        what = "tensors of " + "; ".join(found) if found else f"no tensor ({type(output).__name__})"
+        raise RematError(
+            f"remat cannot form a default loss from the model's output: it holds {what}, and the "
+            "default (the sum of the outputs) needs a real floating-point tensor that requires "
+            "grad. Pass loss_fn=lambda output: ... to remat.Checkpointable (the loss of your "
+            "training step), and check that the model is in training mode and its parameters "
+            "require grad"
+        )
+    return torch.stack([t.sum() for t in tensors]).sum()
+
+
+def _loss_and_backward(
+    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[], None] | None = None
+) -> None:
+    """Computes the loss, drops the output (as a training loop does), then runs backward.
+
+    `output` is a one-element list so that this function holds the only reference;
+    `on_loss` is called once the loss is computed, before its backward.
+    """
+    loss = loss_fn(output.pop())
+    if on_loss is not None:
+        on_loss()
+    if loss is None:  # the loss function ran the backward itself
+        return
+    if not isinstance(loss, torch.Tensor):
+        raise RematError(f"loss_fn must return the loss tensor (or None), got {type(loss).__name__}")
+    if loss.numel() != 1:
+        loss = loss.sum()
+    # A training loop leaves the autocast region before its backward, which empties the
+    # cache of weight casts: measured so, the casts the backward still needs are those the
+    # stages saved (the executor warns about a backward inside the region).
+    torch.clear_autocast_cache()
+    loss.backward()
+
+
+def _check_no_cache(output: Any) -> None:
+    # NOTE [key/value caches]
+    # A model that fills a key/value cache in its training forward (Hugging Face models
+    # built with use_cache=True) appends to it again when remat recomputes a block: the
+    # recompute then attends over twice the keys (NondeterministicRecompute, or a silently
+    # corrupted cache), and the cache keeps the blocks' tensors alive against the plan.
+    cache = output.get("past_key_values") if isinstance(output, Mapping) else getattr(output, "past_key_values", None)
+    if cache is not None:
+        raise UnsupportedModel(
+            "the model returned a key/value cache (past_key_values) from its training forward; "
+            "recomputing a block would append to that cache again. Build the model with "
+            "use_cache=False (Hugging Face: from_pretrained(..., use_cache=False) or "
+            "config.use_cache = False) or call it with use_cache=False"
+        )
