@@ -118,8 +118,7 @@ def measure(
 def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
     options = f", {header['options']} store options per stage" if header.get("options") else ""
     lines = [
-        f"# Solver speed ({header['slots']} slots{options}; {header['cpu_count']} CPUs, "
-        f"load {header['load_average']})",
+        f"# Solver speed ({header['slots']} slots{options}; {header['cpu_count']} CPUs, load {header['load_average']})",
         "",
         "Wall seconds of a whole solve, best of the repeats; overhead as a share of a step without",
         "recompute; step time against the program solved stage by stage at the same budget.",

@@ -237,10 +237,10 @@ def test_a_hung_launch_is_killed_with_the_ranks_in_their_own_sessions(tmp_path: 
 
 def test_store_options_combine_their_bytes_up_and_their_shared_bytes_down() -> None:
     # a store option's shared bytes are taken off a peak: the smallest of any rank is safe
+    import dataclasses
+
     from remat.ranks import _rebuild, _walk
     from remat.testing import random_chain
-
-    import dataclasses
 
     profile = random_chain(5, 6, store_options=1)
     option = profile.store_options[0]

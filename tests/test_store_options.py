@@ -220,3 +220,30 @@ def test_the_timing_pass_times_each_stage_under_each_policy() -> None:
     for stage, (first, stop) in enumerate(measurement.groups):
         if stop - first == 1 and measurement.option_extra_s[first]:
             assert option.extra_time_s[stage] == measurement.option_extra_s[first]["save_matmuls"]
+
+
+def test_an_output_the_model_code_after_a_stage_saves_is_kept_under_a_policy_too() -> None:
+    # The glue after a stage (here a ReLU after a residual addition) runs as it is when the
+    # stage is stored under a policy, and saves the stage's output x_{i+1} for its
+    # backward: the option must hold it, as storing whole does.
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.relu(block(x) + x)
+            return x
+
+    model = Residual()
+    # (save_nothing keeps no operation, so not the block's last product either)
+    control = remat.enable(model, 1.0, policy=policies.save_nothing, loss_fn=loss_fn)
+    plain_step(model, torch.randn(16, 32))
+    profile = control.plan.measurement.profile
+    option = profile.store_option("save_nothing")
+    assert any(profile.saves_output)
+    for stage in range(profile.n_stages):
+        assert option.saves_output[stage] or not profile.saves_output[stage]

@@ -15,7 +15,8 @@ The planned stage's ``saved_bytes`` under the option is its ``saved_bytes`` stor
 less what its calls' autograd saves, plus what they keep: what the model's code between
 calls saves (a residual addition's inputs) stays as it is. A group of calls keeps the
 inputs of its calls after the first (each call is its own block, which keeps its input).
-The output is kept when a kept operation returned it. The option's extra time is timed
+The output is kept when a kept operation returned it, or when the stage stored whole
+keeps it (the model's code after the call, which runs as it is, may save it). The option's extra time is timed
 by the timing pass where it can be (NOTE [timing store options] in
 :mod:`remat.measure.timing`: a group of one stage call whose backward is timed); elsewhere
 (groups of several calls, the last stage, times estimated or scaled from another shape) it
@@ -281,7 +282,9 @@ def _option(
         kept = max(0, whole - autograd) + sum(f.kept_bytes for f in figures) + inner_inputs
         saved.append(kept)
         shared.append(min(sum(f.shared_bytes for f in figures), whole, kept))
-        outputs.append(figures[-1].keeps_output)
+        # the model's code after the call (its glue) runs as it is and may save the stage's
+        # output (a ReLU after a residual addition): kept then as when stored whole
+        outputs.append(figures[-1].keeps_output or profile.saves_output[group])
         extra = 0.0
         for index, f in zip(range(first, stop), figures, strict=True):
             timed = measurement.option_extra_s[index] if measurement.option_extra_s else {}
