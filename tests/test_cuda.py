@@ -229,3 +229,34 @@ def test_the_timing_pass_runs_twice_on_a_gpu(monkeypatch: pytest.MonkeyPatch) ->
     wrapped = remat.Checkpointable(_mlp(p=0.0).cuda(), 0.5)
     wrapped(torch.randn(64, 512, device="cuda")).sum().backward()
     assert passes.count(False) == 2 and passes.count(True) == 1
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.35])
+def test_stages_stored_under_a_policy_on_cuda_are_exact_and_fit_the_plan(fraction: float) -> None:
+    # NOTE [stored under a policy]: on the device, dropout included; each stage timed under
+    # the policy (NOTE [timing store options]) with the device synchronised
+    torch.manual_seed(0)
+    model = _mlp(p=0.2).cuda()
+    twin = copy.deepcopy(model)
+    x = torch.randn(256, 512, device="cuda")
+
+    def step(module: nn.Module) -> list[torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        torch.cuda.manual_seed(7)
+        module(x).square().mean().backward()
+        return [p.grad.clone() for p in module.parameters()]
+
+    expected = step(model)
+    control = remat.enable(twin, fraction, policy=remat.policies.save_matmuls, loss_fn=lambda out: out.square().mean())
+    step(twin)
+    got = step(twin)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    plan = control.plan
+    assert plan is not None
+    timed = [extra for extra in plan.measurement.option_extra_s if extra]
+    assert timed, "the timing pass times the stages under the policy on the device too"
+    twin.zero_grad(set_to_none=True)
+    with control.check_step() as check:
+        twin(x).square().mean().backward()
+    print(f"options taken: {sum(op.option is not None for op in plan.schedule.operations)}; ratio {check.ratio:.4f}")
+    assert check.within_budget
