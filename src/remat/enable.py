@@ -41,7 +41,8 @@ def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkp
         mem_limit: the budget, in any form :func:`remat.parse_budget` reads (``"4GiB"``,
             a fraction of the step without recompute such as ``0.5``, ``"min"``).
         **options: the keyword options of :class:`remat.Checkpointable` (``loss_fn``,
-            ``solver``, ``measure``, ``plan``, ...).
+            ``solver``, ``measure``, ``plan``, ``policy``: with a budget, policies the planner may
+            store stages under, ...).
 
     Returns:
         The controller: ``.plan``, ``.plan_for(budget)``, ``.check_step()``,
