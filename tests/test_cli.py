@@ -444,6 +444,17 @@ def test_bench_writes_json_markdown_and_png(tiny_catalogue: str, tmp_path, capsy
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_with_a_policy_plans_remat_with_it(
+    tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path = tmp_path / "bench.json"
+    argv = ["bench", tiny_catalogue, "--batch", str(BATCH), "--budgets", "0.5,min", "--steps", "1"]
+    code, out, _ = run([*argv, "--policy", "save_matmuls", "--json", str(json_path)], capsys)
+    assert code == cli.EXIT_OK and "remat @ 0.5" in out
+    document = json.loads(json_path.read_text())
+    assert document["metadata"]["policies"] == ["save_matmuls"]
+
+
 def test_bench_cannot_write_output(tiny_catalogue: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -175,6 +175,7 @@ def run_benchmark(
     device: str | torch.device | None = None,
     model_name: str | None = None,
     nested: bool = False,
+    policies: Sequence[Any] = (),
 ) -> BenchmarkResult:
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
@@ -203,6 +204,7 @@ def run_benchmark(
         device: where to run; default: the device of the model's parameters.
         model_name: a name for the metadata and tables.
         nested: remat with ``nested=True`` (blocks split into their submodules).
+        policies: policies remat may store stages under (``policy=`` with the budget).
 
     Returns:
         The rows, the timelines of "no recompute" and of the chosen remat strategy, and
@@ -225,6 +227,7 @@ def run_benchmark(
     try:
         benchmark = _Benchmark(model, make_batch, loss_fn, steps=steps, warmup=warmup, progress=progress, device=device)
         benchmark.nested = nested
+        benchmark.policies = list(policies)
         return benchmark.run(
             list(budgets),
             include_checkpoint_sequential=include_checkpoint_sequential,
@@ -264,6 +267,7 @@ class _Benchmark:
         self.steps = steps
         self.warmup = warmup
         self.nested = False  # remat's nested=True
+        self.policies: list[Any] = []  # remat's policy= with the budget
         self.progress = progress
         self.rows: list[BenchmarkRow] = []
         self.strategies: list[_Strategy] = []
@@ -340,13 +344,15 @@ class _Benchmark:
         self.runner.reset()
         target = self.runner.target
         # The benchmark's steps drop the output once the loss is computed (output_kept=False).
+        # (a budget makes the policies store options; each budget is planned with plan_for)
         wrapper = Checkpointable(
             self.model,
-            None,
+            1.0 if self.policies else None,
             solver=solver,
             loss_fn=lambda output: self.loss_fn(output, target),
             output_kept=False,
             nested=self.nested,
+            policy=self.policies or None,
         )
         self.measurement = call_with(wrapper.measure, self.runner.inputs)
         return wrapper
@@ -408,6 +414,7 @@ class _Benchmark:
             "warmup": self.warmup,
             "solver": solver,
             "nested": self.nested,
+            "policies": [repr(policy).removeprefix("remat.policies.") for policy in self.policies],
             "input_shapes": [list(x.shape) for x in input_tensors(self.runner.inputs)],
             "torch": torch.__version__,
             "python": platform.python_version(),

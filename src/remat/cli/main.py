@@ -161,6 +161,16 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nested", action="store_true", help="split blocks into their submodules (nested plans)")
 
 
+def _add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help=f"a policy remat's plans may store stages under ({POLICY_FORMS}); repeat for several",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``remat`` command."""
     parser = _Parser(
@@ -201,13 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         "feasible one (default: free device memory)",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    plan.add_argument(
-        "--policy",
-        action="append",
-        default=None,
-        metavar="POLICY",
-        help=f"a policy the plan may store stages under ({POLICY_FORMS}); repeat for several",
-    )
+    _add_policy_argument(plan)
     plan.add_argument(
         "--estimate",
         action="store_true",
@@ -228,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_arguments(bench)
     _add_model_arguments(bench)
     _add_bench_arguments(bench, budgets=_DEMO_BUDGETS, steps=5)
+    _add_policy_argument(bench)
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="write the two-panel figure")
     bench.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the result as JSON")
     bench.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="write the table as Markdown")
@@ -365,6 +370,7 @@ def _run_bench(
     threads: int | None,
     solver: str,
     nested: bool = False,
+    policies: Sequence[Any] = (),
 ) -> BenchmarkResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -397,6 +403,7 @@ def _run_bench(
                 device=workload.device,
                 model_name=workload.name,
                 nested=nested,
+                policies=policies,
             )
 
 
@@ -468,6 +475,7 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
         threads=args.threads,
         solver=args.solver,
         nested=args.nested,
+        policies=[policy_from_text(text) for text in args.policy or []],
     )
     print_bench(result, output)
     _save_outputs(result, output, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot)
