@@ -247,3 +247,30 @@ def test_an_output_the_model_code_after_a_stage_saves_is_kept_under_a_policy_too
     assert any(profile.saves_output)
     for stage in range(profile.n_stages):
         assert option.saves_output[stage] or not profile.saves_output[stage]
+
+
+def test_an_untimed_stage_s_estimate_is_scaled_by_the_timed_ones() -> None:
+    # NOTE [sizing store options]: where a stage cannot be timed under the policy (here the
+    # last, whose backward starts from the loss), its estimate is scaled by how the timed
+    # stages' estimates compared with their timings: twice the timings, twice its estimate
+    from remat.measure.options import store_options
+
+    model = Tower(depth=3)
+    x = torch.randn(8, 16, 32)
+    named = {"save_matmuls": policies.save_matmuls}
+    control = remat.enable(model, 0.8, policy=policies.save_matmuls, loss_fn=loss_fn)
+    plain_step(model, x)
+    measurement = control.plan.measurement
+    chain = next(iter(control._chains.values()))
+    remat.disable(model)  # sized again below, as the model itself
+    last = measurement.profile.n_stages - 1
+    assert "save_matmuls" not in measurement.option_extra_s[measurement.groups[last][0]]
+
+    def untimed_extra(factor: float) -> float:
+        doubled = tuple({k: factor * v for k, v in extra.items()} for extra in measurement.option_extra_s)
+        varied = dataclasses.replace(measurement, option_extra_s=doubled)
+        (option,) = store_options(model, chain, varied, (x,), {}, torch.device("cpu"), named)
+        return option.extra_time_s[last]
+
+    once, twice = untimed_extra(1.0), untimed_extra(2.0)
+    assert once > 0 and twice == pytest.approx(2 * once, rel=1e-9)
