@@ -91,6 +91,13 @@ def agreed(agree: bool) -> list[dict[str, Any]]:
     return train(model, remat.enable(model, 0.7, agree_ranks=agree), [16, 16], True, reference)
 
 
+def agreed_with_a_policy() -> list[dict[str, Any]]:
+    # stages may be stored under the policy: its figures are combined across ranks too
+    model, reference = make_net(), make_net()
+    control = remat.enable(model, 0.7, policy=remat.policies.save_matmuls)
+    return train(model, control, [16, 16], True, reference)
+
+
 def new_shape_on_one_rank() -> list[dict[str, Any]]:
     model, reference = make_net(), make_net()
     # rank 1 sees a new batch size at the second step, and its first one again at the third
@@ -185,6 +192,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "agreed": lambda: agreed(True),
     "alone": lambda: agreed(False),
+    "agreed-with-a-policy": agreed_with_a_policy,
     "new-shape-on-one-rank": new_shape_on_one_rank,
     "too-large-on-one-rank": too_large_on_one_rank,
     "different-models": different_models,

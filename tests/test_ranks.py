@@ -78,6 +78,12 @@ def test_ranks_whose_timings_differ_run_one_plan(results: list[dict[str, Any]]) 
     _assert_plain_gradients(results, "agreed")
 
 
+def test_ranks_storing_stages_under_a_policy_run_one_plan(results: list[dict[str, Any]]) -> None:
+    first, second = _schedules(results, "agreed-with-a-policy")
+    assert first == second
+    _assert_plain_gradients(results, "agreed-with-a-policy")
+
+
 def test_planned_alone_the_same_ranks_pick_different_plans(results: list[dict[str, Any]]) -> None:
     # what the agreement prevents: each rank avoids recomputing its own slow block only
     # (with collectives in the stages, this would pair a collective with the wrong one)
