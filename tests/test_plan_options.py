@@ -2,7 +2,8 @@
 
 NOTE [stored under a policy] (remat/plan/options.py) is the memory model; these tests check
 the simulator against hand-computed peaks, the dynamic program against every plan tree with
-options, and its two implementations against each other.
+options (both implementations; ``test_numba_and_numpy_agree`` in ``test_plan_solvers.py``
+compares them on longer chains with options too).
 """
 
 from __future__ import annotations
@@ -164,23 +165,6 @@ def test_program_accounting_with_options_equals_simulation(seed: int) -> None:
         assert _plan_peak_units(arrays, plan) == simulated, plan
         checked += 1
     assert checked > 0
-
-
-@pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="needs numba")
-@pytest.mark.parametrize("seed", range(6))
-def test_numba_and_numpy_agree_with_options(seed: int) -> None:
-    profile = random_chain(seed, 8 + 3 * seed, max_units=40, unit_bytes=1000, store_options=2)
-    numba_solver = OptimalSolver(implementation="numba", slots=97)
-    numpy_solver = OptimalSolver(implementation="numpy", slots=97)
-    minimum = numba_solver.minimum_bytes(profile)
-    assert numpy_solver.minimum_bytes(profile) == minimum
-    everything = simulate(profile, tuple(Store(i) for i in range(profile.n_stages))).peak_bytes
-    for fraction in (0.0, 0.1, 0.3, 0.6, 0.9):
-        budget = int(minimum + fraction * (everything - minimum))
-        fast = numba_solver(profile, budget)
-        slow = numpy_solver(profile, budget)
-        assert math.isclose(fast.predicted_time_s, slow.predicted_time_s, rel_tol=1e-12)
-        assert fast.predicted_peak_bytes <= budget and slow.predicted_peak_bytes <= budget
 
 
 def test_options_lower_the_least_peak_and_never_slow_a_plan() -> None:

@@ -219,9 +219,11 @@ def test_optimal_matches_brute_force(implementation: str, seed: int) -> None:
 
 
 @pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="needs numba")
+@pytest.mark.parametrize("store_options", [0, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_numba_and_numpy_agree(seed: int) -> None:
-    profile = random_chain(seed, 10 + 3 * seed, max_units=40, unit_bytes=1000)
+def test_numba_and_numpy_agree(seed: int, store_options: int) -> None:
+    # with store options too (a stage stored under a policy: NOTE [stored under a policy])
+    profile = random_chain(seed, 10 + 3 * seed, max_units=40, unit_bytes=1000, store_options=store_options)
     numba_solver = OptimalSolver(implementation="numba", slots=97)
     numpy_solver = OptimalSolver(implementation="numpy", slots=97)
     minimum = numba_solver.minimum_bytes(profile)

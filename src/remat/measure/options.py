@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,13 +46,14 @@ from remat.errors import RematError
 from remat.manual import _selective
 from remat.manual._tensors import storage_key
 from remat.manual.explain import _Observer, _outer_pack
-from remat.manual.policies import Policy, as_policy
+from remat.manual.policies import Policy, as_policy, save_matmuls
 from remat.manual.recompute import recompute
 from remat.measure.assemble import ChainMeasurement
-from remat.measure.estimate import CostModel, calibrated_cost_model, dominant_dtype
-from remat.measure.fake import on_fake_tensors
+from remat.measure.estimate import CostModel, _median_s, calibrated_cost_model, dominant_dtype
+from remat.measure.fake import FakeRunFailed, on_fake_tensors
 from remat.measure.instrument import StageMeasurement, Work, tensors_in
 from remat.measure.isolation import preserved_model_state
+from remat.measure.step import step_device
 from remat.measure.timing import _cut_inputs, _detached
 from remat.plan.options import StoreOption
 
@@ -209,21 +208,8 @@ def policy_call_s(device: str) -> float:
             value = value * 1.0001
         return value
 
-    def median_s(run: Any) -> float:
-        run()
-        samples = []
-        for _ in range(5):
-            synchronize()
-            began = time.perf_counter()
-            run()
-            synchronize()
-            samples.append(time.perf_counter() - began)
-        return statistics.median(samples)
-
-    from remat.manual.policies import save_matmuls
-
-    plain_s = median_s(lambda: block(start))
-    selective_s = median_s(lambda: recompute(block, start, policy=save_matmuls))
+    plain_s = _median_s(lambda: block(start), synchronize, 5)
+    selective_s = _median_s(lambda: recompute(block, start, policy=save_matmuls), synchronize, 5)
     return max(0.0, selective_s - plain_s) / calls
 
 
@@ -290,7 +276,7 @@ def _option(
         figures = [calls[index][name] for index in range(first, stop)]
         whole = profile.saved_bytes[group]
         autograd = sum(f.autograd_bytes for f in figures)
-        inner_inputs = sum(profile_boundary_bytes(measurement, index) for index in range(first + 1, stop))
+        inner_inputs = sum(_input_bytes(measurement, index) for index in range(first + 1, stop))
         kept = max(0, whole - autograd) + sum(f.kept_bytes for f in figures) + inner_inputs
         saved.append(kept)
         shared.append(min(sum(f.shared_bytes for f in figures), whole, kept))
@@ -306,7 +292,7 @@ def _option(
     return StoreOption(name, tuple(saved), tuple(outputs), tuple(extras), tuple(shared))
 
 
-def profile_boundary_bytes(measurement: ChainMeasurement, index: int) -> int:
+def _input_bytes(measurement: ChainMeasurement, index: int) -> int:
     """Bytes of stage call `index`'s input (what the call before it returned to it)."""
     return sum(measurement.stages[index].input_storages.values())
 
@@ -324,9 +310,6 @@ def with_store_options(
     Raises:
         RematError: the model cannot run on fake tensors, where the options are sized.
     """
-    from remat.measure.fake import FakeRunFailed
-    from remat.measure.step import step_device
-
     try:
         options = store_options(model, chain, measurement, args, kwargs, step_device(model, args, kwargs), policies)
     except FakeRunFailed as error:

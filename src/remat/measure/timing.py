@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from remat.discover.chain import Chain
 from remat.discover.intercept import call_original, intercept_stages
 from remat.errors import UnsupportedModel
+from remat.manual.recompute import recompute
 from remat.measure.instrument import StageMeasurement, tensors_in
 from remat.memory import MemoryTracker
 
@@ -104,9 +105,11 @@ class _GroupTimer:
         track_all: bool,
         track_suffix: bool,
         policies: Mapping[str, Any] | None = None,
+        rehearsal: bool = False,
     ) -> None:
         self.chain = chain
         self.policies = dict(policies or {})
+        self.rehearsal = rehearsal
         self.option_extra_s: list[dict[str, float]] = [{} for _ in range(len(chain))]
         self.stages = stages
         self.first = {first for g, (first, _) in enumerate(groups) if g in backward_groups}
@@ -230,8 +233,6 @@ class _GroupTimer:
     # recompute of what it does not keep). They run after the group's own backward, within the group's window: the
     # rehearsal counts what they need in the group's peak, so the pass keeps its budget.
     def _time_options(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        from remat.manual.recompute import recompute
-
         def run(policy: Any) -> float:
             started = self._now()
             if policy is None:
@@ -246,7 +247,9 @@ class _GroupTimer:
         plain_s = math.inf
         best = dict.fromkeys(self.policies, math.inf)
         short = self.stages[index].forward_work.flops < REPEATED_BELOW_FLOPS
-        for _ in range(SHORT_OPTION_ROUNDS if short else OPTION_ROUNDS):
+        # (on fake tensors one run of each is what the pass needs: their times mean nothing)
+        rounds = 1 if self.rehearsal else SHORT_OPTION_ROUNDS if short else OPTION_ROUNDS
+        for _ in range(rounds):
             plain_s = min(plain_s, run(None))
             for name, policy in self.policies.items():
                 best[name] = min(best[name], run(policy))
@@ -363,7 +366,7 @@ def time_groups(
     every = frozenset(range(len(groups)))
     chosen = every if backward_groups is None else backward_groups
     timer = _GroupTimer(
-        chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None, policies
+        chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None, policies, rehearsal
     )
     everything = timer.everything if timer.everything is not None else contextlib.nullcontext()
     # what each group saves, to tell a tensor the model holds from one its stage keeps anyway
