@@ -31,25 +31,31 @@ WIDTH = 32
 
 
 class Slow(nn.Module):
-    """A block that takes `delay_s` longer on one rank: its timings differ between ranks."""
+    """A block that takes `delay_s` longer on `slow_ranks`: its timings differ between ranks."""
 
-    def __init__(self, slow_rank: int, delay_s: float) -> None:
+    def __init__(self, slow_ranks: tuple[int, ...], delay_s: float) -> None:
         super().__init__()
         self.block = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
-        self.slow_rank, self.delay_s = slow_rank, delay_s
+        self.slow_ranks, self.delay_s = slow_ranks, delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dist.get_rank() == self.slow_rank:
+        if dist.get_rank() in self.slow_ranks:
             time.sleep(self.delay_s)
         return self.block(x)
 
 
 def make_net(depth: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    # each rank has one slow block of its own: planned alone, each would rather recompute the other's
-    return nn.Sequential(
-        *[Slow(slow_rank=index % 2 if index in (2, 5) else -1, delay_s=0.05) for index in range(depth)]
-    )
+
+    # each rank has one slow block of its own, which is the fastest block on the other rank
+    # (the others take a little time on both): planned alone, each rank would recompute
+    # the other's slow block first, whatever the noise of the timings
+    def block(index: int) -> Slow:
+        if index in (2, 5):
+            return Slow(slow_ranks=(index % 2,), delay_s=0.02)
+        return Slow(slow_ranks=(0, 1), delay_s=0.002)
+
+    return nn.Sequential(*[block(index) for index in range(depth)])
 
 
 def batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

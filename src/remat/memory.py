@@ -21,7 +21,6 @@ optimizer state and the inputs created before the step are not activation memory
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -42,9 +41,6 @@ __all__ = [
     "Window",
     "track_memory",
 ]
-
-
-_unpack_saved = operator.itemgetter(0)
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -201,6 +197,7 @@ class MemoryTracker(TorchDispatchMode):
         self._gradient_ids: set[int] = set()
         self._hooks: list[Any] = []
         self._saved_ids: list[int] = []  # allocations of the tensors saved for backward, in order
+        self._unpacks: dict[int, int] = {}  # event a tensor was saved at -> event of its first unpack
         self._cast_ids: set[int] = set()  # allocations made by casting a leaf (see _is_autocast_cast)
         self._next_id = 0
 
@@ -323,7 +320,8 @@ class MemoryTracker(TorchDispatchMode):
         """Saved-tensor hooks that note the allocation behind every tensor saved for backward.
 
         Use them inside the tracked run (``with tracker, tracker.saved_tensors_hooks(): ...``)
-        and read what was saved with :meth:`saved_allocations`. They keep each tensor as is.
+        and read what was saved with :meth:`saved_allocations`, and when backward first
+        used what was saved with :meth:`first_unpacks`. They keep each tensor as is.
         A region marked for recompute inside saves through hooks of its own; the inputs it
         keeps for its recompute are noted as saved too (:func:`note_kept_for_backward`),
         unless `note_kept` is False.
@@ -331,14 +329,15 @@ class MemoryTracker(TorchDispatchMode):
         recorder = self if note_kept else None
         _RECORDERS.stack.append(recorder)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             _RECORDERS.stack.pop()
 
-    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor]:
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        event = len(self._events)
         if tensor.layout != torch.strided:
-            return (tensor,)
+            return (tensor, event)
         if not tensor.is_meta:
             try:
                 key = tensor.untyped_storage()._cdata
@@ -348,7 +347,17 @@ class MemoryTracker(TorchDispatchMode):
                 allocation_id = self._live_by_key.get(key)
                 if allocation_id is not None:
                     self._saved_ids.append(allocation_id)
-        return (tensor.detach(),)
+        return (tensor.detach(), event)
+
+    def _unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        tensor, event = packed
+        self._unpacks.setdefault(event, len(self._events))
+        return tensor
+
+    def first_unpacks(self) -> dict[int, int]:
+        """For the tensors saved through :meth:`saved_tensors_hooks`: the event count when
+        some were saved -> the event count when backward first used one of them."""
+        return dict(self._unpacks)
 
     def cast_allocations(self) -> set[int]:
         """Allocation ids of autocast's casts of leaves that require grad (weights).

@@ -25,7 +25,14 @@ from remat.discover.chain import Chain
 from remat.manual._state import snapshot_bytes
 from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
-from remat.measure.outside import cached_casts, glue_constants, held_outside_chain, recomputed, sum_except
+from remat.measure.outside import (
+    cached_casts,
+    glue_constants,
+    held_outside_chain,
+    recomputed,
+    sum_except,
+    waiting_gradients,
+)
 from remat.memory import AllocationRecord, MemoryTracker
 from remat.plan.lifetimes import GlueConstant, HeldInput
 from remat.plan.profile import ChainProfile
@@ -87,6 +94,9 @@ class ChainMeasurement:
         option_extra_s: per stage call, the seconds each policy of ``policy=`` (by name)
             adds to its forward and backward, timed (NOTE [timing store options]); empty
             where not timed.
+        waiting_gradient_bytes: per planned boundary ``k`` (``n + 1``), the gradients that
+            wait, alive, for the replay of a region ending at ``k`` (NOTE [gradients
+            waiting for a replay] in ``remat.measure.outside``); empty when not measured.
     """
 
     stages: list[StageMeasurement]
@@ -109,6 +119,7 @@ class ChainMeasurement:
     loss_from_output: bool = False
     option_extra_s: tuple[dict[str, float], ...] = ()
     glue_constants: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
+    waiting_gradient_bytes: tuple[int, ...] = ()
 
     @property
     def chain_activation_bytes(self) -> int:
@@ -150,6 +161,7 @@ class ChainMeasurement:
             held_inputs=self.held_inputs(),
             suffix_backward_excess_bytes=self.suffix_backward_excess_bytes,
             glue_constants=self._glue_constants(),
+            waiting_gradient_bytes=self.waiting_gradient_bytes,
         )
 
     def _glue_constants(self) -> tuple[GlueConstant, ...]:
@@ -309,6 +321,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
         glue_constants=constants,
+        waiting_gradient_bytes=waiting_gradients(step, groups),
     )
 
 

@@ -8,6 +8,7 @@ made.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ __all__ = [
     "held_outside_chain",
     "recomputed",
     "sum_except",
+    "waiting_gradients",
 ]
 
 
@@ -40,6 +42,62 @@ def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
     return {
         key for key, record in records.items() if any(start <= record.allocated_event < stop for start, stop in windows)
     }
+
+
+# NOTE [gradients waiting for a replay]
+# The glue after a stage may make tensors that later code takes (an attention's query and
+# key projections, made after its layer norm and taken by the attention after the value
+# projection). Their gradients come in the later backward and wait for the glue's own
+# backward, which runs when the whole gradient of the stage's output is not there yet.
+# Stored, that glue backward runs at once. Recomputed in a region that ends with that
+# stage, the glue's backward needs what the region saved: the region's replay runs first,
+# with those gradients still alive, where the simulator counts the gradient of the
+# region's output only. The plain step shows how much waits: from the first use by
+# backward of what the stages up to that one (or their glue) saved, to the moment the
+# gradient of its output is whole: what is live at the first above what is live then, or
+# the most that is live in between above it, less the gradient the stage's own backward
+# is planned to make (the glue's backward runs after the replay, within that room). The
+# prediction adds it to the replay after that boundary's backward
+# (remat.plan.lifetimes). Frugal mode replays every stage anyway: from the end of the
+# replay of the span that ends with the stage.
+def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Per planned boundary (``n + 1``), what waits for the replay of a region ending there."""
+    watch, tracker = step.watch, step.tracker
+    stages = watch.stages
+    starts = [stage.forward_window[0] for stage in stages]
+    chain_start, chain_stop = starts[0], stages[-1].forward_window[1]
+    first_use: list[int | None] = [None] * len(stages)
+    for saved_at, used_at in tracker.first_unpacks().items():
+        if chain_start <= saved_at < chain_stop:
+            index = bisect.bisect_right(starts, saved_at) - 1
+            known = first_use[index]
+            first_use[index] = used_at if known is None else min(known, used_at)
+    replay_starts = {stop: start for start, stop in watch.recompute_windows}
+    out = [0] * (len(groups) + 1)
+    earliest: int | None = None
+    group_starts = {first: group for group, (first, _) in enumerate(groups)}
+    for index in range(len(stages) - 1):
+        used = first_use[index]
+        if used is not None:
+            earliest = used if earliest is None else min(earliest, used)
+        group = group_starts.get(index + 1)
+        whole = watch.grad_ready_event.get(index)
+        if group is None or whole is None:
+            continue
+        start = earliest
+        span_start = watch.span_start_of_last_stage.get(index)
+        replayed_until = watch.recompute_end_event.get(span_start) if span_start is not None else None
+        if replayed_until is not None:  # frugal mode
+            replayed_from = replay_starts.get(replayed_until)
+            start = replayed_until if replayed_from is not None and replayed_from < whole else None
+        if start is not None and start < whole:
+            window = tracker.window(start, whole)
+            # the glue's own backward runs after the replay; the backward of the region's
+            # last stage, planned next, leaves room for its input's gradient
+            room = stages[groups[group - 1][0]].gradient_bytes_in
+            waiting = window.before_bytes - window.after_bytes
+            out[group] = max(0, waiting, window.peak_bytes - window.after_bytes - room)
+    return tuple(out)
 
 
 def held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int], list[tuple[int, int]]]:

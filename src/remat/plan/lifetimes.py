@@ -22,6 +22,9 @@ schedule for the prediction:
 * what the glue after a stage that is not stored keeps for its replay (NOTE [glue
   constants] in ``remat.measure.outside``), from that stage's first forward (before it,
   the model's code holds it: a held input) to the end of the chain's backward;
+* the gradients that wait for the replay of a region (NOTE [gradients waiting for a
+  replay] in ``remat.measure.outside``), on top of the replay that follows the backward
+  of the stage after the region;
 * autocast's casts of a stage's weights (NOTE [autocast casts] in
   ``remat.measure.outside``): its cache keeps every cast made in the forward until the
   autocast region ends, once the loss is computed (before its backward, as in a training
@@ -113,6 +116,10 @@ class Lifetimes:
             the first of its keepers that is not stored to the end of the chain's backward;
             what stored stages save of an earlier stage's output (``saved``), from the first
             of them to the backward of the last, unless the schedule keeps it anyway.
+        waiting_gradient_bytes: per boundary ``k`` (``n + 1``, or empty), what waits for
+            the replay of a region ending at ``k``: alive during the forwards that follow
+            the backward of stage ``k`` (not held outside the chain: not in
+            :attr:`total_bytes`).
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -124,6 +131,7 @@ class Lifetimes:
     cached_cast_bytes: Sequence[int] = ()
     leftover_freed: Sequence[tuple[int, int]] = ()
     glue_constants: Sequence[GlueConstant] = ()
+    waiting_gradient_bytes: Sequence[int] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -137,9 +145,16 @@ class Lifetimes:
 def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> int:
     """The chain's simulated peak with what `lifetimes` describes added while it lives."""
     alive = _Alive(lifetimes, len(simulation.forward_counts))
+    waiting = lifetimes.waiting_gradient_bytes
     peak = 0
+    replay_after: int | None = None  # the stage whose backward the forwards running now follow
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
+        if stage is not None and kind.is_forward:
+            extra = waiting[replay_after] if waiting and replay_after is not None else 0
+        else:
+            extra = 0
+            replay_after = stage if kind is not OperationKind.LOSS else None
         if kind is OperationKind.FORWARD_OFFLOAD:  # what lives outside the chain: as if stored
             kind = OperationKind.FORWARD_STORE
         if kind is OperationKind.LOSS:
@@ -150,7 +165,7 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
             alive.end_of_forward()
         elif stage is not None and kind.is_forward:
             alive.forward_starts(kind, stage)
-        peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed)
+        peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed + extra)
         if kind is OperationKind.LOSS:
             alive.bytes -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
         elif stage is not None and kind.is_forward:

@@ -8,9 +8,10 @@ import numbers
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from remat.manual.offload import offload_time_per_byte_s
+from remat.plan.operations import Store
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
-from remat.plan.simulate import SimulationResult
+from remat.plan.simulate import SimulationResult, simulate
 from remat.plan.solvers import Solver
 from remat.plan.step import BudgetSplit
 
@@ -75,7 +76,18 @@ class Planning(NamedTuple):
         the chain's backward.
         """
         least = self.solver(self.profile, self.solver.minimum_bytes(self.profile))
-        return self.total_holding(least.simulation)
+        # the solver's least peak does not count the gradients waiting for a replay (NOTE
+        # [gradients waiting for a replay]): storing everything may need less
+        roomiest = self._roomiest_share()
+        if roomiest is None:
+            return self.total_holding(least.simulation)
+        storing = self.solver(self.profile, roomiest)
+        return min(self.total_holding(least.simulation), self.total_holding(storing.simulation))
+
+    def _roomiest_share(self) -> int | None:
+        """The share that stores everything, if the solver plans within it."""
+        share = simulate(self.profile, tuple(Store(stage) for stage in range(self.profile.n_stages))).peak_bytes
+        return share if share >= self.solver.minimum_bytes(self.profile) else None
 
     def total_holding(self, simulation: SimulationResult) -> int:
         """The smallest whole-step budget that holds a schedule simulated so, everything
@@ -148,6 +160,10 @@ class Planning(NamedTuple):
             if fitting is None or not above or min(above) - fitting <= max(1, fitting // 200):
                 break
             attempt((fitting + min(above)) // 2)
+        if best is None:  # the minimum may be the one of storing everything
+            roomiest = self._roomiest_share()
+            if roomiest is not None:
+                attempt(roomiest)
         if best is None:
             raise ValueError("the budget is below the smallest feasible one (see minimum_total_bytes)")
         return best

@@ -77,6 +77,10 @@ class BudgetSplit:
         glue_constants: what the glue after a stage keeps for its replays when the stage
             is not stored (NOTE [glue constants] in ``remat.measure.outside``): in
             ``held_outside_bytes``; the prediction counts each where it lives.
+        waiting_gradient_bytes: per boundary ``k`` of the chain (``n + 1``, or empty),
+            the gradients that wait, alive, for the replay of a region ending at ``k``
+            (NOTE [gradients waiting for a replay] in ``remat.measure.outside``): not in
+            the figures above; the prediction adds them to that replay.
     """
 
     total_bytes: int | None
@@ -95,8 +99,10 @@ class BudgetSplit:
     cached_cast_bytes: tuple[int, ...] = ()
     leftover_freed: tuple[tuple[int, int], ...] = ()
     glue_constants: tuple[GlueConstant, ...] = ()
+    waiting_gradient_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
+        object.__setattr__(self, "waiting_gradient_bytes", tuple(int(c) for c in self.waiting_gradient_bytes))
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "cached_cast_bytes", tuple(int(c) for c in self.cached_cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
@@ -131,6 +137,7 @@ class BudgetSplit:
             self.cached_cast_bytes,
             self.leftover_freed,
             self.glue_constants,
+            self.waiting_gradient_bytes,
         )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 
