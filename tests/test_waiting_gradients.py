@@ -5,7 +5,9 @@ The glue after a stage makes an attention's query and key (a split attention blo
 them. Their gradients wait, alive, for the glue's own backward, which needs what a region
 ending at the value projection saved: the region is replayed first. Plans of the chain
 are run; the measured peak never exceeds the prediction, and without the waiting
-gradients some plan's would.
+gradients some plan's would. The glue after the value projection turns the query and key
+(a rotary embedding): its replay frees each temporary after its last use, as the model's
+code did.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat.discover import glue
 from remat.plan.schedule import Schedule
 from remat.testing import all_plans
 
@@ -29,7 +32,8 @@ PLANS = 150  # of the 6-stage chain's plans, drawn at random
 
 
 class SplitAttention(nn.Module):
-    """A pre-norm attention block whose query and key are made by its own code (glue)."""
+    """A pre-norm attention block whose query and key are made by its own code (glue), and
+    turned by a rotary embedding after the value projection (a chain of temporaries)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,12 +42,17 @@ class SplitAttention(nn.Module):
         self.key = nn.Linear(WIDTH, 4 * WIDTH)
         self.value = nn.Linear(WIDTH, 4 * WIDTH)
         self.out = nn.Linear(4 * WIDTH, WIDTH)
+        angles = torch.linspace(0, 3, 4 * WIDTH)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         q = F.linear(h, self.query.weight, self.query.bias)  # not a module call: glue
         k = F.linear(h, self.key.weight, self.key.bias)
         v = self.value(h)
+        q = (q * self.cos) + (torch.roll(q, 1, -1) * self.sin)
+        k = (k * self.cos) + (torch.roll(k, 1, -1) * self.sin)
         return x + self.out(F.scaled_dot_product_attention(q, k, v))
 
 
@@ -51,7 +60,9 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 
 
-def test_no_plan_goes_above_its_prediction() -> None:
+def _run_plans() -> tuple[int, int]:
+    """Runs plans of the chain; returns how many went above their prediction, and above
+    it without the waiting gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(SplitAttention(), SplitAttention()).train()
     x = torch.randn(4, 16, WIDTH)
@@ -65,7 +76,7 @@ def test_no_plan_goes_above_its_prediction() -> None:
         assert waiting[value] >= 2 * x.numel() * 4 * 4
     assert sum(waiting) == sum(waiting[value] for value in values)
     unaware = dataclasses.replace(reference.budget, waiting_gradient_bytes=())
-    missed = 0
+    over = missed = 0
     plans = all_plans(profile.n_stages)
     for tree in random.Random(0).sample(plans, PLANS):
         plan = dataclasses.replace(reference, schedule=Schedule.from_plan(profile, tree))
@@ -73,6 +84,20 @@ def test_no_plan_goes_above_its_prediction() -> None:
             model.zero_grad(set_to_none=True)
             with remat.MemoryTracker() as tracker:
                 _loss(model(x)).backward()
-        assert tracker.peak_bytes <= plan.predicted_peak_bytes, tree
+        over += tracker.peak_bytes > plan.predicted_peak_bytes
         missed += tracker.peak_bytes > dataclasses.replace(plan, budget=unaware).predicted_peak_bytes
+    return over, missed
+
+
+def test_no_plan_goes_above_its_prediction() -> None:
+    over, missed = _run_plans()
+    assert over == 0
     assert missed, "some plan replays a region with the gradients waiting at its peak"
+
+
+def test_a_replay_frees_the_glues_temporaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [glue values freed after their last use]: a replay that kept every value of the
+    # rotary embedding until the glue returns would go above the measured glue's peak
+    monkeypatch.setattr(glue, "_last_uses", lambda n, calls, next_sources: tuple(() for _ in calls))
+    over, _ = _run_plans()
+    assert over

@@ -98,6 +98,7 @@ class Glue:
         # the stage's inputs its calls (or the next stage) take: the others are not kept
         sources = [source for call in calls for source in call.sources] + list(next_sources)
         self._used_inputs = frozenset(item for kind, item in sources if kind == _SLOT and item < n_inputs)
+        self._freed_after = _last_uses(n_stage_values, calls, next_sources)
 
     @property
     def constants(self) -> list[torch.Tensor]:
@@ -162,14 +163,45 @@ class Glue:
                 return copy.requires_grad_(True) if item.requires_grad else copy
             return item
 
-        for call in self._calls:
+        for call, freed in zip(self._calls, self._freed_after, strict=True):
             args, kwargs = tree_unflatten([value(s) for s in call.sources], call.spec)
             with torch.set_grad_enabled(call.grad_enabled), replay_forward_state(call.autocast):
                 out = call.function(*args, **kwargs)
             tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
             slots.extend(tensors[position] for position in call.new_slots)
+            del args, kwargs, out, tensors
+            for slot in freed:  # NOTE [glue values freed after their last use]
+                slots[slot] = None
         args, kwargs = tree_unflatten([value(s) for s in self._next_sources], self._next_spec)
         return args, kwargs
+
+
+# NOTE [glue values freed after their last use]
+# The model's code frees a temporary once nothing refers to it (``(q * cos) + (rotate_half(q)
+# * sin)`` holds its products only until the sum), and the measured step sees that peak. A
+# replay keeps its values in slots: each is dropped after the last call that reads it (or
+# at once, when none does), so the replay holds no more than the first forward did. The
+# stage's values and what the next stage takes stay until the replay returns.
+def _last_uses(
+    n_stage_values: int, calls: tuple[_Call, ...], next_sources: tuple[tuple[int, Any], ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Per call, the slots made by the calls that no later call, nor the next stage, reads."""
+    last: dict[int, int] = {}
+    made: dict[int, int] = {}
+    position = n_stage_values
+    for index, call in enumerate(calls):
+        for kind, item in call.sources:
+            if kind == _SLOT:
+                last[item] = index
+        for _ in call.new_slots:
+            made[position] = index
+            position += 1
+    kept = {item for kind, item in next_sources if kind == _SLOT}
+    freed: list[list[int]] = [[] for _ in calls]
+    for slot, index in made.items():
+        if slot not in kept:
+            freed[max(index, last.get(slot, index))].append(slot)
+    return tuple(tuple(slots) for slots in freed)
 
 
 class GlueRecorder(TorchFunctionMode):
