@@ -58,8 +58,11 @@ def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
 # the most that is live in between above it, less the gradient the stage's own backward
 # is planned to make (the glue's backward runs after the replay, within that room). The
 # prediction adds it to the replay after that boundary's backward
-# (remat.plan.lifetimes). Frugal mode replays every stage anyway: from the end of the
-# replay of the span that ends with the stage.
+# (remat.plan.lifetimes). Frugal mode replays every span anyway: from the end of the
+# replay of the span that ends with the stage. Inside a span of several stages (stages
+# whose glue takes what an earlier one made share one), the span's replay hides the first
+# use and nothing is counted: frugal mode's sizes are bounds on the safe side elsewhere,
+# and tests/test_waiting_gradients.py checks its plans against their peaks too.
 def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple[int, ...]:
     """Per planned boundary (``n + 1``), what waits for the replay of a region ending there."""
     watch, tracker = step.watch, step.tracker
