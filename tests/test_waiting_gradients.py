@@ -22,6 +22,7 @@ from torch import nn
 
 import remat
 from remat.discover import glue
+from remat.plan import Plan
 from remat.plan.schedule import Schedule
 from remat.testing import all_plans
 
@@ -107,3 +108,14 @@ def test_a_replay_frees_the_glues_temporaries(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(glue, "_last_uses", lambda n, calls, next_sources: tuple(() for _ in calls))
     over, _ = _run_plans()
     assert over
+
+
+def test_a_saved_plan_keeps_the_waiting_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(SplitAttention(), SplitAttention()).train()
+    control = remat.enable(model, "min", nested=True, loss_fn=_loss)
+    control.measure(torch.randn(4, 16, WIDTH))
+    plan = control.plan_for()
+    read = Plan.from_json(plan.to_json())  # it checks the prediction it records
+    assert read.budget.waiting_gradient_bytes == plan.budget.waiting_gradient_bytes
+    assert any(plan.budget.waiting_gradient_bytes)
