@@ -78,7 +78,7 @@ class Planning(NamedTuple):
         least = self.solver(self.profile, self.solver.minimum_bytes(self.profile))
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
         # [gradients waiting for a replay]): storing everything may need less
-        roomiest = self._roomiest_share()
+        roomiest = self._roomiest_share() if any(self.outside.waiting_gradient_bytes) else None
         if roomiest is None:
             return self.total_holding(least.simulation)
         storing = self.solver(self.profile, roomiest)
@@ -160,7 +160,7 @@ class Planning(NamedTuple):
             if fitting is None or not above or min(above) - fitting <= max(1, fitting // 200):
                 break
             attempt((fitting + min(above)) // 2)
-        if best is None:  # the minimum may be the one of storing everything
+        if best is None and any(split.waiting_gradient_bytes):  # the minimum may be storing everything
             roomiest = self._roomiest_share()
             if roomiest is not None:
                 attempt(roomiest)
