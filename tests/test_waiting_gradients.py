@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -61,14 +62,20 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 
 
-def _run_plans(measure: str = "sized") -> tuple[int, int]:
-    """Runs plans of the chain; returns how many went above their prediction, and above
-    it without the waiting gradients."""
+def _measured(mem_limit: Any, measure: str = "sized") -> tuple[nn.Module, torch.Tensor, Any]:
+    """Two split attention blocks, enabled nested and measured: the model, its input, its control."""
     torch.manual_seed(0)
     model = nn.Sequential(SplitAttention(), SplitAttention()).train()
     x = torch.randn(4, 16, WIDTH)
-    control = remat.enable(model, None, nested=True, loss_fn=_loss, measure=measure)
+    control = remat.enable(model, mem_limit, nested=True, loss_fn=_loss, measure=measure)
     control.measure(x)
+    return model, x, control
+
+
+def _run_plans(measure: str = "sized") -> tuple[int, int]:
+    """Runs plans of the chain; returns how many went above their prediction, and above
+    it without the waiting gradients."""
+    model, x, control = _measured(None, measure)
     reference = control.plan_for(1.0)
     profile = reference.schedule.profile
     values = [index for index, name in enumerate(profile.names) if name.endswith("value")]
@@ -111,10 +118,7 @@ def test_a_replay_frees_the_glues_temporaries(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_saved_plan_keeps_the_waiting_gradients() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(SplitAttention(), SplitAttention()).train()
-    control = remat.enable(model, "min", nested=True, loss_fn=_loss)
-    control.measure(torch.randn(4, 16, WIDTH))
+    _, _, control = _measured("min")
     plan = control.plan_for()
     read = Plan.from_json(plan.to_json())  # it checks the prediction it records
     assert read.budget.waiting_gradient_bytes == plan.budget.waiting_gradient_bytes

@@ -35,7 +35,6 @@ from remat.measure.step import measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, offload_option, prepared
-from remat.plan.simulate import simulate
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
 from remat.ranks import RankAgreement, agreement_group_active
@@ -558,7 +557,7 @@ class Checkpointable(ModelStandIn):
             return self._minimum_budget_bytes(key, planning)
         # A fraction is of the budget that stores everything, margin included, with what
         # lives part of the step counted where it lives: 1.0 always plans no recompute.
-        store_all = simulate(planning.profile, get_solver("none")(planning.profile, None).items)
+        store_all = planning.store_all()
         device = planning.profile.metadata.get("device", "cpu")
         reference = planning.total_holding(store_all)
         total = parse_budget(mem_limit, reference_bytes=reference, device=device)

@@ -8,11 +8,10 @@ import numbers
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from remat.manual.offload import offload_time_per_byte_s
-from remat.plan.operations import Store
 from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult, simulate
-from remat.plan.solvers import Solver
+from remat.plan.solvers import Solver, store_everything_plan
 from remat.plan.step import BudgetSplit
 
 if TYPE_CHECKING:
@@ -75,19 +74,25 @@ class Planning(NamedTuple):
         where it lives (:meth:`BudgetSplit.chain_phase_peak_bytes`), and the peak after
         the chain's backward.
         """
-        least = self.solver(self.profile, self.solver.minimum_bytes(self.profile))
+        minimum = self.solver.minimum_bytes(self.profile)
+        least = self.solver(self.profile, minimum)
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
         # [gradients waiting for a replay]): storing everything may need less
-        roomiest = self._roomiest_share() if any(self.outside.waiting_gradient_bytes) else None
+        roomiest = self._roomiest_share(minimum) if any(self.outside.waiting_gradient_bytes) else None
         if roomiest is None:
             return self.total_holding(least.simulation)
         storing = self.solver(self.profile, roomiest)
         return min(self.total_holding(least.simulation), self.total_holding(storing.simulation))
 
-    def _roomiest_share(self) -> int | None:
-        """The share that stores everything, if the solver plans within it."""
-        share = simulate(self.profile, tuple(Store(stage) for stage in range(self.profile.n_stages))).peak_bytes
-        return share if share >= self.solver.minimum_bytes(self.profile) else None
+    def store_all(self) -> SimulationResult:
+        """The simulation of the schedule that stores every stage (no recompute)."""
+        return simulate(self.profile, store_everything_plan(self.profile.n_stages))
+
+    def _roomiest_share(self, minimum: int) -> int | None:
+        """The share that stores everything, if the solver plans within it (`minimum`: the
+        least it plans within)."""
+        share = self.store_all().peak_bytes
+        return share if share >= minimum else None
 
     def total_holding(self, simulation: SimulationResult) -> int:
         """The smallest whole-step budget that holds a schedule simulated so, everything
@@ -161,7 +166,7 @@ class Planning(NamedTuple):
                 break
             attempt((fitting + min(above)) // 2)
         if best is None and any(split.waiting_gradient_bytes):  # the minimum may be storing everything
-            roomiest = self._roomiest_share()
+            roomiest = self._roomiest_share(minimum)
             if roomiest is not None:
                 attempt(roomiest)
         if best is None:
