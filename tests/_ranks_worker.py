@@ -191,6 +191,42 @@ def tensor_parallel_comm() -> list[dict[str, Any]]:
     return [record]
 
 
+def sharded_automatic() -> list[dict[str, Any]]:
+    """The automatic mode on sharded models (NOTE [sharded models in the automatic mode]):
+    FSDP2 inside and outside ``enable``, and tensor parallelism. Each training call is
+    refused on every rank before anything runs; the parameters are left as they were and the
+    model trains once disabled."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, y = batch(8, 0)
+    records: list[dict[str, Any]] = []
+    for setup in ("fsdp2-inside", "fsdp2-outside", "tensor-parallel"):
+        model = make_net(depth=4)
+        if setup == "fsdp2-outside":
+            remat.enable(model, 0.5)
+        if setup.startswith("fsdp2"):
+            for block in model:
+                fully_shard(block.block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            for block in model:
+                parallelize_module(block.block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if setup != "fsdp2-outside":
+            remat.enable(model, 0.5)
+        before = {n: _full(p).clone() for n, p in model.named_parameters()}
+        record: dict[str, Any] = {"setup": setup, "error": None}
+        try:
+            (model(x) - y).pow(2).mean().backward()
+        except NotImplementedError as error:
+            record["error"] = str(error)
+        record["unchanged"] = all(torch.equal(_full(p), before[n]) for n, p in model.named_parameters())
+        record["no_gradients"] = all(p.grad is None for p in model.parameters())
+        remat.disable(model)
+        (model(x) - y).pow(2).mean().backward()
+        record["trains_disabled"] = all(p.grad is not None for p in model.parameters())
+        records.append(record)
+    return records
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
@@ -204,6 +240,7 @@ SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "different-models": different_models,
     "fsdp2-marked": fsdp2_marked,
     "tensor-parallel-comm": tensor_parallel_comm,
+    "sharded-automatic": sharded_automatic,
 }
 
 

@@ -291,6 +291,16 @@ def test_a_compiled_automatic_model_trains_exactly_with_one_reported_graph_break
     assert breaks and all("remat's automatic mode" in reason for reason in breaks), dict(breaks)
 
 
+def test_a_compiled_automatic_model_refuses_fullgraph_in_training_naming_the_ways() -> None:
+    model = _blocks()
+    remat.enable(model, 0.5)
+    with pytest.raises(Exception, match=r"fullgraph=True cannot hold.*block\.compile\(\)"):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(32, 16)).sum().backward()
+    assert remat.controller(model).plan is None  # refused while tracing: nothing measured
+    model(torch.randn(32, 16)).sum().backward()  # and it trains uncompiled
+    assert remat.controller(model).plan is not None
+
+
 def test_a_compiled_automatic_model_evaluates_in_one_graph() -> None:
     model = _blocks().eval()
     reference = copy.deepcopy(model)

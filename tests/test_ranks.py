@@ -141,6 +141,19 @@ def test_comm_options_under_tensor_parallelism(results: list[dict[str, Any]]) ->
 
 
 @pytest.mark.slow
+def test_the_automatic_mode_refuses_sharded_models_on_every_rank_and_leaves_them_intact(
+    results: list[dict[str, Any]],
+) -> None:
+    wanted = {"fsdp2-inside": "FSDP2", "fsdp2-outside": "FSDP2", "tensor-parallel": "DTensor parameters"}
+    for rank_results in results:
+        records = rank_results["sharded-automatic"]
+        assert [record["setup"] for record in records] == list(wanted)
+        for record in records:
+            assert record["error"] is not None, record["setup"]
+            assert wanted[record["setup"]] in record["error"] and "remat.mark(block" in record["error"]
+            assert record["unchanged"] and record["no_gradients"] and record["trains_disabled"], record
+
+
 def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path) -> None:
     # README's launch: torchrun, two processes on gloo; the script itself checks that the
     # ranks run the same schedule and hold the same weights after every step

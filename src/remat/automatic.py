@@ -30,6 +30,7 @@ from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, pres
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
 from remat.measure.options import named_policies, with_store_options
+from remat.measure.parameters import refuse_sharded_training
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
@@ -102,9 +103,8 @@ class Checkpointable(ModelStandIn):
             the device has free (minus a margin),
             or ``"min"`` for the smallest feasible budget (see :mod:`remat.budget`).
         solver: a solver name from :func:`remat.plan.available_solvers` (default "optimal").
-        slots: memory slots of the dynamic program; None picks as many as keep the solve
-            well under a second (500 for 200 stages, up to 20000 for short chains), so
-            that rounding sizes up to slots wastes little of the budget.
+        slots: memory slots of the dynamic program; None picks as many as keep the solve well under a second
+            (500 for 200 stages, up to 20000 for short chains): rounding sizes up to slots wastes little budget.
         preserve_rng_state: replay RNG states in recomputed stages (exact dropout).
         loss_fn: ``loss_fn(output) -> loss`` used during measurement, e.g.
             ``lambda out: F.cross_entropy(out, target)``. Without it, remat measures with a
@@ -159,8 +159,8 @@ class Checkpointable(ModelStandIn):
             call recomputed alone under it (:mod:`remat.policies`), or a mapping of stage names or
             indices to policies (others stored). With one, a policy or a list of them the planner
             may store any stage under, beside storing it whole or recomputing it (NOTE [stored under a policy]).
-        agree_ranks: under ``torch.distributed``, all ranks run one plan, from the figures of
-            all ranks (NOTE [one plan for all ranks] in :mod:`remat.ranks`); False: each its own.
+        agree_ranks: under ``torch.distributed`` (data parallel: FSDP2 and tensor-parallel models are refused),
+            all ranks run one plan, from the figures of all ranks (NOTE [one plan for all ranks]); False: each its own.
         offload: plan offload to host memory beside store and recompute (NOTE [planning offload]):
             True measures the CUDA device's link to pinned host memory; a number of bytes per
             second plans as if the link were that fast (a stand-in). Pays only on an accelerator.
@@ -500,6 +500,7 @@ class Checkpointable(ModelStandIn):
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
         if chain is None:
+            refuse_sharded_training(self.model)  # NOTE [sharded models in the automatic mode]
             if isinstance(self.model, nn.Sequential) and not self.nested:
                 chain = discover_chain(self.model, args, kwargs)
             else:

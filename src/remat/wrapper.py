@@ -160,10 +160,16 @@ COMPILED_CALL = (
     "remat on the model itself"
 )
 
+# the reason of the graph break, which fullgraph=True raises instead
+COMPILED_TRAINING = (
+    "remat's automatic mode runs its plan eagerly in training, which fullgraph=True cannot hold: "
+    "compile with fullgraph=False (one graph break here), or compile the model's blocks one by one "
+    "(block.compile() for each) and call the enabled model uncompiled"
+)
 
 # (torch 2.4 names no reason for a disabled function's graph break)
 _dynamo_disable = (
-    functools.partial(torch._dynamo.disable, reason="remat's automatic mode runs its plan eagerly")
+    functools.partial(torch._dynamo.disable, reason=COMPILED_TRAINING)
     if "reason" in inspect.signature(torch._dynamo.disable).parameters
     else torch._dynamo.disable
 )
