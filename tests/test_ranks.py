@@ -8,6 +8,7 @@ error on one rank must be raised on every rank: no hang (the launch has a timeou
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -140,7 +141,6 @@ def test_comm_options_under_tensor_parallelism(results: list[dict[str, Any]]) ->
                 assert torch.equal(grad, step["expected"][name]), f"comm={comm}: {name}"
 
 
-@pytest.mark.slow
 def test_the_automatic_mode_refuses_sharded_models_on_every_rank_and_leaves_them_intact(
     results: list[dict[str, Any]],
 ) -> None:
@@ -154,14 +154,11 @@ def test_the_automatic_mode_refuses_sharded_models_on_every_rank_and_leaves_them
             assert record["unchanged"] and record["no_gradients"] and record["trains_disabled"], record
 
 
-def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path) -> None:
-    # README's launch: torchrun, two processes on gloo; the script itself checks that the
-    # ranks run the same schedule and hold the same weights after every step
-    example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
+def _torchrun(tmp_path: Path, arguments: list[str], timeout_s: float = 180) -> tuple[int | None, str, str]:
+    """``torchrun --nproc-per-node 2 ARGUMENTS`` on gloo: (exit code, None if it hung; stdout; stderr)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     port = free_port()
-    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), str(example)]
-    command += ["--steps", "2", "--tokens", "32", "--budget", "0.5", "--device", "cpu"]
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), *arguments]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # the output goes to files, not pipes: a rank left running cannot hold the test open
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
@@ -170,24 +167,51 @@ def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path)
             command, env=env, stdout=out, stderr=err, text=True, cwd=tmp_path, start_new_session=True
         )
         try:
-            process.wait(timeout=180)
-            hung = False
+            code: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_launch(process, port)
             process.wait()
-            hung = True
-    stdout, stderr = out_path.read_text(), err_path.read_text()
-    if hung:
+            code = None
+    return code, out_path.read_text(), err_path.read_text()
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path) -> None:
+    # README's launch: torchrun, two processes on gloo; the script itself checks that the
+    # ranks run the same schedule and hold the same weights after every step
+    example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
+    arguments = [str(example), "--steps", "2", "--tokens", "32", "--budget", "0.5", "--device", "cpu"]
+    code, stdout, stderr = _torchrun(tmp_path, arguments)
+    if code is None:
         lines = [line for line in stdout.splitlines() if line.startswith("step ")]
         verified = len(lines) == 2 and all("same plan on every rank: True, same weights: True" in x for x in lines)
         assert verified, f"the example hung before it finished training:\n{stdout}\n{stderr}"
         # Both steps ran and were checked on every rank; the processes then did not exit
         # (seen on a 2-core machine running the suite in two processes: gloo's teardown).
         pytest.skip("the torchrun example trained and checked both steps, then hung at process exit")
-    assert process.returncode == 0, stdout + stderr
+    assert code == 0, stdout + stderr
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2
     assert all("same plan on every rank: True, same weights: True" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_the_bench_command_under_torchrun_trains_through_ddp_with_one_plan(tmp_path: Path) -> None:
+    # NOTE [the benchmark on several ranks]: rank 0 alone reports; the run itself checks
+    # that every rank planned each budget to the same schedule
+    result_path = tmp_path / "bench.json"
+    arguments = ["-m", "remat", "bench", "mlp", "--budgets", "0.5,min", "--steps", "1", "--warmup", "0"]
+    arguments += ["--batch", "8", "--threads", "1", "--json", str(result_path)]
+    code, stdout, stderr = _torchrun(tmp_path, arguments)
+    assert code == 0, stdout + stderr
+    result = json.loads(result_path.read_text())
+    metadata = result["metadata"]
+    assert metadata["world_size"] == 2 and "DistributedDataParallel" in metadata["distributed"]
+    assert metadata["same_plan_on_every_rank"] is True
+    remat_rows = [row for row in result["rows"] if row["kind"] == "remat"]
+    assert len(remat_rows) == 3 and all(row["error"] is None and row["fits_budget"] for row in remat_rows)
+    shown = " ".join(stdout.split())  # (rich wraps to the terminal's width)
+    assert shown.count("remat @ min") == 1 and "DistributedDataParallel on 2 ranks (gloo)" in shown
 
 
 def test_the_figures_combined_across_ranks_are_the_bytes_and_times_only() -> None:

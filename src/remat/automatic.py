@@ -240,11 +240,9 @@ class Checkpointable(ModelStandIn):
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
         """Measures every stage on these inputs (see ``measure`` in the class docstring).
 
-        The model is left as it was: parameters, ``.grad``, buffers and RNG states.
-
-        With ``measure="sized"``, the timing pass stays within the budget: a planned stage
-        whose backward would not fit is timed forward only, its backward estimated. (A
-        training call with a budget no schedule fits raises :class:`~remat.BudgetTooSmall`
+        The model is left as it was: parameters, ``.grad``, buffers and RNG states. With ``measure="sized"``, the
+        timing pass stays within the budget: a planned stage whose backward would not fit is timed forward only, its
+        backward estimated. (A training call with a budget no schedule fits raises :class:`~remat.BudgetTooSmall`
         before anything runs on the device.)
         """
         with model_own_call(self.model):
@@ -370,17 +368,20 @@ class Checkpointable(ModelStandIn):
             )
         return timed
 
-    def plan_for(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
+    def plan_for(self, mem_limit: Budget | EllipsisType = ..., *, all_ranks: bool = False) -> Plan:
         """The plan of the last measured input signature under a budget (cached).
 
         Args:
-            mem_limit: a budget in any accepted form, ``"min"`` included; default: the one
-                given at construction.
+            mem_limit: a budget in any accepted form, ``"min"`` included; default: the one given at construction.
+            all_ranks: a collective call: every rank of the process group calls it and gets one schedule, from the
+                largest figures of any rank and the smallest budget in bytes (NOTE [one plan for all ranks]).
 
         Raises:
             BudgetTooSmall: no schedule fits; ``.minimum_bytes`` is the smallest budget that does.
         """
-        return self._plan(self._measured_key(), self.mem_limit if isinstance(mem_limit, EllipsisType) else mem_limit)
+        ranks = RankAgreement() if all_ranks and agreement_group_active() else None
+        budget = self.mem_limit if isinstance(mem_limit, EllipsisType) else mem_limit
+        return self._plan(self._measured_key(), budget, ranks)
 
     def compute_sequence(self, mem_limit: Budget | EllipsisType = ...) -> Plan:
         """rotor's name of :meth:`plan_for`."""
@@ -395,8 +396,8 @@ class Checkpointable(ModelStandIn):
     def executing(self, plan: Plan) -> Iterator[Plan]:
         """Within this block, training forwards run ``plan`` instead of the plan for ``mem_limit``.
 
-        ``plan`` may come from :meth:`plan_for` (any budget) or from :meth:`Plan.from_json`;
-        it must plan this model's chain of stage calls for the inputs it is run on.
+        ``plan`` may come from :meth:`plan_for` (any budget) or from :meth:`Plan.from_json`; it must plan this model's
+        chain of stage calls for the inputs it is run on.
         """
         previous = self._forced_plan
         self._forced_plan = plan
@@ -409,10 +410,9 @@ class Checkpointable(ModelStandIn):
     def check_step(self) -> Iterator[StepCheck]:
         """Checks the training step inside the block: its exact peak against the plan's.
 
-        ``with model.check_step() as check: loss_fn(model(x), y).backward()``; then
-        ``check.measured_peak_bytes``, ``check.predicted_peak_bytes``, ``check.within_budget``
-        (see :class:`remat.plan.check.StepCheck`). It logs one INFO line and warns if the
-        step went over its budget; the exact tracker slows the step two to three times.
+        ``with model.check_step() as check: loss_fn(model(x), y).backward()``; then ``check.measured_peak_bytes``,
+        ``check.predicted_peak_bytes``, ``check.within_budget`` (see :class:`remat.plan.check.StepCheck`). It logs
+        one INFO line and warns if the step went over its budget; the exact tracker slows the step two to three times.
         """
         with checked_step(lambda: self.plan, self.model.parameters()) as check:
             yield check

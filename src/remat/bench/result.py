@@ -182,8 +182,12 @@ _COLUMNS = (
 
 
 def describe_threads(metadata: dict[str, Any]) -> str:
+    """The threads, and the ranks of a run under torchrun (whose peaks and step times are
+    each the largest of any rank's)."""
     threads = metadata.get("threads", "?")
-    return f"{threads} thread" + ("" if threads == 1 else "s")
+    text = f"{threads} thread" + ("" if threads == 1 else "s")
+    distributed = metadata.get("distributed")
+    return text if distributed is None else f"{text} per rank, {distributed}, the slowest and largest rank's figures"
 
 
 def format_row(row: BenchmarkRow) -> dict[str, str]:

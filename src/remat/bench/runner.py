@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.automatic import Checkpointable
+from remat.bench.data_parallel import DataParallelSteps, running_on_ranks
 from remat.bench.result import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
@@ -176,6 +177,7 @@ def run_benchmark(
     model_name: str | None = None,
     nested: bool = False,
     policies: Sequence[Any] = (),
+    distributed: bool | None = None,
 ) -> BenchmarkResult:
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
@@ -205,6 +207,10 @@ def run_benchmark(
         model_name: a name for the metadata and tables.
         nested: remat with ``nested=True`` (blocks split into their submodules).
         policies: policies remat may store stages under (``policy=`` with the budget).
+        distributed: train every strategy through DistributedDataParallel, each remat budget
+            planned on all ranks at once (NOTE [the benchmark on several ranks] in
+            :mod:`remat.bench.data_parallel`); every rank must call this. Default: while a
+            process group of more than one rank is initialised (``torchrun``).
 
     Returns:
         The rows, the timelines of "no recompute" and of the chosen remat strategy, and
@@ -226,6 +232,8 @@ def run_benchmark(
         torch.set_num_threads(threads)
     try:
         benchmark = _Benchmark(model, make_batch, loss_fn, steps=steps, warmup=warmup, progress=progress, device=device)
+        if running_on_ranks() if distributed is None else distributed:
+            benchmark.ranks = DataParallelSteps(model, benchmark.device)
         benchmark.nested = nested
         benchmark.policies = list(policies)
         return benchmark.run(
@@ -274,6 +282,10 @@ class _Benchmark:
         self.timelines: dict[str, StepTimeline] = {}
         self.done = 0
         self.total = 0
+        self.ranks: DataParallelSteps | None = None  # under torchrun
+
+    def forward_of(self, strategy: _Strategy) -> Callable[..., Any]:
+        return strategy.forward if self.ranks is None else self.ranks.forward(strategy.forward)
 
     def advance(self, label: str) -> None:
         if self.progress is not None:
@@ -283,11 +295,12 @@ class _Benchmark:
     def prepare(self, strategy: _Strategy, budget_bytes: int | None = None) -> None:
         """Warm-up steps, then one tracked step for the peak and the timeline."""
         self.runner.reset()
+        forward = self.forward_of(strategy)
         with strategy.context():
             for _ in range(self.warmup):
-                self.runner.step(strategy.forward)
-            peak, timeline = self.runner.tracked_step(strategy.forward)
-        strategy.row.measured_peak_bytes = peak
+                self.runner.step(forward)
+            peak, timeline = self.runner.tracked_step(forward)
+        strategy.row.measured_peak_bytes = peak if self.ranks is None else int(self.ranks.largest([peak])[0])
         self.timelines[strategy.row.strategy] = StepTimeline(strategy.row.strategy, timeline, budget_bytes)
         self.strategies.append(strategy)
 
@@ -309,6 +322,10 @@ class _Benchmark:
             logger.warning("checkpoint_sequential needs an nn.Sequential with a single input; skipping that baseline")
         self.total = 1 + (2 if can_checkpoint else 0) + len(budgets) + self.steps
         baseline = _Strategy(self.new_row(BenchmarkRow(BASELINE, "baseline")), self.model)
+        if self.ranks is not None:  # DDP makes its buckets, and rebuilds them after its first step
+            self.runner.reset()
+            for _ in range(2):
+                self.runner.step(self.forward_of(baseline))
         self.prepare(baseline)
         checkpoint_peak = self.run_checkpoint_sequential(stages) if can_checkpoint else None
         remat_budgets: list[tuple[str, Budget]] = [(_budget_label(budget), budget) for budget in budgets]
@@ -360,7 +377,8 @@ class _Benchmark:
     def run_remat(self, wrapper: Checkpointable, label: str, budget: Budget) -> None:
         row = self.new_row(BenchmarkRow(f"remat @ {label}", "remat", budget=label))
         try:
-            plan = wrapper.plan_for(MINIMUM if _is_minimum(budget) else budget)
+            agreed = {"all_ranks": True} if self.ranks is not None else {}  # a collective call on ranks
+            plan = wrapper.plan_for(MINIMUM if _is_minimum(budget) else budget, **agreed)
         except BudgetTooSmall as error:
             row.budget_bytes = error.budget_bytes
             row.error = f"infeasible: the minimum is {format_bytes(error.minimum_bytes)} ({error.minimum_bytes} bytes)"
@@ -374,6 +392,9 @@ class _Benchmark:
         row.predicted_peak_bytes = plan.predicted_peak_bytes
         row.predicted_overhead_ratio = 1.0 + plan.overhead_fraction
         row.recomputed_forwards = sum(count - 1 for count in plan.forward_counts)
+        if self.ranks is not None and not self.ranks.check_same_plan(plan):
+            row.error = "the ranks planned different schedules"
+            return
         self.prepare(_Strategy(row, wrapper, plan=(wrapper, plan)), plan.budget_bytes)
         row.fits_budget = (
             plan.budget_bytes is not None
@@ -388,7 +409,8 @@ class _Benchmark:
             self.advance(f"timed round {round_index + 1}/{self.steps}")
             for strategy in self.strategies:
                 with strategy.context():
-                    strategy.row.step_times_s.append(self.runner.timed_step(strategy.forward))
+                    seconds = self.runner.timed_step(self.forward_of(strategy))
+                strategy.row.step_times_s.append(seconds if self.ranks is None else self.ranks.largest([seconds])[0])
         if self.progress is not None:
             self.progress(self.total, self.total, "done")
         baseline_median = statistics.median(baseline.row.step_times_s)
@@ -418,6 +440,7 @@ class _Benchmark:
             "input_shapes": [list(x.shape) for x in input_tensors(self.runner.inputs)],
             "torch": torch.__version__,
             "python": platform.python_version(),
+            **(self.ranks.metadata() if self.ranks is not None else {}),
         }
         self.runner.reset()
         return BenchmarkResult(self.rows, timelines, chosen, metadata)

@@ -37,6 +37,7 @@ from remat.cli.codes import (
     fail,
 )
 from remat.cli.explaining import POLICY_FORMS, add_explain_command, command_explain, policy_from_text
+from remat.cli.launch import torchrun_group
 from remat.cli.loading import (
     DEFAULT_BATCH,
     Workload,
@@ -371,6 +372,7 @@ def _run_bench(
     solver: str,
     nested: bool = False,
     policies: Sequence[Any] = (),
+    shown: bool = True,
 ) -> BenchmarkResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -383,6 +385,7 @@ def _run_bench(
         TimeElapsedColumn(),
         console=output.err,
         transient=True,
+        disable=not shown,
     ) as progress:
         task = progress.add_task(f"bench {workload.name}", total=None)
 
@@ -465,20 +468,22 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
     for path, what in ((args.json, "the JSON result"), (args.markdown, "the Markdown table")):
         if path is not None:
             _check_output(path, what, None)
-    workload = _workload(args)
-    result = _run_bench(
-        workload,
-        output,
-        budgets=budgets,
-        steps=args.steps,
-        warmup=args.warmup,
-        threads=args.threads,
-        solver=args.solver,
-        nested=args.nested,
-        policies=[policy_from_text(text) for text in args.policy or []],
-    )
-    print_bench(result, output)
-    _save_outputs(result, output, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot)
+    with torchrun_group(args.device) as rank:  # one process per rank under torchrun: rank 0 reports
+        result = _run_bench(
+            _workload(args),
+            output,
+            budgets=budgets,
+            steps=args.steps,
+            warmup=args.warmup,
+            threads=args.threads,
+            solver=args.solver,
+            nested=args.nested,
+            policies=[policy_from_text(text) for text in args.policy or []],
+            shown=rank == 0,
+        )
+        if rank == 0:
+            print_bench(result, output)
+            _save_outputs(result, output, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot)
     return EXIT_OK
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from remat.bench.result import describe_threads
 from remat.cli.codes import EXIT_MISSING_DEPENDENCY, INSTALL_HINT, fail
 from remat.units import MIB, format_bytes, format_seconds
 
@@ -154,7 +155,7 @@ def print_bench(result: BenchmarkResult, output: Output) -> None:
     meta = result.metadata
     title = (
         f"{meta['model']}: {meta['n_stages']} stages ({meta['n_planned_stages']} planned), "
-        f"{meta['device']}, {meta['threads']} thread{'' if meta['threads'] == 1 else 's'}, "
+        f"{meta['device']}, {describe_threads(meta)}, "
         f"median of {meta['steps']} steps"
     )
     columns = (
