@@ -125,17 +125,34 @@ SCENARIOS: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
         lambda: remat.Checkpointable(make_net("plain", with_unused=True), 0.6),
         {"find_unused_parameters": True},
     ),
+    # gradient accumulation: each step's first micro-batch under no_sync (the first of all
+    # measures there), the second synchronised
+    "plain-no-sync": (lambda: make_net("plain"), {"accumulate": True}),
+    "plain-no-sync-static-graph": (lambda: make_net("plain"), {"accumulate": True, "static_graph": True}),
+    "enabled-no-sync": (lambda: _enabled(make_net("plain"), 0.6), {"accumulate": True}),
+    "checkpointable-no-sync-static-graph": (
+        lambda: remat.Checkpointable(make_net("plain"), 0.6),
+        {"accumulate": True, "static_graph": True},
+    ),
 }
 
 
 def run_scenario(rank: int, factory: Callable[[], nn.Module], options: dict[str, Any]) -> dict[str, Any]:
     x, y = full_batch()
     shard = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    options = dict(options)
+    accumulate = options.pop("accumulate", False)
     model = DistributedDataParallel(factory(), **options)
     try:
         for _ in range(2):  # DDP reports some misuse only at the next iteration
             model.zero_grad(set_to_none=True)
-            loss_of(model, x[shard], y[shard]).backward()
+            if accumulate:
+                half = BATCH_PER_RANK // 2
+                with model.no_sync():
+                    loss_of(model, x[shard][:half], y[shard][:half]).backward()
+                loss_of(model, x[shard][half:], y[shard][half:]).backward()
+            else:
+                loss_of(model, x[shard], y[shard]).backward()
         grads = {name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None}
         return {"grads": grads, "error": None}
     except Exception as error:  # noqa: BLE001 - reported to the test, which decides

@@ -42,13 +42,16 @@ def kill_launch(process: subprocess.Popen[Any], port: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def run_ranks(worker: Path, out_dir: Path, world_size: int, timeout_s: float) -> list[dict[str, Any]]:
+def run_ranks(
+    worker: Path, out_dir: Path, world_size: int, timeout_s: float, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Runs ``worker OUT_DIR`` on `world_size` ranks; returns what each saved in ``rank<r>.pt``.
 
     A rank that fails, crashes (``"__crash__"`` in its results) or runs past `timeout_s`
-    (a hang) fails the caller, with the rank's output.
+    (a hang) fails the caller, with the rank's output. `env` is added to each rank's environment.
     """
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size))
+    env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["WORLD_SIZE"] = str(world_size)
     env["OMP_NUM_THREADS"] = "1"
     processes = [
         subprocess.Popen(

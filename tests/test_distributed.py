@@ -110,7 +110,13 @@ def test_reentrant_mode_with_find_unused_parameters_is_refused_by_ddp(results: l
 
 @pytest.mark.parametrize(
     "scenario",
-    ["checkpointable", "checkpointable-find-unused", "checkpointable-static-graph", "enabled-static-graph"],
+    [
+        "checkpointable",
+        "checkpointable-find-unused",
+        "checkpointable-static-graph",
+        "enabled-static-graph",
+        "enabled-no-sync",
+    ],
 )
 def test_checkpointable_under_ddp(results: list[dict[str, Any]], scenario: str) -> None:
     # Same local computations as DDP without recompute, under the optimal plan for 60% of
@@ -121,7 +127,19 @@ def test_checkpointable_under_ddp(results: list[dict[str, Any]], scenario: str) 
         result = rank_results[scenario]
         assert result["error"] is None, result["error"]
         grads = {name.removeprefix("model."): grad for name, grad in result["grads"].items()}
-        plain = rank_results["plain"]["grads"]
+        plain = rank_results["plain-no-sync" if "no-sync" in scenario else "plain"]["grads"]
         assert grads.keys() == plain.keys()
         for name, grad in grads.items():
             assert torch.equal(grad, plain[name]), f"{scenario}: {name} differs from DDP without recompute"
+
+
+def test_no_sync_under_static_graph_fails_in_ddp_itself_and_the_same_with_remat(results: list[dict[str, Any]]) -> None:
+    # DDP's reducer asserts when a no_sync step precedes a synchronised one under
+    # static_graph=True, without remat too: the automatic mode does not hide or change it
+    for rank_results in results:
+        plain, checkpointable = (
+            rank_results[name]["error"]
+            for name in ("plain-no-sync-static-graph", "checkpointable-no-sync-static-graph")
+        )
+        assert plain is not None and "expect_autograd_hooks_" in plain
+        assert checkpointable == plain

@@ -109,6 +109,27 @@ def test_a_rank_that_cannot_be_planned_stops_every_rank(results: list[dict[str, 
     assert rank0["error"].startswith("RematError: another rank failed while remat measured")
 
 
+@pytest.fixture(scope="module")
+def results_of_four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The agreement's scenarios on four ranks: a maximum over more than a pair, one rank
+    apart from three."""
+    env = {"RANKS_SCENARIOS": "agreed,new-shape-on-one-rank,too-large-on-one-rank"}
+    return run_ranks(WORKER, tmp_path_factory.mktemp("ranks4"), 4, timeout_s=240, env=env)
+
+
+@pytest.mark.slow
+def test_four_ranks_run_one_plan_and_stop_together(results_of_four: list[dict[str, Any]]) -> None:
+    for scenario in ("agreed", "new-shape-on-one-rank"):
+        schedules = _schedules(results_of_four, scenario)
+        assert all(schedule == schedules[0] for schedule in schedules[1:]), scenario
+        _assert_plain_gradients(results_of_four, scenario)
+    for items, _ in _schedules(results_of_four, "agreed")[0]:
+        assert _recomputed(items) and not _recomputed(items) & set(SLOW)
+    errors = [rank_results["too-large-on-one-rank"][0]["error"] for rank_results in results_of_four]
+    assert errors[1].startswith("BudgetTooSmall: no recompute schedule fits a budget of")
+    assert all(error.startswith("RematError: another rank failed") for i, error in enumerate(errors) if i != 1)
+
+
 def test_ranks_with_different_chains_refuse_together(results: list[dict[str, Any]]) -> None:
     for rank_results in results:
         (step,) = rank_results["different-models"]
