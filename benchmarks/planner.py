@@ -43,8 +43,12 @@ copy running the graph compiled last. Inductor's cache is a fresh directory per 
 first point compiles from cold, later ones may reuse the kernels earlier ones compiled.
 
 Run ``python benchmarks/planner.py --workload gpt2|resnet|mlp [--steps 7] [--nested]
-[--no-compile]``; it writes ``results/planner_<workload>.json`` and ``.md``, and the curve as
-``docs/planner_<workload>.png`` (``planner_<workload>_nested`` with ``--nested``).
+[--no-compile] [--policy] [--compiled-blocks] [--compiled-model]``; it writes
+``results/planner_<workload>.json`` and ``.md``, and the curve as
+``docs/planner_<workload>.png`` (``planner_<workload>_nested`` with ``--nested``, and so on).
+``--compiled-model`` adds ``torch.compile`` of the remat model itself, whose plan runs in the
+graph from its second call (NOTE [a plan in the compiled graph] in remat.traced): its peaks
+are the CPU allocator's, like compile's own.
 """
 
 from __future__ import annotations
@@ -84,8 +88,9 @@ PLAIN = "no recompute"
 REMAT_NESTED = "remat nested"
 REMAT_COMPILED = "remat, compiled blocks"
 REMAT_POLICY = "remat + save_matmuls"
-REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED, REMAT_POLICY)
-COMPILED_FAMILIES = ("torch.compile", REMAT_COMPILED)
+REMAT_GRAPH = "remat, compiled model"
+REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED, REMAT_POLICY, REMAT_GRAPH)
+COMPILED_FAMILIES = ("torch.compile", REMAT_COMPILED, REMAT_GRAPH)
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
 GRADIENT_MARK = "planner: gradient handed over"
@@ -263,7 +268,7 @@ def rematerialized(workload: Workload, budget: float | int | str, label: str, *,
     time is ``compile_s``). `REMAT_POLICY` lets the planner store any stage under
     ``save_matmuls`` too (``policy=`` with the budget).
     """
-    compiled, nested = family == REMAT_COMPILED, family == REMAT_NESTED
+    compiled, nested, graph = family == REMAT_COMPILED, family == REMAT_NESTED, family == REMAT_GRAPH
     policy = remat.policies.save_matmuls if family == REMAT_POLICY else None
     model = copy.deepcopy(workload.model)
     if compiled:
@@ -273,17 +278,25 @@ def rematerialized(workload: Workload, budget: float | int | str, label: str, *,
         model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested, policy=policy
     )
     row = row_of(family, label, budget)
-    strategy = Strategy(row, functools.partial(workload.call, wrapped), wrapped)
+    # REMAT_GRAPH: the whole model compiled (inductor); its first call measures at a graph
+    # break and plans stage by stage, the next compiles that plan into the graph
+    call = torch.compile(wrapped) if graph else wrapped
+    strategy = Strategy(row, functools.partial(workload.call, call), wrapped)
     started = time.perf_counter()
     try:
         train_step(workload, strategy)  # measures and plans
-        if compiled:
+        if compiled or graph:
             train_step(workload, strategy)  # the first step under the plan compiles
             row["compile_s"] = time.perf_counter() - started
     except remat.BudgetTooSmall as error:
         row.update(feasible=False, error=str(error), budget_bytes=error.budget_bytes, minimum_bytes=error.minimum_bytes)
         return strategy
     plan = wrapped.plan
+    if graph:
+        if wrapped._traced.current is None:
+            row.update(feasible=False, error="no plan in the graph at this budget (remat said why)")
+            return strategy
+        plan = wrapped._traced.current.plan
     assert plan is not None
     row.update(
         budget_bytes=plan.budget_bytes,
@@ -391,7 +404,7 @@ def measure_peaks(workload: Workload, strategy: Strategy) -> None:
         # dispatch mode, which would make Dynamo skip them for good); the allocator, compiled
         row["tracker_peak_bytes"] = tracker_peak_bytes(workload, strategy)
         row["measured_peak_bytes"], row["peak_source"] = row["allocator_peak_bytes"], ALLOCATOR
-    elif row["family"] == "torch.compile":
+    elif row["family"] in ("torch.compile", REMAT_GRAPH):
         # under a TorchDispatchMode the compiled module runs (and stays) eager: no tracker here
         row["tracker_peak_bytes"] = None
         row["measured_peak_bytes"], row["peak_source"] = row["allocator_peak_bytes"], ALLOCATOR
@@ -441,6 +454,7 @@ def build_strategies(
     with_compile: bool = True,
     compiled_blocks: bool = False,
     with_policy: bool = False,
+    compiled_model: bool = False,
 ) -> tuple[list[Strategy], dict[str, Any]]:
     plain = Strategy(row_of("plain", PLAIN), functools.partial(workload.call, workload.model), workload.model)
     second = recompute_sequentially(workload)
@@ -460,6 +474,7 @@ def build_strategies(
     points += [("min", "min"), (second.row["measured_peak_bytes"], f"at {second.row['family']} peak")]
     families = ["remat"] + ([REMAT_NESTED] if nested else []) + ([REMAT_COMPILED] if compiled_blocks else [])
     families += [REMAT_POLICY] if with_policy else []
+    families += [REMAT_GRAPH] if compiled_model else []
     for family in families:
         for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
             strategy = rematerialized(workload, budget, label, family=family)
@@ -701,6 +716,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         REMAT_NESTED: ("tab:purple", "P"),
         REMAT_COMPILED: ("tab:cyan", "X"),
         REMAT_POLICY: ("tab:olive", "D"),
+        REMAT_GRAPH: ("tab:brown", "*"),
     }
     rows = [r for r in result["rows"] if r.get("median_step_s")]
     for family, (colour, marker) in styles.items():
@@ -763,6 +779,9 @@ def main() -> None:
         "--compiled-blocks", action="store_true", help="remat over blocks compiled one by one too, in the same run"
     )
     parser.add_argument(
+        "--compiled-model", action="store_true", help="torch.compile of the remat model too (its plan in the graph)"
+    )
+    parser.add_argument(
         "--fractions", default=",".join(map(str, FRACTIONS)), help="comma-separated budgets for compile and remat"
     )
     options = parser.parse_args()
@@ -783,6 +802,7 @@ def main() -> None:
             with_compile=not options.no_compile,
             compiled_blocks=options.compiled_blocks,
             with_policy=options.policy,
+            compiled_model=options.compiled_model,
         )
         timed = [s for s in strategies if s.row["feasible"]]
         frames_before = dynamo_frames()
@@ -813,6 +833,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     name = workload.name + ("_nested" if options.nested else "") + ("_compiled" if options.compiled_blocks else "")
     name += "_policy" if options.policy else ""
+    name += "_graph" if options.compiled_model else ""
     stem = RESULTS / f"planner_{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     text = markdown(result)

@@ -24,6 +24,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import remat
+from remat.plan import Region
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -173,7 +174,7 @@ def test_the_eager_backend_fails_loudly_on_running_statistics() -> None:
         train_both("recompute", "eager", bn=True, dropout=False)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+def _saved_bytes(model: nn.Module, x: torch.Tensor, loss_of: Callable[[Any], Any] = lambda out: out) -> int:
     """Bytes the compiled forward saves for its backward (parameters aside)."""
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -185,7 +186,7 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x)
+        loss = loss_of(model(x))
     loss.backward()
     return sum(saved.values())
 
@@ -299,6 +300,84 @@ def test_a_compiled_automatic_model_refuses_fullgraph_in_training_naming_the_way
     assert remat.controller(model).plan is None  # refused while tracing: nothing measured
     model(torch.randn(32, 16)).sum().backward()  # and it trains uncompiled
     assert remat.controller(model).plan is not None
+
+
+def _compiled_steps(run: Any, model: nn.Module, reference: nn.Module, steps: range, backend: str) -> None:
+    """Training steps of `run` (which trains `model`) against `reference`, gradient for gradient."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    for step in steps:
+        for module in (model, reference):
+            module.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        reference(x).pow(2).mean().backward()
+        torch.manual_seed(step)
+        run(x).pow(2).mean().backward()
+        for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+            _assert_same(backend, expected.grad, actual.grad, f"step {step}: gradient of {name}")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_automatic_model_runs_a_plan_in_the_graph_from_its_second_call(backend: str) -> None:
+    # NOTE [a plan in the compiled graph]: the first call measures at a graph break and
+    # plans stage by stage; from the second on, Dynamo traces the plan (one frame, no break,
+    # no recompile after it), the partitioner recomputes the planned stages, and the
+    # gradients (dropout included) are those of the plain model
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    with pytest.warns(UserWarning, match="run a plan in the graph from the next call on"):
+        _compiled_steps(compiled, model, reference, range(1), backend)
+    traced = remat.controller(model)._traced.current
+    assert traced is not None and traced.plan.predicted_peak_bytes <= traced.plan.budget_bytes
+    recomputed = [stage for stage, count in enumerate(traced.plan.forward_counts) if count > 1]
+    assert recomputed and [model[s] for s in recomputed] == list(traced.modules)
+    assert all(not isinstance(item, Region) or item.stop - item.start == 1 for item in traced.plan.schedule.items)
+    torch._dynamo.utils.counters.clear()
+    frames = counter.frame_count
+    _compiled_steps(compiled, model, reference, range(1, 4), backend)
+    assert counter.frame_count == frames + 1  # one recompile, for the plan, then none
+    assert not torch._dynamo.utils.counters["graph_break"]
+    # what the compiled forward keeps: less than compiled without remat, and it does not
+    # keep the activations of the recomputed stages (their inputs at most)
+    squared = lambda out: out.pow(2).mean()  # noqa: E731
+    plain_saved = _saved_bytes(torch.compile(_blocks(), backend=backend), torch.randn(32, 16), squared)
+    traced_saved = _saved_bytes(compiled, torch.randn(32, 16), squared)
+    assert traced_saved < plain_saved
+    remat.disable(model)
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_a_plan_in_the_graph_holds_under_fullgraph_and_follows_the_input_and_the_budget() -> None:
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    _compiled_steps(model, model, reference, range(1), "aot_eager")  # measured eagerly, uncompiled
+    controller = remat.controller(model)
+    assert controller._traced.current is None  # only a compiled call plans for compiled calls
+    with pytest.warns(UserWarning, match="run a plan in the graph"):
+        _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(1, 2), "aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    fullgraph = torch.compile(model, backend=counter, fullgraph=True)
+    _compiled_steps(fullgraph, model, reference, range(2, 4), "aot_eager")
+    assert counter.frame_count == 1
+    # another budget: the plan in the graph is not that budget's, so the call breaks and plans again
+    controller.mem_limit = 0.8
+    with pytest.raises(Exception, match="fullgraph=True cannot hold"):
+        fullgraph(torch.randn(32, 16)).sum().backward()
+    with pytest.warns(UserWarning, match="run a plan in the graph"):
+        _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(4, 5), "aot_eager")
+    assert controller._traced.current is not None and controller._traced.current.mem_limit == 0.8
+
+
+def test_a_budget_too_small_for_a_plan_in_the_graph_keeps_the_eager_plan_and_says_why() -> None:
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, "min", loss_fn=lambda out: out.pow(2).mean())
+    torch._dynamo.utils.counters.clear()
+    with pytest.warns(UserWarning, match=r"keep running the plan eagerly .*recomputing stages one by one needs"):
+        _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(3), "aot_eager")
+    assert remat.controller(model)._traced.current is None
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    assert torch._dynamo.utils.counters["graph_break"]  # the eager plan, at a break, every call
 
 
 def test_a_compiled_automatic_model_evaluates_in_one_graph() -> None:

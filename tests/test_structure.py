@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("remat.plan", "remat.testing"),
     ("remat.execute",),
     ("remat.measure",),
-    ("remat.wrapper",),
+    ("remat.wrapper", "remat.traced"),
     ("remat.automatic", "remat.enable"),
     ("remat.models",),
     ("remat.bench",),

@@ -32,13 +32,14 @@ from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_train
 from remat.measure.options import named_policies, with_store_options
 from remat.measure.parameters import refuse_sharded_training
 from remat.measure.scale import ShapeTimings
-from remat.measure.step import measure_on_device, step_device
+from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, offload_option, prepared
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
 from remat.ranks import RankAgreement, agreement_group_active
+from remat.traced import TracedCalls
 from remat.units import format_bytes
 from remat.wrapper import (
     CACHE_TURNED_OFF,
@@ -59,7 +60,6 @@ logger = logging.getLogger("remat")
 DEFAULT_PLANNING_MARGIN = 0.02
 
 #: The ways of measuring stages (see ``measure`` in :class:`Checkpointable`).
-_MEASURE_MODES = ("sized", "plain", "frugal", "estimated")
 
 
 class _PlanOptions(NamedTuple):
@@ -216,20 +216,10 @@ class Checkpointable(ModelStandIn):
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
         self._margin_option = margin
         self.output_kept = output_kept
-        if measure not in _MEASURE_MODES:
-            raise ValueError(f"measure is one of {', '.join(map(repr, _MEASURE_MODES))}, got {measure!r}")
-        if frugal_measure:
-            if measure != "sized":
-                raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure alone")
-            warnings.warn(
-                "remat: frugal_measure is deprecated: measuring stays within the budget by default "
-                "(measure='sized'); pass measure='frugal' for the measuring step with recomputed segments",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        self.measure_mode = measure
+        self.measure_mode = measure_mode(measure, frugal_measure)
         self._shapes = ShapeTimings(timed_shapes)
         self._cache_warned = self._default_budget_warned = self._coverage_warned = False
+        self._traced = TracedCalls()  # NOTE [a plan in the compiled graph]
         self._solver()  # fail now on an unknown solver name
         self.policy, self.nested = policy, bool(nested)
         self._ranks = RankAgreement() if agree_ranks else None

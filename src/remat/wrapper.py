@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.traced import traced_plan_for
 from remat.units import format_bytes
 
 __all__ = [
@@ -147,24 +148,26 @@ def _with_model_prefix(state_dict: dict[str, Any], prefix: str, *args: Any) -> N
 # NOTE [the automatic mode under torch.compile]
 # The automatic mode measures with hooks and an exact tracker, plans in numpy, and runs
 # its plan with saved-tensor hooks and replays of the model's glue: none of it is code a
-# Dynamo graph can hold. Called from code that torch.compile traces, it is a graph break:
-# Dynamo compiles the code around the call, and the model runs as remat runs it eagerly,
-# its plan and guarantees unchanged (exact gradients, the budget). That is said once, with
-# the way to compile the model's own computations: compile its blocks one by one
-# (``block.compile()``), which the plan then runs as its stages. (remat.recompute and
-# remat.mark inside compiled code are compiled: remat.manual._compiled.)
+# Dynamo graph can hold. Called from code that torch.compile traces, the first training
+# call of an input is a graph break: Dynamo compiles the code around the call, and the
+# model runs as remat runs it eagerly, its plan and guarantees unchanged (exact gradients,
+# the budget); that is said once. The call then plans the input for compiled calls, whose
+# stages the next traces recompute as torch's checkpoint operation (NOTE [a plan in the
+# compiled graph] in remat.traced). Blocks compiled one by one (``block.compile()``) are
+# run by the plan as its stages. (remat.recompute and remat.mark inside compiled code are
+# compiled: remat.manual._compiled.)
 COMPILED_CALL = (
-    "remat: the automatic mode runs eagerly under torch.compile (one graph break where the model "
-    "is called; Dynamo compiles the code around it): the plan holds as without compile. To compile "
-    "the model's computations, compile its blocks one by one (block.compile() for each) and enable "
-    "remat on the model itself"
+    "remat: the automatic mode runs eagerly under torch.compile at the first training call of an input (one "
+    "graph break where the model is called; Dynamo compiles the code around it): it measures and plans as "
+    "without compile, then plans that input for compiled calls (NOTE [a plan in the compiled graph])"
 )
 
 # the reason of the graph break, which fullgraph=True raises instead
 COMPILED_TRAINING = (
-    "remat's automatic mode runs its plan eagerly in training, which fullgraph=True cannot hold: "
-    "compile with fullgraph=False (one graph break here), or compile the model's blocks one by one "
-    "(block.compile() for each) and call the enabled model uncompiled"
+    "remat's automatic mode runs its plan eagerly at the first compiled training call of an input, which "
+    "fullgraph=True cannot hold: make that call with fullgraph=False (one graph break), and the next calls run "
+    "a plan in the graph, fullgraph=True included; or compile the model's blocks one by one (block.compile() "
+    "for each) and call the enabled model uncompiled"
 )
 
 # (torch 2.4 names no reason for a disabled function's graph break)
@@ -185,7 +188,10 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
         if traced and not getattr(self, "_compiled_call_told", False):
             self._compiled_call_told = True
             warnings.warn(COMPILED_CALL, UserWarning, stacklevel=3)
-        return forward(self, *args, **kwargs)
+        out = forward(self, *args, **kwargs)
+        if traced and self.model.training and torch.is_grad_enabled():
+            traced_plan_for(self, args, kwargs)  # NOTE [a plan in the compiled graph]
+        return out
 
     @functools.wraps(forward)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -194,6 +200,8 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
             # the model's own call, compiled; the class's, past the stand-in an enabled model
             # has on the instance (Dynamo, torch 2.11, cannot trace putting it aside)
             return nn.Module._call_impl(self.model, *args, **kwargs)
+        if traced and self._traced.runs(self.mem_limit, args, kwargs):  # the stages' stand-ins recompute
+            return nn.Module._call_impl(self.model, *args, **self._training_kwargs(kwargs))
         return eager(self, traced, args, kwargs)
 
     return run

@@ -4,7 +4,8 @@ While a chain runs under remat (measured, or executing a schedule), every call o
 module in the model's own, unmodified forward goes to an *owner*:
 ``owner.call(index, module, args, kwargs)``. The owner decides how the stage runs and
 calls :func:`call_original` to run the module itself. Nothing else in remat patches a
-module's ``forward``.
+module's ``forward`` but marking (:mod:`remat.manual.marking`) and the plan for compiled
+calls (:mod:`remat.traced`), whose stand-in is the stage itself when run eagerly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
+from remat.manual.marking import is_traced_stage
 
 __all__ = [
     "call_original",
@@ -78,7 +80,7 @@ def intercept_stages(chain: Chain, owner: Any) -> Iterator[None]:
     installed: list[nn.Module] = []
     try:
         for index, module in enumerate(chain.modules):
-            if "forward" in module.__dict__:
+            if "forward" in module.__dict__ and not is_traced_stage(module):  # (eagerly, those are the stage)
                 raise UnsupportedModel(
                     f"stage {chain.names[index]!r} has its forward replaced on the instance (is it "
                     "marked with remat.mark?); unmark it before using remat.Checkpointable"

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.errors import NotCallableBlock, RematError
 from remat.manual.offload import offload
 from remat.manual.recompute import recompute
 
-__all__ = ["apply", "is_marked", "mark", "unmark"]
+__all__ = ["apply", "is_marked", "is_traced_stage", "mark", "traced_stage", "unmark", "untraced_stage"]
 
 _RECOMPUTE_OPTIONS = {
     "use_reentrant",
@@ -106,13 +107,19 @@ def mark(
 
 def unmark(module: nn.Module) -> nn.Module:
     """Undoes :func:`mark`; does nothing to a module that is not marked."""
+    _take_off(module, _RecomputedForward)
+    return module
+
+
+def _take_off(module: nn.Module, kind: type) -> None:
+    """Puts back the forward a stand-in of `kind` stands over (nothing to do without one)."""
     current = module.__dict__.get("forward")
-    if isinstance(current, _RecomputedForward):
-        if current.original is not None:
-            module.__dict__["forward"] = current.original
+    if isinstance(current, kind):
+        original = getattr(current, "original", None)  # what the stand-in was put over
+        if original is not None:
+            module.__dict__["forward"] = original
         else:
             del module.__dict__["forward"]
-    return module
 
 
 def is_marked(module: nn.Module) -> bool:
@@ -149,3 +156,40 @@ def apply(model: nn.Module, where: Where, **options: Any) -> nn.Module:
     for module in selected:
         mark(module, **options)
     return model
+
+
+class _TracedStage:
+    """Stands in a stage's ``forward``: traced, the stage is recomputed; eagerly, it is itself."""
+
+    def __init__(self, module: nn.Module, original: Any = None) -> None:
+        self.module = module
+        self.original = original  # an instance-level forward the module had before, if any
+        self.bound = type(module).forward.__get__(module)  # (Dynamo cannot trace `__get__`)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.original if self.original is not None else self.bound
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            return recompute(forward, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_TracedStage, (self.module, self.original))
+
+    def __repr__(self) -> str:
+        return f"<forward of {type(self.module).__name__}, recomputed when compiled>"
+
+
+def traced_stage(module: nn.Module) -> _TracedStage:
+    """The stand-in forward of a stage that a plan for compiled calls recomputes (NOTE [a plan
+    in the compiled graph] in remat.traced), over the module's own (instance) forward if any."""
+    return _TracedStage(module, module.__dict__.get("forward"))
+
+
+def untraced_stage(module: nn.Module) -> None:
+    """Takes :func:`traced_stage`'s stand-in off `module` (nothing to do without one)."""
+    _take_off(module, _TracedStage)
+
+
+def is_traced_stage(module: nn.Module) -> bool:
+    """Whether `module` has the stand-in forward of a plan for compiled calls."""
+    return isinstance(module.__dict__.get("forward"), _TracedStage)

@@ -54,9 +54,11 @@ from remat.measure.timing import time_groups
 from remat.memory import MemoryTracker
 
 __all__ = [
+    "MEASURE_MODES",
     "MEASURING_PHASES",
     "isolated_inputs",
     "measure_chain",
+    "measure_mode",
     "measure_on_device",
     "preserved_model_state",
     "step_device",
@@ -68,6 +70,25 @@ logger = logging.getLogger("remat")
 #: How many phases a measurement has; each is logged at DEBUG level, with the record's
 #: ``remat_phase`` attribute set to ``(phase, MEASURING_PHASES, what)`` (a progress bar's feed).
 MEASURING_PHASES = 3
+
+
+MEASURE_MODES = ("sized", "plain", "frugal", "estimated")
+
+
+def measure_mode(measure: str, frugal_measure: bool) -> str:
+    """`measure` checked, with the deprecated ``frugal_measure=True`` read as the default."""
+    if measure not in MEASURE_MODES:
+        raise ValueError(f"measure is one of {', '.join(map(repr, MEASURE_MODES))}, got {measure!r}")
+    if frugal_measure:
+        if measure != "sized":
+            raise ValueError(f"frugal_measure=True and measure={measure!r} disagree; pass measure alone")
+        warnings.warn(
+            "remat: frugal_measure is deprecated: measuring stays within the budget by default "
+            "(measure='sized'); pass measure='frugal' for the measuring step with recomputed segments",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return measure
 
 
 def _phase(phase: int, what: str) -> None:
