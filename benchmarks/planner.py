@@ -293,10 +293,11 @@ def rematerialized(workload: Workload, budget: float | int | str, label: str, *,
         return strategy
     plan = wrapped.plan
     if graph:
-        if wrapped._traced.current is None:
+        if not wrapped._traced.plans:
             row.update(feasible=False, error="no plan in the graph at this budget (remat said why)")
             return strategy
-        plan = wrapped._traced.current.plan
+        (traced,) = wrapped._traced.plans.values()
+        plan = traced.plan
     assert plan is not None
     row.update(
         budget_bytes=plan.budget_bytes,

@@ -328,10 +328,10 @@ def test_a_compiled_automatic_model_runs_a_plan_in_the_graph_from_its_second_cal
     compiled = torch.compile(model, backend=counter)
     with pytest.warns(UserWarning, match="run a plan in the graph from the next call on"):
         _compiled_steps(compiled, model, reference, range(1), backend)
-    traced = remat.controller(model)._traced.current
-    assert traced is not None and traced.plan.predicted_peak_bytes <= traced.plan.budget_bytes
+    (traced,) = remat.controller(model)._traced.plans.values()
+    assert traced.plan.predicted_peak_bytes <= traced.plan.budget_bytes
     recomputed = [stage for stage, count in enumerate(traced.plan.forward_counts) if count > 1]
-    assert recomputed and [model[s] for s in recomputed] == list(traced.modules)
+    assert recomputed and traced.names == {str(stage) for stage in recomputed}
     assert all(not isinstance(item, Region) or item.stop - item.start == 1 for item in traced.plan.schedule.items)
     torch._dynamo.utils.counters.clear()
     frames = counter.frame_count
@@ -353,7 +353,7 @@ def test_a_plan_in_the_graph_holds_under_fullgraph_and_follows_the_input_and_the
     remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
     _compiled_steps(model, model, reference, range(1), "aot_eager")  # measured eagerly, uncompiled
     controller = remat.controller(model)
-    assert controller._traced.current is None  # only a compiled call plans for compiled calls
+    assert not controller._traced.plans  # only a compiled call plans for compiled calls
     with pytest.warns(UserWarning, match="run a plan in the graph"):
         _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(1, 2), "aot_eager")
     counter = CompileCounterWithBackend("aot_eager")
@@ -366,7 +366,21 @@ def test_a_plan_in_the_graph_holds_under_fullgraph_and_follows_the_input_and_the
         fullgraph(torch.randn(32, 16)).sum().backward()
     with pytest.warns(UserWarning, match="run a plan in the graph"):
         _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(4, 5), "aot_eager")
-    assert controller._traced.current is not None and controller._traced.current.mem_limit == 0.8
+    assert {traced.mem_limit for traced in controller._traced.plans.values()} == {0.5, 0.8}
+
+
+def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:
+    # a batch of another size plans for itself; going back and forth then compiles nothing more
+    model = _blocks()
+    remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    for size in (32, 32, 48, 48, 32, 48, 32, 48):
+        compiled(torch.randn(size, 16)).pow(2).mean().backward()
+        frames.append(counter.frame_count)
+    assert len(remat.controller(model)._traced.plans) == 2
+    assert frames[3:] == [frames[3]] * 5, frames
 
 
 def test_a_budget_too_small_for_a_plan_in_the_graph_keeps_the_eager_plan_and_says_why() -> None:
@@ -375,7 +389,7 @@ def test_a_budget_too_small_for_a_plan_in_the_graph_keeps_the_eager_plan_and_say
     torch._dynamo.utils.counters.clear()
     with pytest.warns(UserWarning, match=r"keep running the plan eagerly .*recomputing stages one by one needs"):
         _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(3), "aot_eager")
-    assert remat.controller(model)._traced.current is None
+    assert not remat.controller(model)._traced.plans
     assert all("forward" not in module.__dict__ for module in model.modules())
     assert torch._dynamo.utils.counters["graph_break"]  # the eager plan, at a break, every call
 

@@ -27,7 +27,7 @@ from torch import nn
 from remat.automatic import Checkpointable
 from remat.budget import Budget
 from remat.errors import RematError
-from remat.traced import remove_traced_plan
+from remat.traced import remove_traced_plans
 from remat.wrapper import CALL_SLOT as _SLOT
 
 __all__ = ["controller", "disable", "enable", "is_enabled"]
@@ -69,7 +69,7 @@ def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkp
 def disable(model: nn.Module) -> None:
     """Undoes :func:`enable`: the model's call is its own again (nothing to do if not enabled)."""
     if is_enabled(model):
-        remove_traced_plan(model.__dict__[_SLOT].controller)  # NOTE [a plan in the compiled graph]
+        remove_traced_plans(model.__dict__[_SLOT].controller)  # NOTE [a plan in the compiled graph]
         del model.__dict__[_SLOT]
 
 

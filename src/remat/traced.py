@@ -8,14 +8,16 @@ has measured the input, remat plans it again for compiled calls, with a region b
 every boundary of the chain: each stage is then stored, or recomputed alone from its
 input, the form torch's checkpoint operation has. That plan is the fastest of that form
 within the same budget, and its prediction is exact for eager execution like any other.
-Each stage it recomputes gets a stand-in ``forward`` that, traced, runs the stage
-through :func:`remat.recompute`, which hands it to the compiler as torch's checkpoint
-operation (remat.manual._compiled); run eagerly, the stand-in is the stage itself. From
-the next call on, with the same input shapes, budget and training mode, Dynamo traces
-the model's own forward through the stand-ins: no graph break (``fullgraph=True``
-works), the partitioner recomputes the planned stages, and the other stages and the
-model's code between them are compiled as they are. The first compiled call recompiles
-once because of it, and remat says so. The plan is made on eager figures, which the
+Each stage it recomputes gets a stand-in ``forward``. From the next call on, with the same
+input shapes, budget and training mode, Dynamo traces the model's own forward with that
+plan marked as the one being traced: each stand-in of a stage it recomputes runs the
+stage through :func:`remat.recompute`, which hands it to the compiler as torch's checkpoint
+operation (remat.manual._compiled), and any other stand-in, like every stand-in run
+eagerly, is the stage itself. No graph break (``fullgraph=True`` works), the partitioner
+recomputes the planned stages, and the other stages and the model's code between them
+are compiled as they are. The first compiled call recompiles once because of it, and
+remat says so. Plans for several input shapes (or budgets) live side by side, each
+compiled once: a batch of another size does not undo the first size's plan. The plan is made on eager figures, which the
 exact tracker cannot check inside compiled code: inductor may keep less (it fuses), and
 the planner benchmark measures compiled steps with the CPU allocator.
 
@@ -23,8 +25,8 @@ It is not used, and compiled calls keep running the eager plan at a graph break,
 once, when: the budget is below the least a plan of that form needs (its minimum is
 named), a stage the plan recomputes groups several calls, the controller stores stages
 under policies, offloads, runs a pinned plan or recomputes selectively without a budget.
-The stand-ins stay on the model until ``remat.disable`` (or a plan for another input or
-budget replaces them); they change nothing in eager calls.
+The stand-ins stay on the model until ``remat.disable``; they change nothing in eager
+calls, nor in compiled calls that run no plan of this controller.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from remat.manual.marking import traced_stage, untraced_stage
 from remat.plan.step import Plan
@@ -44,69 +47,71 @@ from remat.units import format_bytes
 if TYPE_CHECKING:
     from remat.automatic import Checkpointable
 
-__all__ = ["TracedCalls", "TracedPlan", "input_shapes", "remove_traced_plan", "traced_plan_for"]
+__all__ = ["TracedCalls", "TracedPlan", "input_shapes", "remove_traced_plans", "traced_plan_for"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TracedPlan:
-    """A plan for compiled calls: the input it was made for, and the stages it recomputes."""
+    """A plan for compiled calls: the input and budget it was made for, and the stages it recomputes."""
 
-    key: Hashable
     shapes: tuple[Any, ...]
     mem_limit: Any
     plan: Plan
-    modules: tuple[nn.Module, ...]
-
-    def install(self) -> None:
-        for module in self.modules:
-            module.__dict__["forward"] = traced_stage(module)
-
-    def remove(self) -> None:
-        for module in self.modules:
-            untraced_stage(module)
+    names: frozenset[str]
 
 
 @dataclasses.dataclass
 class TracedCalls:
-    """A controller's plan for compiled calls (None: none), and whether it said why it has none."""
+    """A controller's plans for compiled calls, by input shapes and budget; the one being
+    traced (whose stages the stand-ins recompute); the stand-ins; what was tried and said."""
 
-    current: TracedPlan | None = None
+    plans: dict[tuple[Any, Any], TracedPlan] = dataclasses.field(default_factory=dict)
+    tracing: TracedPlan | None = None
+    stand_ins: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
+    tried: set[Any] = dataclasses.field(default_factory=set)
     told: bool = False
-    tried: Any = None  # the input and budget of the last try
 
-    def runs(self, mem_limit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a compiled training call with these inputs runs the plan in the graph."""
-        current = self.current
-        return current is not None and current.mem_limit == mem_limit and current.shapes == input_shapes(args, kwargs)
+    def plan_of(self, mem_limit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedPlan | None:
+        """The plan a compiled training call with these inputs runs in the graph, if any."""
+        return self.plans.get((input_shapes(args, kwargs), mem_limit))
+
+    def run(self, plan: TracedPlan, call: Any) -> Any:
+        """`call()` traced with `plan`'s stages recomputed by their stand-ins."""
+        self.tracing = plan
+        out = call()
+        self.tracing = None
+        return out
 
 
 def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What a traced call compares with the plan's input: each tensor's shape and dtype."""
-    leaves = [*args, *kwargs.values()]
+    """What a traced call compares with the plans' inputs: each tensor's shape and dtype."""
+    leaves = tree_flatten((args, kwargs))[0]
     return tuple((tuple(leaf.shape), leaf.dtype) for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
-def remove_traced_plan(controller: Checkpointable) -> None:
-    """Takes the stand-ins of `controller`'s plan for compiled calls off the model."""
-    traced = controller._traced.current
-    if traced is not None:
-        traced.remove()
-        controller._traced.current = None
+def remove_traced_plans(controller: Checkpointable) -> None:
+    """Takes the stand-ins of `controller`'s plans for compiled calls off the model; forgets the plans."""
+    calls = controller._traced
+    for module in calls.stand_ins.values():
+        untraced_stage(module)
+    calls.stand_ins.clear()
+    calls.plans.clear()
+    calls.tried.clear()
 
 
 def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """After an eager training call under torch.compile: makes and installs the plan for the
-    next compiled calls of that input, or says once why there is none (see the NOTE)."""
-    key = controller._last_key
-    attempt = (key, input_shapes(args, kwargs), controller.mem_limit)
-    if controller._traced.tried == attempt:
+    """After an eager training call under torch.compile: makes the plan for the next compiled
+    calls of that input and budget and installs its stand-ins, or says once why there is
+    none (see the NOTE)."""
+    calls, key, shapes = controller._traced, controller._last_key, input_shapes(args, kwargs)
+    attempt = (key, shapes, controller.mem_limit)
+    if attempt in calls.tried:
         return  # planned for these calls already, or said why not
-    controller._traced.tried = attempt
-    remove_traced_plan(controller)
+    calls.tried.add(attempt)
     why = _not_traceable(controller)
     plan = None
     if why is None:
-        plan, why = _one_stage_plan(controller, controller._last_key)
+        plan, why = _one_stage_plan(controller, key)
     if plan is not None:
         chain = controller._chains[key]
         recomputed = [stage for stage, count in enumerate(plan.forward_counts) if count > 1]
@@ -114,21 +119,25 @@ def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: d
         if several:
             why = f"the stages that begin with {', '.join(several[:3])} group several calls"
         else:
-            modules = tuple(chain.modules[plan.groups[s][0]] for s in recomputed)
-            traced = TracedPlan(key, input_shapes(args, kwargs), controller.mem_limit, plan, modules)
-            traced.install()
-            controller._traced.current = traced
+            names = [chain.names[plan.groups[s][0]] for s in recomputed]
+            for name in names:
+                if name not in calls.stand_ins:
+                    module = chain.modules[chain.names.index(name)]
+                    module.__dict__["forward"] = traced_stage(module, calls, name)
+                    calls.stand_ins[name] = module
+            budget = controller.mem_limit
+            calls.plans[(shapes, budget)] = TracedPlan(shapes, budget, plan, frozenset(names))
             warnings.warn(
                 f"remat: compiled training calls of this input run a plan in the graph from the next call on "
-                f"(one recompile): {len(modules)} of {len(plan.forward_counts)} stages recomputed alone, "
+                f"(one recompile): {len(names)} of {len(plan.forward_counts)} stages recomputed alone, "
                 f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, overhead "
                 f"+{100 * plan.overhead_fraction:.0f}%",
                 UserWarning,
                 stacklevel=4,
             )
             return
-    if not controller._traced.told:
-        controller._traced.told = True
+    if not calls.told:
+        calls.told = True
         warnings.warn(
             f"remat: compiled training calls keep running the plan eagerly (a graph break): {why}",
             UserWarning,

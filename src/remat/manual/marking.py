@@ -159,30 +159,36 @@ def apply(model: nn.Module, where: Where, **options: Any) -> nn.Module:
 
 
 class _TracedStage:
-    """Stands in a stage's ``forward``: traced, the stage is recomputed; eagerly, it is itself."""
+    """Stands in a stage's ``forward``: traced while the plan being traced (``calls.tracing``)
+    recomputes the stage (its ``name`` is among the plan's ``names``), the stage runs through
+    :func:`recompute`; otherwise, and always eagerly, it is itself."""
 
-    def __init__(self, module: nn.Module, original: Any = None) -> None:
+    def __init__(self, module: nn.Module, original: Any, calls: Any, name: str) -> None:
         self.module = module
         self.original = original  # an instance-level forward the module had before, if any
+        self.calls, self.name = calls, name
         self.bound = type(module).forward.__get__(module)  # (Dynamo cannot trace `__get__`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original if self.original is not None else self.bound
         if torch.compiler.is_compiling() and torch.is_grad_enabled():
-            return recompute(forward, *args, **kwargs)
+            tracing = self.calls.tracing
+            if tracing is not None and self.name in tracing.names:
+                return recompute(forward, *args, **kwargs)
         return forward(*args, **kwargs)
 
     def __reduce__(self) -> Any:
-        return (_TracedStage, (self.module, self.original))
+        return (_TracedStage, (self.module, self.original, self.calls, self.name))
 
     def __repr__(self) -> str:
-        return f"<forward of {type(self.module).__name__}, recomputed when compiled>"
+        return f"<forward of {type(self.module).__name__}, recomputed where a compiled plan says>"
 
 
-def traced_stage(module: nn.Module) -> _TracedStage:
-    """The stand-in forward of a stage that a plan for compiled calls recomputes (NOTE [a plan
-    in the compiled graph] in remat.traced), over the module's own (instance) forward if any."""
-    return _TracedStage(module, module.__dict__.get("forward"))
+def traced_stage(module: nn.Module, calls: Any, name: str) -> _TracedStage:
+    """The stand-in forward of stage `name`, which plans for compiled calls may recompute
+    (NOTE [a plan in the compiled graph] in remat.traced; `calls` holds the plan being traced),
+    over the module's own (instance) forward if any."""
+    return _TracedStage(module, module.__dict__.get("forward"), calls, name)
 
 
 def untraced_stage(module: nn.Module) -> None:
