@@ -383,6 +383,17 @@ def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:
     assert frames[3:] == [frames[3]] * 5, frames
 
 
+def test_ranks_that_agree_on_one_plan_keep_it_eager_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a plan for compiled calls would be one rank's own (NOTE [one plan for all ranks]); the
+    # agreement itself is not run here: only whether a group is active is asked
+    monkeypatch.setattr(remat.traced, "agreement_group_active", lambda: True)
+    model, reference = _blocks(), _blocks()
+    control = remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    with pytest.warns(UserWarning, match="under torch.distributed, every training call runs the plan all ranks"):
+        _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(2), "aot_eager")
+    assert not control._traced.plans
+
+
 def test_a_budget_too_small_for_a_plan_in_the_graph_keeps_the_eager_plan_and_says_why() -> None:
     model, reference = _blocks(), _blocks()
     remat.enable(model, "min", loss_fn=lambda out: out.pow(2).mean())

@@ -24,7 +24,9 @@ the planner benchmark measures compiled steps with the CPU allocator.
 It is not used, and compiled calls keep running the eager plan at a graph break, said
 once, when: the budget is below the least a plan of that form needs (its minimum is
 named), a stage the plan recomputes groups several calls, the controller stores stages
-under policies, offloads, runs a pinned plan or recomputes selectively without a budget.
+under policies, offloads, runs a pinned plan or recomputes selectively without a budget,
+or ranks agree on one plan (NOTE [one plan for all ranks]: a plan made here would be this
+rank's alone, and a rank with a new input would plan alone, out of step with the others).
 The stand-ins stay on the model until ``remat.disable``; they change nothing in eager
 calls, nor in compiled calls that run no plan of this controller.
 """
@@ -42,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.manual.marking import traced_stage, untraced_stage
 from remat.plan.step import Plan
+from remat.ranks import agreement_group_active
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -154,6 +157,8 @@ def _not_traceable(controller: Checkpointable) -> str | None:
         return "the plan may store stages under policies"
     if controller._forced_plan is not None:
         return "a pinned plan runs as it is"
+    if controller._ranks is not None and agreement_group_active():  # (planning here would be one rank's)
+        return "under torch.distributed, every training call runs the plan all ranks agreed on"
     return None
 
 
