@@ -380,7 +380,8 @@ def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:
         compiled(torch.randn(size, 16)).pow(2).mean().backward()
         frames.append(counter.frame_count)
     assert len(remat.controller(model)._traced.plans) == 2
-    assert frames[3:] == [frames[3]] * 5, frames
+    # the first size traces once more when it comes back (the plans changed), then nothing does
+    assert frames[4:] == [frames[4]] * 4, frames
 
 
 def test_ranks_that_agree_on_one_plan_keep_it_eager_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:

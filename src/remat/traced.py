@@ -16,8 +16,10 @@ operation (remat.manual._compiled), and any other stand-in, like every stand-in 
 eagerly, is the stage itself. No graph break (``fullgraph=True`` works), the partitioner
 recomputes the planned stages, and the other stages and the model's code between them
 are compiled as they are. The first compiled call recompiles once because of it, and
-remat says so. Plans for several input shapes (or budgets) live side by side, each
-compiled once: a batch of another size does not undo the first size's plan. The plan is made on eager figures, which the
+remat says so. Plans for several input shapes (or budgets) live side by side: a batch of
+another size does not undo the first size's plan. Traced calls guard on a version of the
+plans (TracedCalls.version), so each new plan makes the next call of every shape trace
+once more. The plan is made on eager figures, which the
 exact tracker cannot check inside compiled code: inductor may keep less (it fuses), and
 the planner benchmark measures compiled steps with the CPU allocator.
 
@@ -69,13 +71,20 @@ class TracedCalls:
     traced (whose stages the stand-ins recompute); the stand-ins; what was tried and said."""
 
     plans: dict[tuple[Any, Any], TracedPlan] = dataclasses.field(default_factory=dict)
+    version: int = 0  # one more at each change of `plans`: what the traced calls guard on
     tracing: TracedPlan | None = None
     stand_ins: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
     tried: set[Any] = dataclasses.field(default_factory=set)
     told: bool = False
 
     def plan_of(self, mem_limit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedPlan | None:
-        """The plan a compiled training call with these inputs runs in the graph, if any."""
+        """The plan a compiled training call with these inputs runs in the graph, if any.
+
+        Traced, the answer holds until ``version`` changes: Dynamo guards on that integer
+        (a lookup in ``plans`` alone was not always guarded), so a new plan, or the plans
+        taken off, make the next call trace again."""
+        if self.version == 0:
+            return None
         return self.plans.get((input_shapes(args, kwargs), mem_limit))
 
     def run(self, plan: TracedPlan, call: Any) -> Any:
@@ -100,6 +109,7 @@ def remove_traced_plans(controller: Checkpointable) -> None:
     calls.stand_ins.clear()
     calls.plans.clear()
     calls.tried.clear()
+    calls.version += 1
 
 
 def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -130,6 +140,7 @@ def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: d
                     calls.stand_ins[name] = module
             budget = controller.mem_limit
             calls.plans[(shapes, budget)] = TracedPlan(shapes, budget, plan, frozenset(names))
+            calls.version += 1
             warnings.warn(
                 f"remat: compiled training calls of this input run a plan in the graph from the next call on "
                 f"(one recompile): {len(names)} of {len(plan.forward_counts)} stages recomputed alone, "
