@@ -369,6 +369,39 @@ def test_a_plan_in_the_graph_holds_under_fullgraph_and_follows_the_input_and_the
     assert {traced.mem_limit for traced in controller._traced.plans.values()} == {0.5, 0.8}
 
 
+class ConvBlock(nn.Module):
+    """A residual convolution with BatchNorm and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.drop = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.relu(self.norm(self.conv(x))))
+
+
+def test_a_plan_in_the_graph_updates_batchnorm_statistics_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(ConvBlock() for _ in range(6)))
+    reference = copy.deepcopy(model)
+    remat.enable(model, 0.6, loss_fn=lambda out: out.pow(2).mean())
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 4, 8, 8)
+    for step in range(3):
+        for module in (model, reference):
+            module.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        reference(x).pow(2).mean().backward()
+        torch.manual_seed(step)
+        compiled(x).pow(2).mean().backward()
+        for expected, actual in zip(reference.parameters(), model.parameters(), strict=True):
+            assert torch.equal(expected.grad, actual.grad), f"step {step}"
+        for expected, actual in zip(reference.buffers(), model.buffers(), strict=True):
+            assert torch.equal(expected, actual), f"step {step}: running statistics"
+    (traced,) = remat.controller(model)._traced.plans.values()
+    assert traced.names  # BatchNorm blocks recomputed in the graph
+
+
 def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:
     # a batch of another size plans for itself; going back and forth then compiles nothing more
     model = _blocks()
