@@ -177,7 +177,7 @@ def run_benchmark(
     model_name: str | None = None,
     nested: bool = False,
     policies: Sequence[Any] = (),
-    distributed: bool | None = None,
+    distributed: bool = False,
 ) -> BenchmarkResult:
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
@@ -209,8 +209,8 @@ def run_benchmark(
         policies: policies remat may store stages under (``policy=`` with the budget).
         distributed: train every strategy through DistributedDataParallel, each remat budget
             planned on all ranks at once (NOTE [the benchmark on several ranks] in
-            :mod:`remat.bench.data_parallel`); every rank must call this. Default: while a
-            process group of more than one rank is initialised (``torchrun``).
+            :mod:`remat.bench.data_parallel`): every rank of the initialised process group
+            must call this (``remat bench`` under ``torchrun`` does).
 
     Returns:
         The rows, the timelines of "no recompute" and of the chosen remat strategy, and
@@ -232,7 +232,9 @@ def run_benchmark(
         torch.set_num_threads(threads)
     try:
         benchmark = _Benchmark(model, make_batch, loss_fn, steps=steps, warmup=warmup, progress=progress, device=device)
-        if running_on_ranks() if distributed is None else distributed:
+        if distributed:
+            if not running_on_ranks():
+                raise ValueError("distributed=True needs an initialised process group of more than one rank")
             benchmark.ranks = DataParallelSteps(model, benchmark.device)
         benchmark.nested = nested
         benchmark.policies = list(policies)

@@ -21,13 +21,17 @@ __all__ = ["torchrun_group"]
 
 
 @contextlib.contextmanager
-def torchrun_group(device: str) -> Iterator[int]:
-    """Within this block, the process is in the launch's group; yields its rank (0 alone)."""
+def torchrun_group(device: str) -> Iterator[int | None]:
+    """Within this block, the process is in the launch's group; yields its rank (None: not
+    launched on several ranks)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     import torch.distributed as dist
 
-    if world_size <= 1 or dist.is_initialized():
-        yield dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized():
+        yield dist.get_rank() if dist.get_world_size() > 1 else None
+        return
+    if world_size <= 1:
+        yield None
         return
     cuda = device.startswith("cuda")
     if cuda:

@@ -373,6 +373,7 @@ def _run_bench(
     nested: bool = False,
     policies: Sequence[Any] = (),
     shown: bool = True,
+    distributed: bool = False,
 ) -> BenchmarkResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -407,6 +408,7 @@ def _run_bench(
                 model_name=workload.name,
                 nested=nested,
                 policies=policies,
+                distributed=distributed,
             )
 
 
@@ -479,9 +481,10 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
             solver=args.solver,
             nested=args.nested,
             policies=[policy_from_text(text) for text in args.policy or []],
-            shown=rank == 0,
+            shown=not rank,
+            distributed=rank is not None,
         )
-        if rank == 0:
+        if not rank:
             print_bench(result, output)
             _save_outputs(result, output, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot)
     return EXIT_OK
