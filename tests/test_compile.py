@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -400,6 +401,24 @@ def test_a_plan_in_the_graph_updates_batchnorm_statistics_once() -> None:
             assert torch.equal(expected, actual), f"step {step}: running statistics"
     (traced,) = remat.controller(model)._traced.plans.values()
     assert traced.names  # BatchNorm blocks recomputed in the graph
+
+
+def test_a_copy_of_a_model_with_a_plan_in_the_graph_plans_anew_and_trains_exactly() -> None:
+    # the stand-ins travel with a copy (torch.save, deepcopy) without the plans: the copy's
+    # controller plans for its own compiled calls, over them, not on top of them
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, 0.5)
+    _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(2), "aot_eager")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert not remat.controller(copied)._traced.plans
+        twin = copy.deepcopy(reference)
+        with pytest.warns(UserWarning, match="run a plan in the graph"):
+            _compiled_steps(torch.compile(copied, backend="aot_eager"), copied, twin, range(2, 5), "aot_eager")
+        stand_ins = [module.__dict__["forward"] for module in copied if "forward" in module.__dict__]
+        assert stand_ins and all(stand_in.original is None for stand_in in stand_ins)  # none stacked
 
 
 def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:

@@ -178,16 +178,27 @@ class _TracedStage:
         return forward(*args, **kwargs)
 
     def __reduce__(self) -> Any:
-        return (_TracedStage, (self.module, self.original, self.calls, self.name))
+        # a copy (deepcopy, torch.save) has no plan: the plans are its controller's, made anew
+        return (_TracedStage, (self.module, self.original, _NO_PLAN, self.name))
 
     def __repr__(self) -> str:
         return f"<forward of {type(self.module).__name__}, recomputed where a compiled plan says>"
 
 
+class _NoPlan:
+    """What the stand-ins of a copied model read: no plan is being traced."""
+
+    tracing = None
+
+
+_NO_PLAN = _NoPlan()
+
+
 def traced_stage(module: nn.Module, calls: Any, name: str) -> _TracedStage:
     """The stand-in forward of stage `name`, which plans for compiled calls may recompute
     (NOTE [a plan in the compiled graph] in remat.traced; `calls` holds the plan being traced),
-    over the module's own (instance) forward if any."""
+    over the module's own (instance) forward if any, in place of a stand-in a copy carries."""
+    untraced_stage(module)
     return _TracedStage(module, module.__dict__.get("forward"), calls, name)
 
 
