@@ -303,9 +303,12 @@ def test_a_compiled_automatic_model_refuses_fullgraph_in_training_naming_the_way
     assert remat.controller(model).plan is not None
 
 
-def _compiled_steps(run: Any, model: nn.Module, reference: nn.Module, steps: range, backend: str) -> None:
-    """Training steps of `run` (which trains `model`) against `reference`, gradient for gradient."""
-    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+def _compiled_steps(
+    run: Any, model: nn.Module, reference: nn.Module, steps: range, backend: str, x: torch.Tensor | None = None
+) -> None:
+    """Training steps of `run` (which trains `model`) against `reference`, gradient for
+    gradient and buffer for buffer (running statistics)."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) if x is None else x
     for step in steps:
         for module in (model, reference):
             module.zero_grad(set_to_none=True)
@@ -315,6 +318,8 @@ def _compiled_steps(run: Any, model: nn.Module, reference: nn.Module, steps: ran
         run(x).pow(2).mean().backward()
         for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
             _assert_same(backend, expected.grad, actual.grad, f"step {step}: gradient of {name}")
+        for (name, expected), actual in zip(reference.named_buffers(), model.buffers(), strict=True):
+            _assert_same(backend, expected, actual, f"step {step}: buffer {name}")
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -387,18 +392,7 @@ def test_a_plan_in_the_graph_updates_batchnorm_statistics_once() -> None:
     reference = copy.deepcopy(model)
     remat.enable(model, 0.6, loss_fn=lambda out: out.pow(2).mean())
     compiled = torch.compile(model, backend="aot_eager")
-    x = torch.randn(2, 4, 8, 8)
-    for step in range(3):
-        for module in (model, reference):
-            module.zero_grad(set_to_none=True)
-        torch.manual_seed(step)
-        reference(x).pow(2).mean().backward()
-        torch.manual_seed(step)
-        compiled(x).pow(2).mean().backward()
-        for expected, actual in zip(reference.parameters(), model.parameters(), strict=True):
-            assert torch.equal(expected.grad, actual.grad), f"step {step}"
-        for expected, actual in zip(reference.buffers(), model.buffers(), strict=True):
-            assert torch.equal(expected, actual), f"step {step}: running statistics"
+    _compiled_steps(compiled, model, reference, range(3), "aot_eager", torch.randn(2, 4, 8, 8))
     (traced,) = remat.controller(model)._traced.plans.values()
     assert traced.names  # BatchNorm blocks recomputed in the graph
 

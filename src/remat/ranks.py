@@ -37,7 +37,7 @@ import torch
 
 from remat.errors import RematError
 
-__all__ = ["RankAgreement", "agreement_group_active"]
+__all__ = ["RankAgreement", "agreement_group_active", "largest_on_any_rank", "same_on_every_rank"]
 
 # A field of a planning figure whose name holds one of these is combined across ranks
 # (the largest value); every other value is the chain's structure, which must agree.
@@ -75,7 +75,8 @@ def _all_reduce_max(values: list[int]) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def _all_reduce_max_float(values: list[float]) -> list[float]:
+def largest_on_any_rank(values: list[float]) -> list[float]:
+    """The largest of each value on any rank of the process group (a collective call)."""
     import torch.distributed as dist
 
     if not values:
@@ -136,10 +137,17 @@ def _walk(value: Any, name: str) -> list[tuple[str, Any]]:
     return leaves
 
 
-def _structure_hash(leaves: list[tuple[str, Any]]) -> int:
-    """A hash of what must agree across ranks (the same in every process, unlike ``hash(str)``)."""
-    text = "\x00".join(repr((kind, type(value).__name__)) if kind != "same" else repr(value) for kind, value in leaves)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+def _structure_text(leaves: list[tuple[str, Any]]) -> str:
+    """What must agree across ranks."""
+    return "\x00".join(repr((kind, type(value).__name__)) if kind != "same" else repr(value) for kind, value in leaves)
+
+
+def same_on_every_rank(text: str) -> bool:
+    """Whether every rank of the process group holds the same `text` (a collective call),
+    compared by a hash that is the same in every process (unlike ``hash(str)``)."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    highest, negated_lowest = _all_reduce_max([digest, -digest])
+    return highest == -negated_lowest
 
 
 # ------------------------------------------------------------ the agreement
@@ -194,9 +202,7 @@ class RankAgreement:
     def combined(planning: Any) -> Any:
         """The figures of `planning` combined across ranks: the largest bytes and times of any rank."""
         leaves = _walk(planning.profile, "profile") + _walk(planning.outside, "outside")
-        structure = _structure_hash(leaves)
-        highest, negated_lowest = _all_reduce_max([structure, -structure])
-        if highest != -negated_lowest:
+        if not same_on_every_rank(_structure_text(leaves)):
             raise RematError(
                 "the ranks measured chains of different structure (other stages, groups or "
                 "breaks), so no plan can serve them all; give every rank the same model, or pass "
@@ -206,7 +212,7 @@ class RankAgreement:
         integers = iter(_all_reduce_max([v for kind, v in leaves if kind == "int"]))
         negated = [-v for kind, v in leaves if kind == "min"]  # (the same count on every rank)
         minima = iter(_all_reduce_max(negated) if negated else [])
-        floats = iter(_all_reduce_max_float([v for kind, v in leaves if kind == "float"]))
+        floats = iter(largest_on_any_rank([v for kind, v in leaves if kind == "float"]))
 
         def take(kind: str, _value: Any) -> Any:
             if kind == "min":

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from remat.errors import BudgetTooSmall
 from remat.manual.marking import traced_stage, untraced_stage
 from remat.plan.step import Plan
 from remat.ranks import agreement_group_active
@@ -175,8 +176,6 @@ def _not_traceable(controller: Checkpointable) -> str | None:
 
 def _one_stage_plan(controller: Checkpointable, key: Hashable) -> tuple[Plan | None, str | None]:
     """The fastest plan whose regions are single stages, within the controller's budget."""
-    from remat.errors import BudgetTooSmall
-
     measurement = controller._measurements[key]
     planning = controller._prepared(key)
     n = planning.profile.n_stages

@@ -17,7 +17,6 @@ Timelines are rank 0's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +27,9 @@ from torch import nn
 
 from remat.plan import plan_to_data
 from remat.plan.step import Plan
+from remat.ranks import largest_on_any_rank, same_on_every_rank
 
-__all__ = ["DataParallelSteps", "running_on_ranks"]
-
-
-def running_on_ranks() -> bool:
-    """Whether a process group of more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+__all__ = ["DataParallelSteps"]
 
 
 class _Current(nn.Module):
@@ -76,21 +71,14 @@ class DataParallelSteps:
 
         return run
 
-    def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    def largest(self, values: list[float]) -> list[float]:
-        """The largest of each value on any rank."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self._device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+    @staticmethod
+    def largest(value: float) -> float:
+        """The largest of `value` on any rank."""
+        return largest_on_any_rank([value])[0]
 
     def check_same_plan(self, plan: Plan) -> bool:
         """Whether every rank holds `plan`'s schedule (noted in ``same_plans``)."""
-        text = json.dumps(plan_to_data(plan.schedule.items), sort_keys=True)
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
-        highest, negated_lowest = self.largest([float(digest), float(-digest)])
-        same = highest == -negated_lowest
+        same = same_on_every_rank(json.dumps(plan_to_data(plan.schedule.items), sort_keys=True))
         self.same_plans = self.same_plans and same
         return same
 

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.automatic import Checkpointable
-from remat.bench.data_parallel import DataParallelSteps, running_on_ranks
+from remat.bench.data_parallel import DataParallelSteps
 from remat.bench.result import (
     BASELINE,
     CHECKPOINT_SEQUENTIAL,
@@ -71,6 +71,7 @@ from remat.discover.chain import sequential_chain
 from remat.errors import BudgetTooSmall, RematError
 from remat.memory import MemoryTracker
 from remat.plan.step import Plan
+from remat.ranks import agreement_group_active
 from remat.units import format_bytes
 
 __all__ = ["call_with", "input_tensors", "run_benchmark"]
@@ -233,7 +234,7 @@ def run_benchmark(
     try:
         benchmark = _Benchmark(model, make_batch, loss_fn, steps=steps, warmup=warmup, progress=progress, device=device)
         if distributed:
-            if not running_on_ranks():
+            if not agreement_group_active():
                 raise ValueError("distributed=True needs an initialised process group of more than one rank")
             benchmark.ranks = DataParallelSteps(model, benchmark.device)
         benchmark.nested = nested
@@ -302,7 +303,7 @@ class _Benchmark:
             for _ in range(self.warmup):
                 self.runner.step(forward)
             peak, timeline = self.runner.tracked_step(forward)
-        strategy.row.measured_peak_bytes = peak if self.ranks is None else int(self.ranks.largest([peak])[0])
+        strategy.row.measured_peak_bytes = peak if self.ranks is None else int(self.ranks.largest(peak))
         self.timelines[strategy.row.strategy] = StepTimeline(strategy.row.strategy, timeline, budget_bytes)
         self.strategies.append(strategy)
 
@@ -412,7 +413,7 @@ class _Benchmark:
             for strategy in self.strategies:
                 with strategy.context():
                     seconds = self.runner.timed_step(self.forward_of(strategy))
-                strategy.row.step_times_s.append(seconds if self.ranks is None else self.ranks.largest([seconds])[0])
+                strategy.row.step_times_s.append(seconds if self.ranks is None else self.ranks.largest(seconds))
         if self.progress is not None:
             self.progress(self.total, self.total, "done")
         baseline_median = statistics.median(baseline.row.step_times_s)
