@@ -193,14 +193,14 @@ def tensor_parallel_comm() -> list[dict[str, Any]]:
 
 
 def sharded_automatic() -> list[dict[str, Any]]:
-    """The automatic mode on sharded models (NOTE [sharded models in the automatic mode]):
-    FSDP2 inside and outside ``enable``, and tensor parallelism. Each training call is
-    refused on every rank before anything runs; the parameters are left as they were and the
-    model trains once disabled."""
+    """The automatic mode on models it refuses (NOTE [sharded models in the automatic mode]):
+    FSDP2 inside and outside ``enable``, and tensor parallelism planned by each rank alone.
+    Each training call is refused on every rank before anything runs; the parameters are
+    left as they were and the model trains once disabled."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x, y = batch(8, 0)
     records: list[dict[str, Any]] = []
-    for setup in ("fsdp2-inside", "fsdp2-outside", "tensor-parallel"):
+    for setup in ("fsdp2-inside", "fsdp2-outside", "tensor-parallel-alone"):
         model = make_net(depth=4)
         if setup == "fsdp2-outside":
             remat.enable(model, 0.5)
@@ -212,7 +212,7 @@ def sharded_automatic() -> list[dict[str, Any]]:
             for block in model:
                 parallelize_module(block.block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         if setup != "fsdp2-outside":
-            remat.enable(model, 0.5)
+            remat.enable(model, 0.5, agree_ranks=setup != "tensor-parallel-alone")
         before = {n: _full(p).clone() for n, p in model.named_parameters()}
         record: dict[str, Any] = {"setup": setup, "error": None}
         try:
@@ -226,6 +226,91 @@ def sharded_automatic() -> list[dict[str, Any]]:
         record["trains_disabled"] = all(p.grad is not None for p in model.parameters())
         records.append(record)
     return records
+
+
+def _tensor_parallel_net(mesh: Any, depth: int = 4) -> nn.Sequential:
+    """Blocks of a column- then a row-parallel layer; the row-parallel output feeds a tanh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH), nn.Tanh())
+            for _ in range(depth)
+        ]
+    )
+    for block in model:
+        parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def _tensor_parallel_batch(step: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)  # the same on every rank, as TP needs
+    return torch.randn(size, WIDTH, generator=generator), torch.randn(size, WIDTH, generator=generator)
+
+
+def tensor_parallel_automatic() -> list[dict[str, Any]]:
+    """The automatic mode on a tensor-parallel model, at each budget and ``comm`` option:
+    three SGD steps against the same model without remat (gradients of every step), the
+    exact peak of the third step against the budget, the plan, and the backward's
+    collectives."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    records: list[dict[str, Any]] = []
+    for comm, budget in (("recompute", 0.5), ("recompute", "min"), ("auto", 0.5), ("auto", "min"), (None, None)):
+        model = _tensor_parallel_net(mesh)
+        control = remat.enable(model, budget, comm=comm) if comm is not None else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        record: dict[str, Any] = {"comm": comm, "budget": budget, "error": None, "grads": []}
+        try:
+            for step in range(3):
+                x, y = _tensor_parallel_batch(step)
+                optimizer.zero_grad(set_to_none=True)
+                loss = (model(x) - y).pow(2).mean()
+                if step == 1:
+                    with _Collectives() as collectives:
+                        loss.backward()
+                    record["collectives"] = collectives.counts
+                elif step == 2 and control is not None:
+                    with control.check_step() as check:
+                        (model(x) - y).pow(2).mean().backward()  # (the loss above is dropped unused)
+                    record["check"] = (check.measured_peak_bytes, check.predicted_peak_bytes, check.within_budget)
+                    record["budget_bytes"] = control.plan.budget_bytes
+                else:
+                    loss.backward()
+                record["grads"].append({n: _full(p.grad).clone() for n, p in model.named_parameters()})
+                optimizer.step()
+            if control is not None:
+                plan = control.plan
+                record["items"] = plan_to_data(plan.schedule.items)
+                record["forward_counts"] = list(plan.forward_counts)
+                record["options"] = sorted({op.option for op in plan.schedule.operations if op.option})
+                record["offered"] = sorted(control._policies)
+        except Exception as error:  # noqa: BLE001 - reported to the test, which decides
+            record["error"] = f"{type(error).__name__}: {error}"
+        records.append(record)
+    return records
+
+
+def tensor_parallel_new_shape() -> list[dict[str, Any]]:
+    """A tensor-parallel model whose rank 1 alone sees a new batch size at the second step:
+    every rank raises the same error (no hang), and the third step, with one shape again,
+    trains with the plan every rank holds."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, reference = _tensor_parallel_net(mesh), _tensor_parallel_net(mesh)
+    remat.enable(model, 0.5)
+    steps: list[dict[str, Any]] = []
+    for step, size in enumerate([64, 48 if dist.get_rank() == 1 else 64, 64]):
+        x, y = _tensor_parallel_batch(step, size)
+        record: dict[str, Any] = {"error": None}
+        try:
+            model.zero_grad(set_to_none=True)
+            (model(x) - y).pow(2).mean().backward()
+            record["grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+            reference.zero_grad(set_to_none=True)
+            (reference(x) - y).pow(2).mean().backward()
+            record["expected"] = {n: _full(p.grad).clone() for n, p in reference.named_parameters()}
+        except Exception as error:  # noqa: BLE001 - reported to the test, which decides
+            record["error"] = f"{type(error).__name__}: {error}"
+        steps.append(record)
+    return steps
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -242,6 +327,8 @@ SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "fsdp2-marked": fsdp2_marked,
     "tensor-parallel-comm": tensor_parallel_comm,
     "sharded-automatic": sharded_automatic,
+    "tensor-parallel-automatic": tensor_parallel_automatic,
+    "tensor-parallel-new-shape": tensor_parallel_new_shape,
 }
 
 

@@ -316,3 +316,18 @@ def test_gradients_of_leaves_made_and_freed_during_the_run_are_all_excluded() ->
         ids.append(id(leaf))
         del leaf
     assert len(set(ids)) < len(ids), "ids are reused (what the test relies on)"
+
+
+def test_a_wrapper_tensor_counts_its_inner_tensors_once() -> None:
+    # NOTE [wrapper tensors]: a wrapper subclass (DTensor, TwoTensor) reports a storage of
+    # its own that holds nothing; the tracker counts the inner tensors' storages instead
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    pair = TwoTensor(a, b)
+    with remat.track_memory() as tracker:
+        doubled = pair * 2  # two inner products of 8 KiB each, one wrapper
+        inner = doubled.a.view(-1)  # a view of one inner tensor: no new memory
+        del inner
+    assert tracker.peak_bytes == 2 * 64 * 32 * 4, tracker.peak_bytes
+    del doubled

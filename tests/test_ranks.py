@@ -165,7 +165,7 @@ def test_comm_options_under_tensor_parallelism(results: list[dict[str, Any]]) ->
 def test_the_automatic_mode_refuses_sharded_models_on_every_rank_and_leaves_them_intact(
     results: list[dict[str, Any]],
 ) -> None:
-    wanted = {"fsdp2-inside": "FSDP2", "fsdp2-outside": "FSDP2", "tensor-parallel": "DTensor parameters"}
+    wanted = {"fsdp2-inside": "FSDP2", "fsdp2-outside": "FSDP2", "tensor-parallel-alone": "agree_ranks=False"}
     for rank_results in results:
         records = rank_results["sharded-automatic"]
         assert [record["setup"] for record in records] == list(wanted)
@@ -173,6 +173,50 @@ def test_the_automatic_mode_refuses_sharded_models_on_every_rank_and_leaves_them
             assert record["error"] is not None, record["setup"]
             assert wanted[record["setup"]] in record["error"] and "remat.mark(block" in record["error"]
             assert record["unchanged"] and record["no_gradients"] and record["trains_disabled"], record
+
+
+def test_the_automatic_mode_plans_tensor_parallel_models_exactly_within_the_budget(
+    results: list[dict[str, Any]],
+) -> None:
+    # NOTE [measuring together], NOTE [wrapper tensors]: every rank measures, the tracker
+    # counts each DTensor's local shard, and one plan runs everywhere
+    all_reduce = "_c10d_functional.all_reduce.default"
+    by_rank = [
+        {(r["comm"], r["budget"]): r for r in rank_results["tensor-parallel-automatic"]} for rank_results in results
+    ]
+    for records in by_rank:
+        plain = records[(None, None)]
+        assert plain["error"] is None, plain["error"]
+        for (comm, budget), record in records.items():
+            if comm is None:
+                continue
+            assert record["error"] is None, (comm, budget, record["error"])
+            for step, (grads, expected) in enumerate(zip(record["grads"], plain["grads"], strict=True)):
+                for name, grad in grads.items():
+                    assert torch.equal(grad, expected[name]), (comm, budget, step, name)
+            measured, predicted, within = record["check"]
+            assert within and measured <= record["budget_bytes"], (comm, budget, record["check"])
+            assert measured <= predicted <= 1.25 * measured, (comm, budget, record["check"])
+            assert ("save_collectives" in record["offered"]) == (comm == "auto")
+            # each stage recomputed whole runs its block's all-reduce again at most once per
+            # extra forward, and the smallest budget recomputes some: more than plain's
+            extra = record["collectives"].get(all_reduce, 0) - plain["collectives"].get(all_reduce, 0)
+            assert 0 <= extra <= sum(count - 1 for count in record["forward_counts"]), (comm, budget, extra)
+            if budget == "min" and not record["options"]:
+                assert extra > 0, (comm, budget, record["collectives"])
+    for key in by_rank[0]:
+        if key[0] is not None:
+            assert by_rank[0][key]["items"] == by_rank[1][key]["items"], key  # one plan on every rank
+
+
+def test_a_new_shape_on_one_tensor_parallel_rank_stops_every_rank_alike(results: list[dict[str, Any]]) -> None:
+    for rank_results in results:
+        first, second, third = rank_results["tensor-parallel-new-shape"]
+        assert first["error"] is None and third["error"] is None, (first["error"], third["error"])
+        assert second["error"] is not None and "different signatures" in second["error"], second["error"]
+        for step in (first, third):
+            for name, grad in step["grads"].items():
+                assert torch.equal(grad, step["expected"][name]), name
 
 
 def _torchrun(tmp_path: Path, arguments: list[str], timeout_s: float = 180) -> tuple[int | None, str, str]:

@@ -274,3 +274,40 @@ def test_an_untimed_stage_s_estimate_is_scaled_by_the_timed_ones() -> None:
 
     once, twice = untimed_extra(1.0), untimed_extra(2.0)
     assert once > 0 and twice == pytest.approx(2 * once, rel=1e-9)
+
+
+def test_comm_options_of_the_automatic_mode_are_checked() -> None:
+    # NOTE [planned collectives]: "auto" is planned under a budget; "save" is manual only
+    with pytest.raises(RematError, match="'auto' lets the planner keep them"):
+        remat.enable(Tower(), 0.5, comm="save")
+    with pytest.raises(RematError, match="comm must be one of"):
+        remat.enable(Tower(), 0.5, comm="keep")
+    with pytest.raises(RematError, match="policy=remat.policies.either"):
+        remat.enable(Tower(), policy=policies.save_matmuls, comm="auto")
+    control = remat.enable(Tower(), 0.5, policy=policies.save_matmuls, comm="auto")
+    assert sorted(control._policies) == [
+        "either(save_matmuls, save_collectives)",
+        "save_collectives",
+        "save_matmuls",
+    ]
+    assert remat.enable(Tower(), 0.5)._policies == {}
+
+
+@pytest.mark.usefixtures("free_options")
+def test_comm_auto_offers_keeping_collectives_and_stays_exact() -> None:
+    # without collectives, a stage stored under save_collectives recomputes all of itself
+    torch.manual_seed(0)
+    model = Tower(p=0.2)
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 24, 32)
+    expected = plain_step(model, x)
+    control = remat.enable(twin, 0.45, loss_fn=loss_fn, comm="auto")
+    plain_step(twin, x)
+    got = plain_step(twin, x)
+    assert set(options_taken(control)) == {"save_collectives"}
+    assert torch.equal(expected[0], got[0])
+    for a, b in zip(expected[1], got[1], strict=True):
+        assert torch.equal(a, b)
+    with control.check_step() as check:
+        plain_step(twin, x)
+    assert check.within_budget

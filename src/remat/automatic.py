@@ -22,15 +22,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from remat.budget import MINIMUM, Budget, parse_budget, warn_default_cpu_budget
+from remat.budget import MINIMUM, Budget, budget_too_small, parse_budget, warn_default_cpu_budget
 from remat.discover.chain import Chain, discover_chain
-from remat.errors import BudgetTooSmall
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
 from remat.measure.options import named_policies, with_store_options
-from remat.measure.parameters import refuse_sharded_training
+from remat.measure.parameters import holds_collectives, refuse_sharded_training
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
@@ -159,11 +158,15 @@ class Checkpointable(ModelStandIn):
             call recomputed alone under it (:mod:`remat.policies`), or a mapping of stage names or
             indices to policies (others stored). With one, a policy or a list of them the planner
             may store any stage under, beside storing it whole or recomputing it (NOTE [stored under a policy]).
-        agree_ranks: under ``torch.distributed`` (data parallel: FSDP2 and tensor-parallel models are refused),
+        agree_ranks: under ``torch.distributed`` (data and tensor parallel: FSDP2 models are refused),
             all ranks run one plan, from the figures of all ranks (NOTE [one plan for all ranks]); False: each its own.
         offload: plan offload to host memory beside store and recompute (NOTE [planning offload]):
             True measures the CUDA device's link to pinned host memory; a number of bytes per
             second plans as if the link were that fast (a stand-in). Pays only on an accelerator.
+        comm: a recomputed stage's collectives (tensor parallelism): ``"recompute"`` runs them again;
+            ``"auto"`` also lets the planner keep a stage's collective outputs and recompute the rest
+            of it (the store option ``save_collectives``, and each ``policy=`` option with it),
+            from their measured bytes and times (NOTE [planned collectives]).
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -191,6 +194,7 @@ class Checkpointable(ModelStandIn):
         nested: bool = False,
         agree_ranks: bool = True,
         offload: bool | float = False,
+        comm: str = "recompute",
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -221,9 +225,10 @@ class Checkpointable(ModelStandIn):
         self._cache_warned = self._default_budget_warned = self._coverage_warned = False
         self._traced = TracedCalls()  # NOTE [a plan in the compiled graph]
         self._solver()  # fail now on an unknown solver name
-        self.policy, self.nested = policy, bool(nested)
+        self.policy, self.nested, self.comm = policy, bool(nested), comm
         self._ranks = RankAgreement() if agree_ranks else None
-        self._policies = named_policies(policy) if mem_limit is not None or plan is not None else {}
+        planned = mem_limit is not None or plan is not None or policy is None  # (else: SelectiveRuns)
+        self._policies = named_policies(policy, comm, planned=planned)
         self._selective = None if policy is None or self._policies else SelectiveRuns(policy, preserve_rng_state)
 
     # ------------------------------------------------------------------ public
@@ -260,7 +265,8 @@ class Checkpointable(ModelStandIn):
         references: list[ChainMeasurement] = []
 
         def known_times(sized: ChainMeasurement) -> list[tuple[float, float]] | None:
-            found = self._shapes.known_times(key, sized) if training else None
+            together = self._ranks is not None and self._ranks.measuring_together  # NOTE [measuring together]
+            found = self._shapes.known_times(key, sized) if training and not together else None
             if found is None:
                 return None
             scaled.append(found[1])
@@ -344,7 +350,9 @@ class Checkpointable(ModelStandIn):
             return None  # the free device memory: no plan fits where the timing pass does not
         planning = self._prepare(key, sized)
         total = self._total_bytes(key, planning, self.mem_limit)
-        if training:
+        if training and self._ranks is not None and self._ranks.measuring_together:  # NOTE [measuring together]
+            total = self._ranks.before_timing(functools.partial(self._check_feasible, key, planning, total), total)
+        elif training:
             self._check_feasible(key, planning, total)
         if not needs:
             return None  # the first call, on the sizes alone
@@ -436,7 +444,8 @@ class Checkpointable(ModelStandIn):
             measure = functools.partial(self._measure, args, kwargs, training=True)
             held = self._plans.get((key, self._options(self.mem_limit)))
             replan = functools.partial(self._plan, key, self.mem_limit, self._ranks)
-            self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan)
+            together = holds_collectives(self.model)  # NOTE [measuring together]
+            self._last_key, plan = key, self._ranks.agreed(key, held, must_measure, measure, replan, together=together)
         else:
             if must_measure:
                 self._measure(args, kwargs, training=True)
@@ -490,7 +499,8 @@ class Checkpointable(ModelStandIn):
     def _chain_for(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Chain:
         chain = self._chains.get(key)
         if chain is None:
-            refuse_sharded_training(self.model)  # NOTE [sharded models in the automatic mode]
+            agreeing = self._ranks is not None or not agreement_group_active()
+            refuse_sharded_training(self.model, agreeing=agreeing)  # NOTE [sharded models in the automatic mode]
             if isinstance(self.model, nn.Sequential) and not self.nested:
                 chain = discover_chain(self.model, args, kwargs)
             else:
@@ -560,13 +570,7 @@ class Checkpointable(ModelStandIn):
     def _check_feasible(self, key: Hashable, planning: Planning, total: int) -> None:
         minimum = self._minimum_budget_bytes(key, planning)
         if total < minimum:
-            raise BudgetTooSmall(
-                f"no recompute schedule fits a budget of {total} bytes ({format_bytes(total)}); the "
-                f"smallest feasible budget for this model and input is {minimum} bytes "
-                f"({format_bytes(minimum)}). Raise mem_limit to at least that, or use a smaller batch",
-                budget_bytes=total,
-                minimum_bytes=minimum,
-            )
+            raise budget_too_small(total, minimum)
 
     def _plan(self, key: Hashable, mem_limit: Budget, ranks: RankAgreement | None = None) -> Plan:
         options = self._options(mem_limit)

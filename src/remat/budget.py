@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from remat.errors import InvalidBudget
+from remat.errors import BudgetTooSmall, InvalidBudget
 from remat.units import format_bytes
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "FREE_MEMORY_MARGIN",
     "Budget",
     "available_memory_bytes",
+    "budget_too_small",
     "budget_from_text",
     "parse_budget",
 ]
@@ -61,6 +62,17 @@ BUDGET_FORMS = (
 
 #: Fraction of the free device memory remat leaves untouched when the budget is None.
 FREE_MEMORY_MARGIN = 0.1
+
+
+def budget_too_small(total_bytes: int, minimum_bytes: int) -> BudgetTooSmall:
+    """The error for a whole-step budget below the smallest one any schedule fits in."""
+    return BudgetTooSmall(
+        f"no recompute schedule fits a budget of {total_bytes} bytes ({format_bytes(total_bytes)}); the "
+        f"smallest feasible budget for this model and input is {minimum_bytes} bytes "
+        f"({format_bytes(minimum_bytes)}). Raise mem_limit to at least that, or use a smaller batch",
+        budget_bytes=total_bytes,
+        minimum_bytes=minimum_bytes,
+    )
 
 
 def available_memory_bytes(device: str | torch.device = "cpu") -> int:

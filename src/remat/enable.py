@@ -43,7 +43,7 @@ def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkp
             a fraction of the step without recompute such as ``0.5``, ``"min"``).
         **options: the keyword options of :class:`remat.Checkpointable` (``loss_fn``,
             ``solver``, ``measure``, ``plan``, ``policy``: with a budget, policies the planner may
-            store stages under, ...).
+            store stages under, ``comm``: what recomputed stages do with their collectives, ...).
 
     Returns:
         The controller: ``.plan``, ``.plan_for(budget)``, ``.check_step()``,

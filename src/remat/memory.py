@@ -34,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from remat.storages import is_wrapper, storage_key, unwrapped
+
 __all__ = [
     "AllocationRecord",
     "MemoryTracker",
@@ -241,7 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         cast = _is_autocast_cast(func, args)
         device_type = self._device_type
         count_fake = self._count_fake
-        for tensor in tree_leaves(out):
+        for tensor in unwrapped(tree_leaves(out)):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
                 continue
             if not count_fake and isinstance(tensor, FakeTensor):
@@ -284,6 +286,10 @@ class MemoryTracker(TorchDispatchMode):
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 continue
+            if is_wrapper(leaf):
+                key = storage_key(leaf)  # NOTE [wrapper tensors] (remat.storages)
+                if key is not None:
+                    keys.add(key)
             # (a leaf freed during the run leaves its id to the next tensor: that one is new)
             known = self._leaves.get(id(leaf))
             if hook_leaves and leaf.requires_grad and leaf.is_leaf and (known is None or known() is not leaf):
@@ -338,11 +344,8 @@ class MemoryTracker(TorchDispatchMode):
         event = len(self._events)
         if tensor.layout != torch.strided:
             return (tensor, event)
-        if not tensor.is_meta:
-            try:
-                key = tensor.untyped_storage()._cdata
-            except (RuntimeError, NotImplementedError):
-                key = None
+        key = storage_key(tensor)
+        if key is not None:
             with self._lock:
                 allocation_id = self._live_by_key.get(key)
                 if allocation_id is not None:
@@ -381,11 +384,8 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ allocations
     def allocation_id(self, tensor: torch.Tensor) -> int | None:
         """The id of the live tracked allocation behind `tensor`, or None."""
-        if tensor.is_meta or tensor.layout != torch.strided:
-            return None
-        try:
-            key = tensor.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
+        key = storage_key(tensor)
+        if key is None:
             return None
         with self._lock:
             return self._live_by_key.get(key)
@@ -460,11 +460,8 @@ class MemoryTracker(TorchDispatchMode):
     def _on_leaf_gradient(self, grad: torch.Tensor) -> None:
         # A gradient on its way into a leaf's .grad (for a tied weight, one of several
         # partial gradients summed there) is parameter-gradient memory.
-        if grad.is_meta or grad.layout != torch.strided:
-            return
-        try:
-            key = grad.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
+        key = storage_key(grad)
+        if key is None:
             return
         with self._lock:
             allocation_id = self._live_by_key.get(key)
@@ -481,9 +478,9 @@ class MemoryTracker(TorchDispatchMode):
             if leaf is None or not leaf.is_leaf:  # (a fake tensor's view can pass for a leaf in dispatch)
                 continue
             grad = leaf.grad
-            if grad is None or grad.layout != torch.strided:
-                continue
-            keys.add(grad.untyped_storage()._cdata)
+            key = None if grad is None else storage_key(grad)
+            if key is not None:
+                keys.add(key)
         with self._lock:
             return {self._live_by_key[k] for k in keys if k in self._live_by_key} | self._gradient_ids
 

@@ -23,6 +23,17 @@ The cost is one all-reduce of three integers per training call. Every rank must 
 same number of training calls of the model (as data parallelism does); a model trained
 on some ranks only, or with different plans on purpose, is built with
 ``agree_ranks=False``.
+
+NOTE [measuring together]
+A model whose stages run collectives (tensor parallelism) cannot be measured on one rank
+while the others train: its timing pass runs those collectives, which every rank must
+run, in the same order, with tensors of the same shapes. For such a model, when any rank
+must measure, every rank measures, and only if all hold the same input signature (else
+every rank raises the same error, which names the fix). Every rank then makes the same
+decisions while measuring: no rank's times are scaled from an earlier shape (which one
+rank could do while another times), a budget no schedule fits on any rank stops every
+rank before the timing pass runs (:meth:`RankAgreement.before_timing`), and the timing
+pass runs the stages within the smallest of the ranks' budgets.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -142,6 +154,11 @@ def _structure_text(leaves: list[tuple[str, Any]]) -> str:
     return "\x00".join(repr((kind, type(value).__name__)) if kind != "same" else repr(value) for kind, value in leaves)
 
 
+def _without_device_indices(key: Any) -> str:
+    """An input signature as text, without device indices (each rank has its own GPU)."""
+    return re.sub(r"(cuda|xpu|hpu|npu|mps):\d+|index=\d+", r"\1", repr(key))
+
+
 def same_on_every_rank(text: str) -> bool:
     """Whether every rank of the process group holds the same `text` (a collective call),
     compared by a hash that is the same in every process (unlike ``hash(str)``)."""
@@ -158,9 +175,18 @@ class RankAgreement:
 
     def __init__(self) -> None:
         self._rounds: dict[Any, int] = {}
+        #: whether the ranks are measuring together right now (NOTE [measuring together])
+        self.measuring_together = False
 
     def agreed(
-        self, key: Any, held: Any, must_measure: bool, measure: Callable[[], Any], replan: Callable[[], Any]
+        self,
+        key: Any,
+        held: Any,
+        must_measure: bool,
+        measure: Callable[[], Any],
+        replan: Callable[[], Any],
+        *,
+        together: bool = False,
     ) -> Any:
         """The plan of this rank's input `key`, the same schedule as every other rank's.
 
@@ -170,12 +196,28 @@ class RankAgreement:
             must_measure: whether this rank must measure `key` (a new input).
             measure: measures `key`.
             replan: plans `key` again, from the figures of all ranks (:meth:`combined`).
+            together: the stages run collectives: when any rank measures, all do, on one input
+                signature (NOTE [measuring together]).
         """
         round_held = self._rounds.get(key, -1) if held is not None else -1
         needs, highest, negated_lowest = _all_reduce_max([int(must_measure or held is None), round_held, -round_held])
         if not needs and highest == -negated_lowest:
             return held  # every rank holds a plan of the same round
-        self.measured_everywhere(measure if must_measure else None)
+        if together and needs:
+            if not same_on_every_rank(_without_device_indices(key)):
+                raise RematError(
+                    "the ranks hold inputs of different signatures (shapes, dtypes or modes) while the "
+                    "model's stages run collectives (tensor parallelism): its ranks measure together, "
+                    "on one input, and no plan was made. Give every rank inputs of the same shapes (pad "
+                    "a last short batch, or drop it)"
+                )
+            self.measuring_together = True
+            try:
+                self.measured_everywhere(measure)
+            finally:
+                self.measuring_together = False
+        else:
+            self.measured_everywhere(measure if must_measure else None)
         plan = replan()
         self._rounds[key] = highest + 1
         return plan
@@ -197,6 +239,26 @@ class RankAgreement:
                 "another rank failed while remat measured the model for a plan of all ranks (its error "
                 "is raised there); this rank stops too, so that no rank waits for the others"
             )
+
+    @staticmethod
+    def before_timing(check: Callable[[], None], total_bytes: int) -> int:
+        """While measuring together: runs `check` (the budget's feasibility) on every rank; a
+        failure on any rank raises on all, before the timing pass. Returns the smallest of
+        the ranks' budgets in bytes, which the timing pass keeps within."""
+        error: BaseException | None = None
+        try:
+            check()
+        except Exception as caught:  # noqa: BLE001 - raised below, on every rank
+            error = caught
+        failed, negated = _all_reduce_max([int(error is not None), -int(total_bytes)])
+        if error is not None:
+            raise error
+        if failed:
+            raise RematError(
+                "no plan fits the budget on another rank (its error is raised there); the ranks "
+                "measure this model together, so this rank stops too"
+            )
+        return -negated
 
     @staticmethod
     def combined(planning: Any) -> Any:

@@ -46,7 +46,7 @@ from remat.errors import RematError
 from remat.manual import _selective
 from remat.manual._tensors import storage_key
 from remat.manual.explain import _Observer, _outer_pack
-from remat.manual.policies import Policy, as_policy, save_matmuls
+from remat.manual.policies import Policy, as_policy, either, save_collectives, save_matmuls
 from remat.manual.recompute import recompute
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.estimate import CostModel, _median_s, calibrated_cost_model, dominant_dtype
@@ -57,36 +57,79 @@ from remat.measure.step import step_device
 from remat.measure.timing import _cut_inputs, _detached
 from remat.plan.options import StoreOption
 
-__all__ = ["CallUnderPolicy", "named_policies", "option_name", "policy_call_s", "store_options", "with_store_options"]
+__all__ = [
+    "PLANNED_COMM_OPTIONS",
+    "CallUnderPolicy",
+    "named_policies",
+    "option_name",
+    "policy_call_s",
+    "store_options",
+    "with_store_options",
+]
 
 
 def option_name(policy: Policy) -> str:
     """The name a plan gives a policy's store option: its repr without the module."""
-    return repr(policy).removeprefix("remat.policies.")
+    return repr(policy).replace("remat.policies.", "")
 
 
-def named_policies(policy: Any) -> dict[str, Policy]:
-    """The store options of ``policy=`` with a budget: one policy, or a sequence of them, by name (None: none).
+#: The automatic mode's values of ``comm=`` (NOTE [planned collectives]).
+PLANNED_COMM_OPTIONS = ("recompute", "auto")
+
+
+# NOTE [planned collectives]
+# A stage recomputed whole runs its collectives again (an all-reduce of a row-parallel
+# layer, a DTensor redistribution). With comm="auto", the planner may instead store a
+# stage under save_collectives: the stage keeps its collectives' outputs from the first
+# forward and recomputes the rest of itself in its backward, so it does not communicate
+# again, for the memory of those outputs. It is one more store option, sized on fake
+# tensors and timed like every other (NOTE [timing store options]): the planner weighs
+# its bytes and time against storing the stage and recomputing it whole, stage by stage.
+# Each policy= option is offered with save_collectives too (either of them saves). The
+# manual entry points' comm="save" keeps the collectives of every recompute; the
+# automatic mode does not force it, since a stage recomputed within a larger region has
+# no place to keep them.
+def named_policies(policy: Any, comm: str = "recompute", *, planned: bool = True) -> dict[str, Policy]:
+    """The store options of ``policy=`` with a budget: one policy, or a sequence of them, by
+    name (None: none), and with ``comm="auto"`` the same with collectives kept (NOTE
+    [planned collectives]). `planned` False (``policy=`` without a budget): none.
 
     Raises:
         NotImplementedError: a mapping of stages to policies (with a budget).
-        RematError: a value is not a policy, or two policies have one name.
+        RematError: a value is not a policy, two policies have one name, or `comm` is not one
+            of ``PLANNED_COMM_OPTIONS`` (``"auto"`` needs a budget).
     """
-    if policy is None:
+    if comm not in PLANNED_COMM_OPTIONS:
+        hint = " (the manual entry points' 'save' is not planned: 'auto' lets the planner keep them)"
+        raise RematError(
+            f"comm must be one of {list(PLANNED_COMM_OPTIONS)} in the automatic mode, got {comm!r}"
+            + (hint if comm == "save" else "")
+        )
+    if not planned:
+        if comm == "auto":
+            raise RematError(
+                "comm='auto' lets the planner keep collectives' outputs under a budget; with policy= "
+                "and no budget, pass policy=remat.policies.either(policy, remat.policies.save_collectives)"
+            )
         return {}
-    if isinstance(policy, Mapping):
+    if policy is None:
+        values: list[Any] = []
+    elif isinstance(policy, Mapping):
         raise NotImplementedError(
             "a budget with a mapping of stages to policies is not implemented: with a budget, pass a "
             "policy (or a list of policies) the planner may store any stage under, or the mapping alone"
         )
-    values = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    else:
+        values = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    checked = [as_policy(value) for value in values]
+    if comm == "auto":
+        checked += [either(p, save_collectives) for p in checked] + [save_collectives]
     named: dict[str, Policy] = {}
-    for value in values:
-        checked = as_policy(value)
-        name = option_name(checked)
+    for option in checked:
+        name = option_name(option)
         if name in named:
             raise RematError(f"policy= names {name!r} twice; give each store option once")
-        named[name] = checked
+        named[name] = option
     return named
 
 

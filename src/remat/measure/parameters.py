@@ -4,12 +4,13 @@ automatic mode])."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["alias_parameters", "refuse_sharded_training"]
+__all__ = ["alias_parameters", "holds_collectives", "refuse_sharded_training"]
 
 
 # NOTE [measuring on aliases of the parameters]
@@ -56,29 +57,44 @@ def _parameter_alias(parameter: torch.Tensor) -> torch.Tensor:
 
 # NOTE [sharded models in the automatic mode]
 # A model sharded with FSDP2 (fully_shard) gathers each unit's parameters in hooks on the
-# unit's call, and a tensor-parallel model (parallelize_module) runs collectives inside
-# its layers. The automatic mode measures and replays stages that may lie inside such a
-# unit (past its gather), and its measuring runs are collectives every rank would have to
-# run together, in the same order, whatever input each rank holds. Neither is built: a
-# sharded model is refused at its first training call, on every rank alike (the check
-# reads the model only, so no rank waits for another), before anything runs. Manual
-# recompute is exact there (remat.mark on the blocks before fully_shard; comm= for
-# tensor parallelism), and the automatic mode plans data-parallel models (DDP).
-def refuse_sharded_training(model: nn.Module) -> None:
-    """Raises NotImplementedError if `model` is sharded with FSDP2 or holds DTensor
-    parameters (tensor parallelism): see the NOTE."""
+# unit's call, and swaps them in and out of the modules as it goes. The automatic mode
+# sizes a step on fake tensors and replays stages that may lie inside a unit, past its
+# gather: run through FSDP2's hooks, the fake step leaves fake tensors in FSDP2's own
+# state (the gradients it reduces), and a measuring backward leaves units gathered, so
+# that the next step trains on stale parameters. Neither is built: an FSDP2 model is
+# refused at its first training call, on every rank alike (the check reads the model
+# only, so no rank waits for another), before anything runs. Manual recompute is exact
+# there (remat.mark on the blocks before fully_shard).
+#
+# A tensor-parallel model (parallelize_module: DTensor parameters) is planned: its
+# layers keep their parameters, and its collectives run inside the stages' calls, so a
+# replayed stage runs them again like the plain forward does. Its ranks must then measure
+# together, on one input, with no rank's times scaled from an earlier shape (NOTE
+# [measuring together]), which needs the ranks to agree on one plan: with
+# agree_ranks=False it is refused too.
+def holds_collectives(model: nn.Module) -> bool:
+    """Whether `model` has DTensor parameters or buffers (tensor parallelism): its stages
+    run collectives, which every rank must run alike."""
+    return any(_is_dtensor(tensor) for tensor in itertools.chain(model.parameters(), model.buffers()))
+
+
+def refuse_sharded_training(model: nn.Module, *, agreeing: bool) -> None:
+    """Raises NotImplementedError if `model` is sharded with FSDP2, or holds DTensors while
+    its ranks plan alone (`agreeing` False): see the NOTE."""
     if _fsdp_managed(model):
-        how = "is sharded with FSDP2 (fully_shard)"
+        how = "is sharded with FSDP2 (fully_shard), whose state measuring it on fake tensors would corrupt"
         instead = "mark its blocks with remat.mark(block) before fully_shard (exact under FSDP2)"
-    elif any(_is_dtensor(parameter) for parameter in model.parameters()):
-        how = "has DTensor parameters (tensor parallelism)"
-        instead = "mark its blocks with remat.mark(block, comm='recompute' or 'save')"
+    elif not agreeing and holds_collectives(model):
+        how = (
+            "has DTensor parameters (tensor parallelism), whose collectives ranks planning alone "
+            "(agree_ranks=False) would pair wrongly"
+        )
+        instead = "leave agree_ranks=True (the default), or mark its blocks with remat.mark(block, comm=...)"
     else:
         return
     raise NotImplementedError(
-        f"remat's automatic mode cannot plan {type(model).__name__}: the model {how}, and measuring "
-        "or replaying its stages would run collectives on ranks apart. Recompute it by hand instead: "
-        f"{instead}; the automatic mode plans data-parallel models (DistributedDataParallel)"
+        f"remat's automatic mode cannot plan {type(model).__name__}: the model {how}. Recompute it "
+        f"by hand instead: {instead}"
     )
 
 

@@ -1,0 +1,54 @@
+"""The storages that hold a tensor's memory, through tensor subclasses that wrap others.
+
+NOTE [wrapper tensors]
+A tensor subclass that wraps others (DTensor around its local shard, the
+AsyncCollectiveTensor of a functional collective) reports a storage of its own, sized
+for its whole (global) shape, that holds no memory: the memory is its inner tensors'.
+The tracker counts, everywhere, the storages of the inner tensors instead, so a
+tensor-parallel layer's output counts its local shard once, and the local tensor taken
+out of it is the same allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["PLAIN_TYPES", "is_wrapper", "storage_key", "unwrapped"]
+
+#: Tensor types that wrap nothing (checked first: the tracker sees every operator's outputs).
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+
+
+def is_wrapper(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` wraps inner tensors that hold its memory (see the NOTE)."""
+    return type(tensor) not in PLAIN_TYPES and is_traceable_wrapper_subclass(tensor)
+
+
+def unwrapped(leaves: list[Any]) -> list[Any]:
+    """`leaves` with each wrapper tensor replaced by its inner tensors (see the NOTE)."""
+    if all(type(leaf) in PLAIN_TYPES or not isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return leaves
+    out: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and is_wrapper(leaf):
+            attributes, _ = leaf.__tensor_flatten__()  # type: ignore[attr-defined]
+            out.extend(unwrapped([getattr(leaf, name) for name in attributes]))
+        else:
+            out.append(leaf)
+    return out
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The key of the storage holding `tensor`'s memory (a wrapper's first inner tensor's),
+    or None for a meta, sparse or storage-less tensor."""
+    inner = unwrapped([tensor])
+    if not inner or inner[0].is_meta or inner[0].layout != torch.strided:
+        return None
+    try:
+        return int(inner[0].untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
