@@ -85,23 +85,31 @@ def options_taken(control: remat.Checkpointable) -> list[str | None]:
     return [op.option for op in plan.schedule.operations if op.option is not None]
 
 
-@pytest.mark.usefixtures("free_options")
-@pytest.mark.parametrize("budget", [0.7, 0.45])
-def test_stages_stored_under_a_policy_give_plain_gradients_within_the_budget(budget: float) -> None:
+def trained_against_plain(budget: float, **options: Any) -> tuple[remat.Checkpointable, Any]:
+    """A dropout tower enabled at `budget` with `options`: its second step's output and
+    gradients are asserted equal to the plain model's; returns the controller and the
+    check of a third step."""
     torch.manual_seed(0)
     model = Tower(p=0.2)
     twin = copy.deepcopy(model)
     x = torch.randn(16, 24, 32)
     expected = plain_step(model, x)
-    control = remat.enable(twin, budget, policy=policies.save_matmuls, loss_fn=loss_fn)
-    got = plain_step(twin, x)  # measures, plans and runs the plan
+    control = remat.enable(twin, budget, loss_fn=loss_fn, **options)
+    plain_step(twin, x)  # measures, plans and runs the plan
     got = plain_step(twin, x)
-    assert "save_matmuls" in options_taken(control)
     assert torch.equal(expected[0], got[0])
     for a, b in zip(expected[1], got[1], strict=True):
         assert torch.equal(a, b)
     with control.check_step() as check:
         plain_step(twin, x)
+    return control, check
+
+
+@pytest.mark.usefixtures("free_options")
+@pytest.mark.parametrize("budget", [0.7, 0.45])
+def test_stages_stored_under_a_policy_give_plain_gradients_within_the_budget(budget: float) -> None:
+    control, check = trained_against_plain(budget, policy=policies.save_matmuls)
+    assert "save_matmuls" in options_taken(control)
     assert check.within_budget
     assert 0.99 <= check.ratio <= 1.0  # the prediction, to within 1% of the measured peak
     assert "policy: save_matmuls" in str(control.plan)
@@ -296,18 +304,6 @@ def test_comm_options_of_the_automatic_mode_are_checked() -> None:
 @pytest.mark.usefixtures("free_options")
 def test_comm_auto_offers_keeping_collectives_and_stays_exact() -> None:
     # without collectives, a stage stored under save_collectives recomputes all of itself
-    torch.manual_seed(0)
-    model = Tower(p=0.2)
-    twin = copy.deepcopy(model)
-    x = torch.randn(16, 24, 32)
-    expected = plain_step(model, x)
-    control = remat.enable(twin, 0.45, loss_fn=loss_fn, comm="auto")
-    plain_step(twin, x)
-    got = plain_step(twin, x)
+    control, check = trained_against_plain(0.45, comm="auto")
     assert set(options_taken(control)) == {"save_collectives"}
-    assert torch.equal(expected[0], got[0])
-    for a, b in zip(expected[1], got[1], strict=True):
-        assert torch.equal(a, b)
-    with control.check_step() as check:
-        plain_step(twin, x)
     assert check.within_budget

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from remat.storages import is_wrapper, storage_key, unwrapped
+from remat.storages import storage_key, unwrapped
 
 __all__ = [
     "AllocationRecord",
@@ -286,21 +286,14 @@ class MemoryTracker(TorchDispatchMode):
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 continue
-            if is_wrapper(leaf):
-                key = storage_key(leaf)  # NOTE [wrapper tensors] (remat.storages)
-                if key is not None:
-                    keys.add(key)
             # (a leaf freed during the run leaves its id to the next tensor: that one is new)
             known = self._leaves.get(id(leaf))
             if hook_leaves and leaf.requires_grad and leaf.is_leaf and (known is None or known() is not leaf):
                 self._leaves[id(leaf)] = weakref.ref(leaf)
                 self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
-            if leaf.is_meta or leaf.layout != torch.strided:
-                continue
-            try:
-                keys.add(leaf.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                pass
+            key = storage_key(leaf)  # a wrapper's inner storage (NOTE [wrapper tensors] in remat.storages)
+            if key is not None:
+                keys.add(key)
         return keys
 
     def _on_free(self, key: int, allocation_id: int) -> None:

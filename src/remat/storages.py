@@ -45,10 +45,14 @@ def unwrapped(leaves: list[Any]) -> list[Any]:
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The key of the storage holding `tensor`'s memory (a wrapper's first inner tensor's),
     or None for a meta, sparse or storage-less tensor."""
-    inner = unwrapped([tensor])
-    if not inner or inner[0].is_meta or inner[0].layout != torch.strided:
+    if is_wrapper(tensor):
+        inner = unwrapped([tensor])
+        if not inner:
+            return None
+        tensor = inner[0]
+    if tensor.is_meta or tensor.layout != torch.strided:
         return None
     try:
-        return int(inner[0].untyped_storage()._cdata)
+        return int(tensor.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):
         return None
