@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -59,8 +59,10 @@ def make_net(depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*[block(index) for index in range(depth)])
 
 
-def batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * step + size + 7 * dist.get_rank())
+def batch(size: int, step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of its own for `rank` (this one by default) at `step`."""
+    rank = dist.get_rank() if rank is None else rank
+    generator = torch.Generator().manual_seed(100 * step + size + 7 * rank)
     return torch.randn(size, WIDTH, generator=generator), torch.randn(size, WIDTH, generator=generator)
 
 
@@ -192,27 +194,23 @@ def tensor_parallel_comm() -> list[dict[str, Any]]:
     return [record]
 
 
-def sharded_automatic() -> list[dict[str, Any]]:
-    """The automatic mode on models it refuses (NOTE [sharded models in the automatic mode]):
-    FSDP2 inside and outside ``enable``, and tensor parallelism planned by each rank alone.
-    Each training call is refused on every rank before anything runs; the parameters are
-    left as they were and the model trains once disabled."""
+def sharded_alone() -> list[dict[str, Any]]:
+    """The automatic mode on sharded models whose ranks would plan alone (agree_ranks=False):
+    FSDP2 and tensor parallelism. Each training call is refused on every rank before anything
+    runs; the parameters are left as they were and the model trains once disabled."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x, y = batch(8, 0)
     records: list[dict[str, Any]] = []
-    for setup in ("fsdp2-inside", "fsdp2-outside", "tensor-parallel-alone"):
+    for setup in ("fsdp2", "tensor-parallel"):
         model = make_net(depth=4)
-        if setup == "fsdp2-outside":
-            remat.enable(model, 0.5)
-        if setup.startswith("fsdp2"):
+        if setup == "fsdp2":
             for block in model:
                 fully_shard(block.block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
             for block in model:
                 parallelize_module(block.block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        if setup != "fsdp2-outside":
-            remat.enable(model, 0.5, agree_ranks=setup != "tensor-parallel-alone")
+        remat.enable(model, 0.5, agree_ranks=False)
         before = {n: _full(p).clone() for n, p in model.named_parameters()}
         record: dict[str, Any] = {"setup": setup, "error": None}
         try:
@@ -224,6 +222,149 @@ def sharded_automatic() -> list[dict[str, Any]]:
         remat.disable(model)
         (model(x) - y).pow(2).mean().backward()
         record["trains_disabled"] = all(p.grad is not None for p in model.parameters())
+        records.append(record)
+    return records
+
+
+class _Residual(nn.Module):
+    """Blocks added to their input (the glue between them), then a head the root unit holds."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_block() for _ in range(depth))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _block() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH), nn.Tanh())
+
+
+# (model, where enable is applied, reshard_after_forward, budget, bf16 parameters)
+FSDP2_SETUPS = (
+    ("sequential", "inside", True, 0.5, False),
+    ("sequential", "inside", True, "min", False),
+    ("sequential", "outside", False, "min", False),
+    ("sequential", "outside", True, 0.5, False),
+    ("residual", "inside", True, "min", False),
+    ("residual", "outside", False, 0.8, False),
+    ("sequential", "inside", True, "min", True),
+)
+
+
+def _unsharded_net(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_block() for _ in range(4)]) if kind == "sequential" else _Residual(4)
+
+
+def _single_process_gradients(kind: str) -> dict[str, torch.Tensor]:
+    """The first step's gradients of the unsharded model on every rank's batch at once
+    (FSDP2 averages the ranks' gradients of their own means: the mean over all of them)."""
+    model = _unsharded_net(kind)
+    batches = [batch(16, 0, rank) for rank in range(dist.get_world_size())]
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    (model(x) - y).pow(2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _fsdp2_net(kind: str, enable_at: str | None, reshard: bool, budget: Any, bf16: bool) -> tuple[nn.Module, Any]:
+    model = _unsharded_net(kind)
+    nested = kind == "residual"
+    control = remat.enable(model, budget, nested=nested) if enable_at == "outside" else None
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+    if policy is not None:
+        options["mp_policy"] = policy
+    for block in model if kind == "sequential" else model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    if enable_at == "inside":
+        control = remat.enable(model, budget, nested=nested)
+    return model, control
+
+
+def _steps_against_plain(
+    record: dict[str, Any], model: nn.Module, control: Any, reference: nn.Module, batch_of: Callable[[int], Any]
+) -> None:
+    """Three SGD steps of `model` and of `reference` (no recompute) on the same batches: in
+    ``record["steps"]``, both models' gradients (full tensors) and the collectives of their
+    backward; with a plan (`control`), the exact peak of the third step and the plan."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(3):
+        x, y = batch_of(step)
+        seen: dict[str, Any] = {}
+        for label, net, optimizer in zip(("remat", "plain"), (model, reference), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            if step == 2 and label == "remat" and control is not None:
+                with control.check_step() as check:
+                    (net(x) - y).float().pow(2).mean().backward()
+                record["check"] = (check.measured_peak_bytes, check.predicted_peak_bytes)
+                record["budget_bytes"] = control.plan.budget_bytes
+            else:
+                loss = (net(x) - y).float().pow(2).mean()
+                with _Collectives() as collectives:
+                    loss.backward()
+                seen[f"{label}-collectives"] = collectives.counts
+            seen[label] = {n: p.grad.full_tensor().clone() for n, p in net.named_parameters()}
+            optimizer.step()
+        record["steps"].append(seen)
+    if control is not None:
+        record["items"] = plan_to_data(control.plan.schedule.items)
+        record["forward_counts"] = list(control.plan.forward_counts)
+
+
+def fsdp2_automatic() -> list[dict[str, Any]]:
+    """The automatic mode on FSDP2 models (NOTE [FSDP2 units] in remat.sharded), for each
+    setup against the same sharded model without remat: three SGD steps (the gradients of
+    every step), the exact peak of the third step against the budget, the plan, and the
+    collectives of the first two steps' backward."""
+    records: list[dict[str, Any]] = []
+    for kind, enable_at, reshard, budget, bf16 in FSDP2_SETUPS:
+        record: dict[str, Any] = {"setup": (kind, enable_at, reshard, budget, bf16), "error": None, "steps": []}
+        try:
+            model, control = _fsdp2_net(kind, enable_at, reshard, budget, bf16)
+            reference, _ = _fsdp2_net(kind, None, reshard, budget, bf16)
+            _steps_against_plain(record, model, control, reference, lambda step: batch(16, step))
+            record["single_process"] = _single_process_gradients(kind)
+        except Exception as error:  # noqa: BLE001 - reported to the test, which decides
+            record["error"] = f"{type(error).__name__}: {error}"
+        records.append(record)
+    return records
+
+
+def fsdp2_tensor_parallel() -> list[dict[str, Any]]:
+    """FSDP2 + tensor parallelism (4 ranks: 2 data-parallel groups of 2 tensor-parallel ranks):
+    the automatic mode at 0.5 and at the smallest budget, and every block marked with each
+    ``comm``, against the same model without recompute: three SGD steps, the collectives of
+    the second step's backward, the exact peak of the third (automatic mode), the plan."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(how: tuple[str, Any] | None) -> tuple[nn.Module, Any]:
+        model = _tensor_parallel_net(mesh["tp"])
+        for block in model:
+            if how is not None and how[0] == "mark":
+                remat.mark(block, comm=how[1])
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model, (remat.enable(model, how[1]) if how is not None and how[0] == "enable" else None)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the same batch on the ranks of a tensor-parallel group, another on each group
+        return _tensor_parallel_batch(10 * step + mesh["dp"].get_local_rank())
+
+    records: list[dict[str, Any]] = []
+    for how in (("enable", 0.5), ("enable", "min"), ("mark", "recompute"), ("mark", "save")):
+        record: dict[str, Any] = {"how": how, "error": None, "steps": []}
+        try:
+            (model, control), (reference, _) = build(how), build(None)
+            _steps_against_plain(record, model, control, reference, batch_of)
+        except Exception as error:  # noqa: BLE001 - reported to the test, which decides
+            record["error"] = f"{type(error).__name__}: {error}"
         records.append(record)
     return records
 
@@ -326,16 +467,23 @@ SCENARIOS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "different-models": different_models,
     "fsdp2-marked": fsdp2_marked,
     "tensor-parallel-comm": tensor_parallel_comm,
-    "sharded-automatic": sharded_automatic,
+    "sharded-alone": sharded_alone,
+    "fsdp2-automatic": fsdp2_automatic,
+    "fsdp2-tensor-parallel": fsdp2_tensor_parallel,
     "tensor-parallel-automatic": tensor_parallel_automatic,
     "tensor-parallel-new-shape": tensor_parallel_new_shape,
 }
+
+
+FOUR_RANKS = {"fsdp2-tensor-parallel"}  # scenarios of a 2 x 2 mesh
 
 
 def scenarios(rank: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     torch.set_num_threads(1)
     wanted = os.environ.get("RANKS_SCENARIOS")  # comma-separated names; all by default
     for name, scenario in SCENARIOS.items():
+        if name in FOUR_RANKS and dist.get_world_size() != 4:
+            continue
         if wanted is None or name in wanted.split(","):
             yield name, scenario()
             dist.barrier()

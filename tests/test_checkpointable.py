@@ -606,6 +606,22 @@ def test_without_a_loss_fn_a_heavy_loss_still_fits_the_budget() -> None:
         assert tracker.peak_bytes <= wrapped.plan.budget_bytes
 
 
+def test_without_a_loss_fn_a_float32_loss_on_a_bf16_output_fits_the_budget() -> None:
+    # A loss upcasts a half-precision output: the room left for it is sized in float32
+    # (NOTE [loss allowance]); sized in bf16 the smallest budget was exceeded
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(4)))
+    model = model.to(torch.bfloat16)
+    x, y = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, 32)
+    for budget in (0.7, "min"):
+        wrapped = remat.Checkpointable(copy.deepcopy(model), budget, output_kept=False)
+        (wrapped(x).float() - y).pow(2).mean().backward()  # measures and plans
+        with remat.MemoryTracker() as tracker:
+            (wrapped(x).float() - y).pow(2).mean().backward()
+        assert wrapped.plan is not None
+        assert tracker.peak_bytes <= wrapped.plan.budget_bytes, budget
+
+
 def test_a_model_running_under_autocast_is_exact_and_fits() -> None:
     # Autocast caches the casts of weights until its region ends, discarded stages' too
     # (plain autograd shares them: exact gradients); the plan counts them (NOTE [autocast casts]).

@@ -158,7 +158,7 @@ class Checkpointable(ModelStandIn):
             call recomputed alone under it (:mod:`remat.policies`), or a mapping of stage names or
             indices to policies (others stored). With one, a policy or a list of them the planner
             may store any stage under, beside storing it whole or recomputing it (NOTE [stored under a policy]).
-        agree_ranks: under ``torch.distributed`` (data and tensor parallel: FSDP2 models are refused),
+        agree_ranks: under ``torch.distributed`` (data parallel, FSDP2, tensor parallel),
             all ranks run one plan, from the figures of all ranks (NOTE [one plan for all ranks]); False: each its own.
         offload: plan offload to host memory beside store and recompute (NOTE [planning offload]):
             True measures the CUDA device's link to pinned host memory; a number of bytes per

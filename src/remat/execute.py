@@ -60,6 +60,7 @@ from remat.manual.offload import StageOffloads
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
 from remat.plan.operations import Operation, OperationKind, PlanTree, operations
+from remat.sharded import UnitGathering
 
 __all__ = ["ChainExecutor", "PolicyRunner", "RegionSpan", "SelectiveRuns", "expand_operations", "stage_policies"]
 
@@ -178,7 +179,7 @@ def _read_schedule(ops: Sequence[Operation], n_calls: int) -> _Level:
 class _Run:
     """The state of one forward of the chain: what the replays will need."""
 
-    def __init__(self, executor: ChainExecutor) -> None:
+    def __init__(self, executor: ChainExecutor, gathering: UnitGathering = UnitGathering.NONE) -> None:
         self.executor = executor
         self.next_stage = 0
         self.recording: RegionRecording | None = None
@@ -188,6 +189,7 @@ class _Run:
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
+        self.gathering = gathering  # NOTE [FSDP2 units] in remat.sharded
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -316,6 +318,7 @@ class _Run:
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
+        self.gathering.before(stage)
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
             if option is not None:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
@@ -364,7 +367,7 @@ class _Replay:
         self.__qualname__ = f"stages {body.steps[0].start}.."
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with _room_for(1):
+        with _room_for(1), self.run.gathering.replaying():
             return self.run.run_level(self.body, args, kwargs)
 
 
@@ -397,11 +400,8 @@ class ChainExecutor:
     ) -> None:
         self.chain = chain
         self.policies = dict(policies or {})
-        if all(isinstance(item, Operation) for item in schedule):
-            ops = [item for item in schedule if isinstance(item, Operation)]
-        else:
-            ops = operations(tuple(schedule))  # type: ignore[arg-type]
-        self.operations = tuple(ops)
+        ops = [item for item in schedule if isinstance(item, Operation)]
+        self.operations = tuple(ops) if len(ops) == len(schedule) else tuple(operations(tuple(schedule)))  # type: ignore[arg-type]
         self.preserve_rng_state = preserve_rng_state
         self.observer = observer
         with _room_for(len(chain)):  # the levels nest at most as deep as the chain is long
@@ -442,6 +442,7 @@ class ChainExecutor:
         # intercepted, so such a plan costs no time at all. What the executor would check
         # (every stage called once, in order) matters only to a replay, and there is none.
         self.plain = all(kind is _STORE and step.option is None for kind, step in self.first_forward)
+        self.gathering: UnitGathering | None = None  # for the model it first runs
 
     def recomputes(self) -> bool:
         """Whether any stage call is recomputed (not stored by its first forward, or stored under a policy)."""
@@ -462,7 +463,9 @@ class ChainExecutor:
             if torch.is_grad_enabled():
                 _hook_chain_output(out, recomputes=False)
             return out
-        run = _Run(self)
+        if self.gathering is None:
+            self.gathering = UnitGathering(model, self.chain.modules)
+        run = _Run(self, self.gathering)
         try:
             with intercept_stages(self.chain, run):
                 out = model(*args, **kwargs)

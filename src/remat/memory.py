@@ -197,6 +197,7 @@ class MemoryTracker(TorchDispatchMode):
         self._frozen_excluded: set[int] | None = None
         self._curve_cache: tuple[int, set[int], np.ndarray] | None = None
         self._gradient_ids: set[int] = set()
+        self._traffic_ids: set[int] = set()  # NOTE [parameter traffic]
         self._hooks: list[Any] = []
         self._saved_ids: list[int] = []  # allocations of the tensors saved for backward, in order
         self._unpacks: dict[int, int] = {}  # event a tensor was saved at -> event of its first unpack
@@ -232,6 +233,8 @@ class MemoryTracker(TorchDispatchMode):
         if func is _DEVICE:
             return func(*args, **kwargs)
         input_keys = self._input_storage_keys(tree_leaves((args, kwargs)), hook_leaves=True)
+        if func.namespace == "fsdp":  # NOTE [parameter traffic]
+            self._note_traffic(input_keys)
         out = func(*args, **kwargs)
         if self._count_flops:
             self.operations += 1
@@ -279,6 +282,18 @@ class MemoryTracker(TorchDispatchMode):
                     continue
             weakref.finalize(storage, self._on_free, key, allocation_id)
         return out
+
+    # NOTE [parameter traffic]
+    # FSDP2 gathers a unit's parameters into a buffer it allocates just before its own
+    # operator (fsdp.all_gather_copy_in) fills it, and reduces the gradients through one
+    # (fsdp.chunk_cat). Those buffers are parameters on their way in and gradients on their
+    # way out, not activations: an allocation that an operator of the fsdp namespace takes
+    # is left out of every figure, from its allocation on, as parameter gradients are. (The
+    # gathered parameters themselves live in storages FSDP2 resizes in place, allocated
+    # before the step: no operator allocates them during it.)
+    def _note_traffic(self, keys: set[int]) -> None:
+        with self._lock:
+            self._traffic_ids.update(self._live_by_key[key] for key in keys if key in self._live_by_key)
 
     def _input_storage_keys(self, leaves: Iterable[Any], *, hook_leaves: bool) -> set[int]:
         """The storages of the tensors among `leaves`; hooks the leaf tensors that require grad."""
@@ -475,7 +490,8 @@ class MemoryTracker(TorchDispatchMode):
             if key is not None:
                 keys.add(key)
         with self._lock:
-            return {self._live_by_key[k] for k in keys if k in self._live_by_key} | self._gradient_ids
+            live = {self._live_by_key[k] for k in keys if k in self._live_by_key}
+            return live | self._gradient_ids | self._traffic_ids
 
     def _counted_events(self) -> np.ndarray:
         """The events as an (n, 2) array of (allocation id, delta), parameter gradients zeroed."""

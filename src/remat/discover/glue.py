@@ -32,7 +32,9 @@ a replay of it raises.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -204,6 +206,48 @@ def _last_uses(
     return tuple(tuple(slots) for slots in freed)
 
 
+# NOTE [FSDP2 hooks in the glue]
+# Between two stages in different FSDP2 units run FSDP2's hooks: the first unit's after its
+# forward (it reshards, casts the output), the next unit's before it (it gathers the
+# parameters: buffers, an all-gather, copies into the parameters' storages; it casts the
+# inputs and passes them through a function that reduces the gradients after the unit's
+# backward). A cast of a stage's value is recorded as any call. The pass-through gives an
+# alias made without gradient (the function's own view of its input): it is not recorded,
+# the alias takes its input's slot, so a replay hands the next stage the replayed value
+# itself. What they do to the parameters touches none of the stage's values and is not
+# recorded: a replay gathers what it needs itself (NOTE [FSDP2 units] in remat.sharded),
+# and replaying a copy into a storage FSDP2 has since freed would write out of bounds.
+def _in_fsdp2_hook() -> bool:
+    """Whether the torch call being recorded comes from FSDP2's code (a few frames up: its
+    hooks call torch directly, or through an autograd function)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_FSDP2_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.fsdp."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FSDP2_FRAMES = 8
+
+
+def _alias(tensor: torch.Tensor, of: torch.Tensor) -> bool:
+    """Whether `tensor` is a view of `of` that reads the same elements as it."""
+    base = tensor._base
+    return (
+        base is not None
+        and (base is of or base is of._base)
+        and tensor.dtype == of.dtype
+        and tensor.shape == of.shape
+        and tensor.stride() == of.stride()
+        and tensor.storage_offset() == of.storage_offset()
+    )
+
+
 class GlueRecorder(TorchFunctionMode):
     """Records the torch calls made after a stage returns, until the next stage is called.
 
@@ -252,6 +296,8 @@ class GlueRecorder(TorchFunctionMode):
         changed = [t for t, v in zip(tensors_in, versions, strict=True) if t._version != v]
         if not out_tensors and not changed:
             return out  # a question about a tensor (its shape, a flag): nothing to replay
+        if _in_fsdp2_hook() and self._passed_through(tensors_in, out_tensors, changed):
+            return out  # NOTE [FSDP2 hooks in the glue]
         # NOTE [constants the glue changes]: replayed on a copy
         outside = [t for t in changed if self._slots.get(t) is None]  # none of the stage's values
         copied = {id(t) for t in outside}
@@ -274,6 +320,19 @@ class GlueRecorder(TorchFunctionMode):
                 new_slots.append(position)
         self._calls.append(_Call(func, sources, spec, tuple(new_slots), grad_enabled, autocast))
         return out
+
+    def _passed_through(self, tensors_in: list[torch.Tensor], out: list[torch.Tensor], changed: list[Any]) -> bool:
+        """For a call of FSDP2's hooks: whether it touches none of the stage's values, or only
+        passes them through (its outputs alias its inputs, and take their slots)."""
+        inputs = [t for t in tensors_in if self._slots.get(t) is not None]
+        if not inputs:
+            return True
+        aliased = [next((t for t in inputs if _alias(o, t)), None) for o in out]
+        if changed or any(t is None for t in aliased):
+            return False
+        for o, t in zip(out, aliased, strict=True):
+            self._slots[o] = self._slots[t]
+        return True
 
     # -- the recording's window
     def start(self) -> None:

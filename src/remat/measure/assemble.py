@@ -106,6 +106,7 @@ class ChainMeasurement:
     measured_peak_bytes: int
     end_peak_bytes: int = 0
     output_bytes: int = 0
+    loss_output_bytes: int = 0
     suffix_peak_bytes: int = 0
     suffix_kept_bytes: int = 0
     cast_bytes: tuple[int, ...] = ()
@@ -206,6 +207,8 @@ class TrackedStep:
         tracker: the tracker of the tracked step.
         alive_after_forward: the tracked allocations alive when the forward returned.
         output_bytes: bytes of the model's output.
+        loss_output_bytes: its bytes as a loss computes on it: half-precision floats
+            count as float32 (NOTE [loss allowance] in remat.plan.share).
         output_allocations: the allocations of the model's output.
         device: the device the step ran on.
         state_allocations: the allocations of the modules' buffers and tensor attributes
@@ -222,6 +225,7 @@ class TrackedStep:
     output_bytes: int
     output_allocations: set[int]
     device: str
+    loss_output_bytes: int = 0
     state_allocations: set[int] = field(default_factory=set)
     cast_allocations: set[int] = field(default_factory=set)
     loss_event: int | None = None
@@ -312,6 +316,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         int(measured_peak_bytes),
         end_peak_bytes=int(end_peak_bytes),
         output_bytes=int(step.output_bytes),
+        loss_output_bytes=int(step.loss_output_bytes or step.output_bytes),
         suffix_peak_bytes=int(suffix_peak_bytes),
         suffix_kept_bytes=int(suffix_kept_bytes),
         cast_bytes=tuple(int(c) for c in casts),

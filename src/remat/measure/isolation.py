@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.manual._state import is_state_attribute, rehearsing
 from remat.measure.parameters import alias_parameters
+from remat.sharded import gathered_units
 
 __all__ = ["isolated_inputs", "preserved_model_state"]
 
@@ -29,8 +30,15 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
     On exit, parameter gradients, every buffer (values and identity), every module's plain
     attributes (numbers, strings, tensors held outside buffers) and the RNG states are
     restored; meanwhile :func:`remat.is_recomputing` is True, so user code can tell these
-    runs from training forwards.
+    runs from training forwards. The units of a model sharded with FSDP2 are gathered for
+    the body and sharded again after it (NOTE [FSDP2 units] in :mod:`remat.sharded`).
     """
+    with gathered_units(model), _preserved(model, devices):
+        yield
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     grads = [(p, p.grad) for p in model.parameters()]
     aliased = alias_parameters(model)
     buffers = [

@@ -21,12 +21,11 @@ __all__ = ["alias_parameters", "holds_collectives", "refuse_sharded_training"]
 # backward, a user's gradient hook. They run instead on aliases: each parameter is
 # replaced, for the run, by a new leaf sharing its storage (no memory, the same values,
 # the same requires_grad), so the gradients go to the aliases and no hook sees them. A
-# parameter shared by several modules gets one alias. Modules managed by FSDP2 swap their
-# own parameters in their hooks and are left as they are.
+# parameter shared by several modules gets one alias. The units of a model sharded with
+# FSDP2 are gathered first: their gathered parameters are aliased (NOTE [FSDP2 units] in
+# remat.sharded).
 def alias_parameters(model: nn.Module) -> list[tuple[dict[str, Any], str, nn.Parameter]]:
     """Replaces the model's parameters by aliases (see the NOTE); returns what to put back."""
-    if _fsdp_managed(model):
-        return []
     aliases: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, nn.Parameter]] = []
     for module in model.modules():
@@ -56,45 +55,31 @@ def _parameter_alias(parameter: torch.Tensor) -> torch.Tensor:
 
 
 # NOTE [sharded models in the automatic mode]
-# A model sharded with FSDP2 (fully_shard) gathers each unit's parameters in hooks on the
-# unit's call, and swaps them in and out of the modules as it goes. The automatic mode
-# sizes a step on fake tensors and replays stages that may lie inside a unit, past its
-# gather: run through FSDP2's hooks, the fake step leaves fake tensors in FSDP2's own
-# state (the gradients it reduces), and a measuring backward leaves units gathered, so
-# that the next step trains on stale parameters. Neither is built: an FSDP2 model is
-# refused at its first training call, on every rank alike (the check reads the model
-# only, so no rank waits for another), before anything runs. Manual recompute is exact
-# there (remat.mark on the blocks before fully_shard).
-#
-# A tensor-parallel model (parallelize_module: DTensor parameters) is planned: its
-# layers keep their parameters, and its collectives run inside the stages' calls, so a
-# replayed stage runs them again like the plain forward does. Its ranks must then measure
-# together, on one input, with no rank's times scaled from an earlier shape (NOTE
-# [measuring together]), which needs the ranks to agree on one plan: with
-# agree_ranks=False it is refused too.
+# A model sharded with FSDP2 (fully_shard) or split with tensor parallelism
+# (parallelize_module) has DTensor parameters. Both are planned. A tensor-parallel layer
+# keeps its parameters and runs its collectives inside the stages' calls, so a replayed
+# stage runs them again as the plain forward does. An FSDP2 unit gathers its parameters in
+# hooks on its call: remat gathers the units for its own runs and for replays (NOTE [FSDP2
+# units] in remat.sharded). Either way the ranks must measure together, on one input,
+# with no rank's times scaled from an earlier shape (NOTE [measuring together]), which
+# needs the ranks to agree on one plan: with agree_ranks=False such a model is refused, at
+# its first training call, on every rank alike (the check reads the model only, so no rank
+# waits for another), before anything runs.
 def holds_collectives(model: nn.Module) -> bool:
-    """Whether `model` has DTensor parameters or buffers (tensor parallelism): its stages
-    run collectives, which every rank must run alike."""
+    """Whether `model` has DTensor parameters or buffers (FSDP2, tensor parallelism): its
+    stages or its units run collectives, which every rank must run alike."""
     return any(_is_dtensor(tensor) for tensor in itertools.chain(model.parameters(), model.buffers()))
 
 
 def refuse_sharded_training(model: nn.Module, *, agreeing: bool) -> None:
-    """Raises NotImplementedError if `model` is sharded with FSDP2, or holds DTensors while
-    its ranks plan alone (`agreeing` False): see the NOTE."""
-    if _fsdp_managed(model):
-        how = "is sharded with FSDP2 (fully_shard), whose state measuring it on fake tensors would corrupt"
-        instead = "mark its blocks with remat.mark(block) before fully_shard (exact under FSDP2)"
-    elif not agreeing and holds_collectives(model):
-        how = (
-            "has DTensor parameters (tensor parallelism), whose collectives ranks planning alone "
-            "(agree_ranks=False) would pair wrongly"
-        )
-        instead = "leave agree_ranks=True (the default), or mark its blocks with remat.mark(block, comm=...)"
-    else:
+    """Raises NotImplementedError if `model` holds DTensors while its ranks plan alone
+    (`agreeing` False): see the NOTE."""
+    if agreeing or not holds_collectives(model):
         return
     raise NotImplementedError(
-        f"remat's automatic mode cannot plan {type(model).__name__}: the model {how}. Recompute it "
-        f"by hand instead: {instead}"
+        f"remat's automatic mode cannot plan {type(model).__name__}: the model has DTensor parameters "
+        "(FSDP2 or tensor parallelism), whose collectives ranks planning alone (agree_ranks=False) would "
+        "pair wrongly. Leave agree_ranks=True (the default), or recompute by hand: remat.mark(block, comm=...)"
     )
 
 
@@ -104,11 +89,3 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
     return isinstance(tensor, DTensor)
-
-
-def _fsdp_managed(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(module, FSDPModule) for module in model.modules())

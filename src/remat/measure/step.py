@@ -383,6 +383,13 @@ def _shape_of(value: Any) -> Any:
     return value
 
 
+def _loss_widening(outputs: list[torch.Tensor]) -> float:
+    """How much wider a loss computes than the output is stored: a loss on half-precision
+    floats upcasts them to float32 (NOTE [loss allowance] in remat.plan.share)."""
+    sizes = [t.element_size() for t in outputs if t.is_floating_point()]
+    return max([4 / size for size in sizes if size < 4], default=1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _TensorShape:  # (not a pytree node: tree_map leaves it whole)
     shape: tuple[int, ...]
@@ -434,6 +441,7 @@ def _tracked_step(
         # Sizes now: some of these storages die with the output, before the assembly.
         alive_after_forward = tracker.live_allocations()
         output_storages = tracker.allocations_of(tensors_in(output))
+        widening = _loss_widening(tensors_in(output))
         state = [
             value
             for module in model.modules()
@@ -455,6 +463,7 @@ def _tracked_step(
         tracker=tracker,
         alive_after_forward=alive_after_forward,
         output_bytes=sum(output_storages.values()),
+        loss_output_bytes=int(sum(output_storages.values()) * widening),
         output_allocations=set(output_storages),
         device=str(device),
         state_allocations=state_allocations,

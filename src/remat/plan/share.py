@@ -215,10 +215,11 @@ def prepared(
         # NOTE [loss allowance]
         # Measured with the cheapest loss (a sum), the plan would not leave room for a
         # real one: a cross entropy or a mean squared error holds about three tensors
-        # of the output's size at its peak. Without the user's loss_fn, the chain's
-        # output gradient is charged that much more (it is live from the loss to the
-        # end of the last stage's backward).
-        allowance = LOSS_ALLOWANCE_OUTPUTS * measurement.output_bytes
+        # of the output's size at its peak, in float32 when the output is in half
+        # precision (losses upcast it). Without the user's loss_fn, the chain's output
+        # gradient is charged that much more (it is live from the loss to the end of the
+        # last stage's backward).
+        allowance = LOSS_ALLOWANCE_OUTPUTS * (measurement.loss_output_bytes or measurement.output_bytes)
         gradients = list(profile.gradient_bytes)
         gradients[-1] += allowance
         profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))

@@ -1,0 +1,140 @@
+"""FSDP2 units in remat's own runs and in replays (NOTE [FSDP2 units])."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+from torch import nn
+
+__all__ = ["UnitGathering", "fsdp_units", "gathered_units"]
+
+
+# NOTE [FSDP2 units]
+# A model sharded with FSDP2 (fully_shard) keeps each unit's parameters sharded between its
+# calls. Hooks on the unit's call gather them (all-gather) into storages of their own and
+# register them on the unit's modules (plain tensors; DTensors of the tensor-parallel mesh
+# under FSDP2 + TP), reshard them after its forward (reshard_after_forward) and again after
+# its backward, which reduces their gradients. remat meets this in two places.
+#
+# Its own runs (discovery, sizing on fake tensors, the timing pass) run the model's forward
+# and backward by pieces, outside FSDP2's order. Before them every unit is gathered, on
+# every rank together (the ranks of a model with DTensor parameters measure together: NOTE
+# [measuring together]), and each unit's state is put, for the run, in the one FSDP2 gives
+# a unit recomputed by activation checkpointing inside its own backward: its call then only
+# casts its inputs and output as its mixed-precision policy says, registers no gradient
+# hook, and so reduces nothing. The runs compute with the parameters a training step
+# computes with; afterwards each state is put back and every unit that was sharded is
+# sharded again. Measuring thus holds the whole model's parameters gathered for its step.
+#
+# Replays: a region may begin in a unit whose parameters were resharded after its forward
+# and be replayed when backward reaches a later unit. Before a replayed stage runs, the
+# unit holding its parameters is gathered if it is sharded, and resharded when the
+# outermost replay ends. The recomputed tensors hold its gathered parameters by reference,
+# and FSDP2 fills the same storages again when backward reaches the unit: a recompute
+# gathers its units' parameters once more (comm="recompute" for FSDP2). A stage that is a
+# unit itself gathers its own parameters in its hooks, as it does when torch's checkpoint
+# recomputes it. Gathered parameters are parameters, not activations: the tracker leaves
+# FSDP2's buffers out of its figures (NOTE [parameter traffic] in remat.memory).
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` sharded with FSDP2's ``fully_shard``, outermost first."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _state(unit: nn.Module) -> Any:
+    try:
+        return unit._get_fsdp_state()  # type: ignore[operator]
+    except AttributeError as error:  # pragma: no cover - a torch whose FSDP2 keeps its state elsewhere
+        raise NotImplementedError(
+            "remat's automatic mode reads FSDP2's unit state as torch 2.6 to 2.13 keep it; this torch "
+            "keeps it elsewhere. Recompute by hand instead: remat.mark(block) before fully_shard"
+        ) from error
+
+
+def _gathered(unit: nn.Module) -> bool:
+    return all(group.is_unsharded for group in _state(unit)._fsdp_param_groups)
+
+
+@contextlib.contextmanager
+def gathered_units(model: nn.Module) -> Iterator[None]:
+    """Inside: every FSDP2 unit of `model` gathered, its hooks as in a recompute (see the NOTE)."""
+    units = fsdp_units(model)
+    if not units:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    root = _state(units[0])
+    if units[0] is model and root._is_root is None:
+        root._lazy_init()  # what its first call does: measuring may come before it (measure())
+    states = list({id(state): state for state in map(_state, units)}.values())
+    sharded = [unit for unit in units if not _gathered(unit)]
+    before = [(state, state._training_state) for state in states]
+    try:
+        for unit in sharded:
+            unit.unshard()  # type: ignore[operator]
+        for state in states:
+            state._training_state = TrainingState.PRE_BACKWARD
+        yield
+    finally:
+        for state, training_state in before:
+            state._training_state = training_state
+        for unit in sharded:
+            unit.reshard()  # type: ignore[operator]
+
+
+class UnitGathering:
+    """Gathers, for a replay, the FSDP2 units whose stages it runs (see the NOTE).
+
+    Args:
+        model: the model whose chain is replayed.
+        stages: the chain's stage modules.
+    """
+
+    NONE: ClassVar[UnitGathering]  # gathers nothing (remat's own runs: NOTE [FSDP2 units])
+
+    def __init__(self, model: nn.Module | None, stages: Sequence[nn.Module]) -> None:
+        self._owners: dict[int, nn.Module] = {}
+        units = [] if model is None else fsdp_units(model)
+        if units:
+            owner: dict[int, nn.Module] = {}
+            for unit in units:  # outermost first: an inner unit owns its own modules
+                for module in unit.modules():
+                    owner[id(module)] = unit
+            for index, stage in enumerate(stages):
+                holder = owner.get(id(stage))
+                if holder is not None and holder is not stage and any(True for _ in stage.parameters()):
+                    self._owners[index] = holder
+        self._depth = 0
+        self._gathered: list[nn.Module] = []
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Around a replay: the units it gathered are resharded when the outermost one ends."""
+        if not self._owners:
+            yield
+            return
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                gathered, self._gathered = self._gathered, []
+                for unit in gathered:
+                    unit.reshard()  # type: ignore[operator]
+
+    def before(self, stage: int) -> None:
+        """Gathers the unit holding stage `stage`'s parameters, if it is sharded."""
+        unit = self._owners.get(stage)
+        if unit is not None and not _gathered(unit):
+            unit.unshard()  # type: ignore[operator]
+            self._gathered.append(unit)
+
+
+UnitGathering.NONE = UnitGathering(None, ())
