@@ -261,12 +261,16 @@ def _unsharded_net(kind: str) -> nn.Module:
     return nn.Sequential(*[_block() for _ in range(4)]) if kind == "sequential" else _Residual(4)
 
 
-def _single_process_gradients(kind: str) -> dict[str, torch.Tensor]:
-    """The first step's gradients of the unsharded model on every rank's batch at once
-    (FSDP2 averages the ranks' gradients of their own means: the mean over all of them)."""
+def _single_process_gradients(
+    kind: str, x: torch.Tensor | None = None, y: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """The first step's gradients of the unsharded model in one process: on (x, y), or on every
+    rank's batch at once (FSDP2 averages the ranks' gradients of their own means: the mean
+    over all of them)."""
     model = _unsharded_net(kind)
-    batches = [batch(16, 0, rank) for rank in range(dist.get_world_size())]
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    if x is None or y is None:
+        batches = [batch(16, 0, rank) for rank in range(dist.get_world_size())]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     (model(x) - y).pow(2).mean().backward()
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -369,16 +373,10 @@ def fsdp2_tensor_parallel() -> list[dict[str, Any]]:
     return records
 
 
-def _tensor_parallel_net(mesh: Any, depth: int = 4) -> nn.Sequential:
+def _tensor_parallel_net(mesh: Any) -> nn.Module:
     """Blocks of a column- then a row-parallel layer; the row-parallel output feeds a tanh."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        *[
-            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH), nn.Tanh())
-            for _ in range(depth)
-        ]
-    )
-    for block in model:
+    model = _unsharded_net("sequential")
+    for block in model:  # type: ignore[union-attr]
         parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return model
 
@@ -424,6 +422,8 @@ def tensor_parallel_automatic() -> list[dict[str, Any]]:
                 record["forward_counts"] = list(plan.forward_counts)
                 record["options"] = sorted({op.option for op in plan.schedule.operations if op.option})
                 record["offered"] = sorted(control._policies)
+            else:  # the same blocks, seeded alike, unsplit
+                record["single_process"] = _single_process_gradients("sequential", *_tensor_parallel_batch(0))
         except Exception as error:  # noqa: BLE001 - reported to the test, which decides
             record["error"] = f"{type(error).__name__}: {error}"
         records.append(record)
