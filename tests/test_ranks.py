@@ -234,8 +234,7 @@ def test_the_automatic_mode_plans_fsdp2_models_exactly_within_the_budget(results
                 for name, grad in record["steps"][0]["remat"].items():
                     torch.testing.assert_close(grad, record["single_process"][name], rtol=1e-5, atol=1e-6)
             measured, predicted = record["check"]
-            # (the residual model's prediction is as high without FSDP2: the planner's, not the sharding's)
-            assert measured <= predicted <= record["budget_bytes"] and predicted <= 1.35 * measured, (setup, record)
+            assert measured <= predicted <= record["budget_bytes"] and predicted <= 1.25 * measured, (setup, record)
             _, _, reshard, _, _ = setup
             for seen in record["steps"][:2]:
                 ours, plain = (seen[f"{label}-collectives"].get(GATHER, 0) for label in ("remat", "plain"))

@@ -259,7 +259,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         stage.forward_time_s, stage.backward_time_s = stage_forward_s, stage_backward_s
     groups = group_stages(stages)
     breaks, pinned = region_limits(stages, groups)
-    fixed_bytes, leftovers, freed_by = held_outside_chain(chain, step)
+    fixed_bytes, leftovers, freed_by = held_outside_chain(chain, step, groups)
     group_of = [g for g, (first, stop) in enumerate(groups) for _ in range(first, stop)]
     suffix = _suffix(step)
     suffix_kept_bytes, output_gradient_bytes, suffix_peak_bytes, suffix_transient_bytes = suffix[:4]

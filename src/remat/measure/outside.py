@@ -103,10 +103,12 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
     return tuple(out)
 
 
-def held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int], list[tuple[int, int]]]:
+def held_outside_chain(
+    chain: Chain, step: TrackedStep, groups: list[tuple[int, int]]
+) -> tuple[int, list[int], list[tuple[int, int]]]:
     """The prefix's live bytes, escaped outputs and side effects, and backward leftovers
     (all of it, the leftovers of each stage's backward, and which of them a later stage's
-    backward frees: ``(stage, bytes)``)."""
+    backward frees: ``(stage, bytes)``), for the stages planned as `groups`."""
     stages, tracker = step.watch.stages, step.tracker
     fixed_bytes = tracker.window(stages[0].forward_window[0]).before_bytes
     fixed_bytes += escaped_bytes(chain, step)
@@ -138,7 +140,17 @@ def held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int],
     # the down block's backward takes it. It is left over from that stage's backward on.
     gradients = tracker.allocation_freed_events(step.watch.gradient_allocations)
     records = tracker.allocation_records(gradients)
+    # NOTE [gradients passed through inside a group]
+    # A stage's own input gradient is its planned input gradient, not a leftover, when the
+    # stage starts its planned group or dies within the group's backward. A stage inside a
+    # group that passes its output's gradient through as its input's (a dropout with p=0, an
+    # identity, a view: no new tensor) hands on a gradient that an earlier stage made, which
+    # may outlive the group: in `x = x + block(x)` the residual stream's gradient waits,
+    # after the block's last stages, for the block's first stage to return the other part of
+    # it. It is left over from that stage's backward on (without this, a residual loop with
+    # dropouts at p=0 went over its budget by a block's output).
     windows = [stage.backward_window for stage in stages]
+    first_of = [first for first, stop in groups for _ in range(first, stop)]
     freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
     for index, window in enumerate(windows):
         if window is None:
@@ -146,8 +158,13 @@ def held_outside_chain(chain: Chain, step: TrackedStep) -> tuple[int, list[int],
         after = windows[index + 1] if index + 1 < len(windows) else None
         received_from = after[0] if after is not None else 0
         own = step.watch.input_gradient_allocations.get(index, set())
+        first_window = windows[first_of[index]]
+        group_end = first_window[1] if first_window is not None else window[1]
         for key, (allocated, freed) in gradients.items():
-            if received_from <= allocated < window[0] and (freed is None or freed > window[1]) and key not in own:
+            if not (received_from <= allocated < window[0] and (freed is None or freed > window[1])):
+                continue
+            passed_on = index > first_of[index] and (freed is None or freed > group_end)
+            if key not in own or passed_on:
                 leftovers[index] += records[key].nbytes
                 taker = next(
                     (k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None
@@ -240,8 +257,10 @@ def escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     """Bytes allocated by the stages that the model holds through the backward on its own."""
     stages, alive = step.watch.stages, step.alive_after_forward
     # Outputs that escape to the model's code (a key/value cache, attention weights) and
-    # are still alive when the forward returns are held through the backward too.
-    escaped = {k: v for stage in stages for k, v in stage.escaped_storages.items() if k in alive}
+    # are still alive when the forward returns are held through the backward too, unless
+    # only their own stage's saving keeps them (NOTE [outputs their own stage saves]).
+    own = _saved_by_own_stage(step)
+    escaped = {k: v for stage in stages for k, v in stage.escaped_storages.items() if k in alive and k not in own}
     # What the executor keeps for the replay of a stage's glue, as it is: made since the
     # chain began (a U-Net's skip, an encoder's output that every decoder block takes), it
     # is held until the backward ends when that stage is recomputed (NOTE [glue between
@@ -272,6 +291,42 @@ def escaped_bytes(chain: Chain, step: TrackedStep) -> int:
     if side_effects:
         warn_side_effects(side_effects)
     return sum(escaped.values())
+
+
+# NOTE [outputs their own stage saves]
+# In `x = x + block(x)` the block's last stage returns t, the model's code adds it to x,
+# and the next stage takes the sum: t escapes to the model's code. It is still alive when
+# the forward returns only because that stage saved it for its backward (a tanh keeps its
+# output), which the stage's saved bytes count already: held through the step as an
+# escaped output too, it was counted twice (8 KiB over every prediction of a 4-block
+# residual model with a head, whatever the budget). Such an output is not held outside
+# the chain when nothing else keeps it: one stage saves it, it is not the model's output,
+# module state, an autocast cast or a tensor the glue keeps, and the step freed it by the
+# end of that stage's backward.
+def _saved_by_own_stage(step: TrackedStep) -> set[int]:
+    """The escaped outputs that only their own stage's saving keeps alive (see the NOTE)."""
+    stages, alive = step.watch.stages, step.alive_after_forward
+    savers: dict[int, int] = {}
+    for stage in stages:
+        for key in stage.saved_storages:
+            savers[key] = savers.get(key, 0) + 1
+    kept = set(step.output_allocations) | step.state_allocations | step.cast_allocations
+    for stage in stages:
+        kept |= set(stage.kept_constants) | stage.glue_constants
+    own: set[int] = set()
+    for stage in stages:
+        window = stage.backward_window
+        keys = [
+            key
+            for key in stage.escaped_storages
+            if key in stage.saved_storages and savers[key] == 1 and key in alive and key not in kept
+        ]
+        if window is None or not keys:
+            continue
+        for key, (_, freed_at) in step.tracker.allocation_freed_events(keys).items():
+            if freed_at is not None and freed_at <= window[1]:
+                own.add(key)
+    return own
 
 
 def sum_except(allocations: dict[int, int], excluded: AbstractSet[int]) -> int:
