@@ -226,12 +226,24 @@ def sharded_alone() -> list[dict[str, Any]]:
     return records
 
 
+class _ScaledBlock(nn.Module):
+    """A block whose first stage has no parameter and whose code after it reads the block's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.up, self.down = nn.Tanh(), nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(torch.tanh(self.up(self.act(x) * self.scale))))
+
+
 class _Residual(nn.Module):
     """Blocks added to their input (the glue between them), then a head the root unit holds."""
 
     def __init__(self, depth: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_block() for _ in range(depth))
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(depth))
         self.head = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

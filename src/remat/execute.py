@@ -318,12 +318,12 @@ class _Run:
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
-        self.gathering.before(stage)
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
-            if option is not None:
-                out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
-            else:
-                out = call_stage(module, args, kwargs)
+            with self.gathering.around(stage, module):
+                if option is not None:
+                    out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
+                else:
+                    out = call_stage(module, args, kwargs)
             glue = self.glues.get(stage)
             if glue is None:  # the chain's last stage: nothing follows it
                 return (out,), {}

@@ -220,13 +220,13 @@ def _last_uses(
 def _in_fsdp2_hook() -> bool:
     """Whether the torch call being recorded comes from FSDP2's code (a few frames up: its
     hooks call torch directly, or through an autograd function)."""
-    if "torch.distributed.fsdp" not in sys.modules:
+    if "torch.distributed.fsdp._fully_shard" not in sys.modules:
         return False
     frame: FrameType | None = sys._getframe(2)
     for _ in range(_FSDP2_FRAMES):
         if frame is None:
             return False
-        if frame.f_globals.get("__name__", "").startswith("torch.distributed.fsdp."):
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.fsdp._fully_shard."):
             return True
         frame = frame.f_back
     return False
@@ -241,6 +241,8 @@ def _alias(tensor: torch.Tensor, of: torch.Tensor) -> bool:
     return (
         base is not None
         and (base is of or base is of._base)
+        and tensor.is_conj() == of.is_conj()
+        and tensor.is_neg() == of.is_neg()
         and tensor.dtype == of.dtype
         and tensor.shape == of.shape
         and tensor.stride() == of.stride()
