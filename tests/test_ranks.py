@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +160,10 @@ def test_fsdp2_with_tensor_parallelism_is_exact_in_both_modes_with_counted_colle
                     assert extra == {gather: 0, reduce: 4, scatter: 0}, (how, extra)
                 elif how == ("mark", "save"):  # kept from the forward
                     assert extra == {gather: 0, reduce: 0, scatter: 0}, (how, extra)
-                else:  # a replay's units gathered again, its all-reduces run again: once per extra forward at most
+                else:  # a replay's all-reduces run again (once per extra forward at most); its gathers stand
+                    # for the units' own in backward
                     bound = sum(count - 1 for count in record["forward_counts"])
-                    assert 0 <= extra[gather] <= bound and 0 < extra[reduce] <= bound, (how, extra)
+                    assert extra[gather] == 0 and 0 < extra[reduce] <= bound, (how, extra)
             if how[0] == "enable":
                 measured, predicted = record["check"]
                 assert measured <= predicted <= record["budget_bytes"], (how, record["check"])
@@ -235,16 +237,13 @@ def test_the_automatic_mode_plans_fsdp2_models_exactly_within_the_budget(results
                     torch.testing.assert_close(grad, record["single_process"][name], rtol=1e-5, atol=1e-6)
             measured, predicted = record["check"]
             assert measured <= predicted <= record["budget_bytes"] and predicted <= 1.25 * measured, (setup, record)
-            _, _, reshard, _, _ = setup
+            kind, _, reshard, _, _ = setup
             for seen in record["steps"][:2]:
+                # a replay gathers the units it reaches back into, which then stay gathered until
+                # their backward (as FSDP2 keeps units torch's checkpoint recomputes): the backward
+                # gathers as often as without remat (never, when units stay gathered from the forward)
                 ours, plain = (seen[f"{label}-collectives"].get(GATHER, 0) for label in ("remat", "plain"))
-                if reshard:  # a replay gathers each unit it runs in once more, at most
-                    assert 0 <= ours - plain <= sum(count - 1 for count in record["forward_counts"]), (setup, seen)
-                else:  # units stay gathered from their forward to their backward
-                    assert ours == plain == 0, (setup, seen)
-            if reshard and setup[3] == "min":
-                first = record["steps"][0]
-                assert first["remat-collectives"][GATHER] > first["plain-collectives"][GATHER], setup
+                assert ours == plain == (4 if kind == "sequential" else 5) * reshard, (setup, seen)
     for setup in by_rank[0]:
         assert by_rank[0][setup]["items"] == by_rank[1][setup]["items"], setup  # one plan on every rank
 
@@ -295,8 +294,12 @@ def test_a_new_shape_on_one_tensor_parallel_rank_stops_every_rank_alike(results:
                 assert torch.equal(grad, step["expected"][name]), name
 
 
-def _torchrun(tmp_path: Path, arguments: list[str], timeout_s: float = 180) -> tuple[int | None, str, str]:
-    """``torchrun --nproc-per-node 2 ARGUMENTS`` on gloo: (exit code, None if it hung; stdout; stderr)."""
+def _torchrun(
+    tmp_path: Path, arguments: list[str], timeout_s: float = 180, finished: Callable[[str], bool] | None = None
+) -> tuple[int | None, str, str]:
+    """``torchrun --nproc-per-node 2 ARGUMENTS`` on gloo: (exit code, None if it hung; stdout; stderr).
+
+    Once ``finished(stdout)`` is true, the processes have a short while left to exit."""
     torchrun = Path(sys.executable).with_name("torchrun")
     port = free_port()
     command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), *arguments]
@@ -307,13 +310,24 @@ def _torchrun(tmp_path: Path, arguments: list[str], timeout_s: float = 180) -> t
         process = subprocess.Popen(
             command, env=env, stdout=out, stderr=err, text=True, cwd=tmp_path, start_new_session=True
         )
-        try:
-            code: int | None = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        code: int | None = None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                code = process.wait(timeout=1)
+                break
+            except subprocess.TimeoutExpired:
+                if finished is not None and finished(out_path.read_text()):
+                    # done: left a short while to exit (gloo's teardown can hang on this machine)
+                    deadline = min(deadline, time.monotonic() + _EXIT_GRACE_S)
+                    finished = None
+        if code is None:
             kill_launch(process, port)
             process.wait()
-            code = None
     return code, out_path.read_text(), err_path.read_text()
+
+
+_EXIT_GRACE_S = 20
 
 
 @pytest.mark.slow
@@ -322,11 +336,14 @@ def test_the_torchrun_example_trains_with_one_plan_on_every_rank(tmp_path: Path)
     # ranks run the same schedule and hold the same weights after every step
     example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
     arguments = [str(example), "--steps", "2", "--tokens", "32", "--budget", "0.5", "--device", "cpu"]
-    code, stdout, stderr = _torchrun(tmp_path, arguments)
-    if code is None:
+
+    def verified(stdout: str) -> bool:
         lines = [line for line in stdout.splitlines() if line.startswith("step ")]
-        verified = len(lines) == 2 and all("same plan on every rank: True, same weights: True" in x for x in lines)
-        assert verified, f"the example hung before it finished training:\n{stdout}\n{stderr}"
+        return len(lines) == 2 and all("same plan on every rank: True, same weights: True" in x for x in lines)
+
+    code, stdout, stderr = _torchrun(tmp_path, arguments, finished=verified)
+    if code is None:
+        assert verified(stdout), f"the example hung before it finished training:\n{stdout}\n{stderr}"
         # Both steps ran and were checked on every rank; the processes then did not exit
         # (seen on a 2-core machine running the suite in two processes: gloo's teardown).
         pytest.skip("the torchrun example trained and checked both steps, then hung at process exit")

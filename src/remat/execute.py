@@ -318,12 +318,12 @@ class _Run:
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
+        self.gathering.before(stage)
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
-            with self.gathering.around(stage, module):
-                if option is not None:
-                    out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
-                else:
-                    out = call_stage(module, args, kwargs)
+            if option is not None:
+                out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
+            else:
+                out = call_stage(module, args, kwargs)
             glue = self.glues.get(stage)
             if glue is None:  # the chain's last stage: nothing follows it
                 return (out,), {}
@@ -367,7 +367,7 @@ class _Replay:
         self.__qualname__ = f"stages {body.steps[0].start}.."
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with _room_for(1), self.run.gathering.replaying():
+        with _room_for(1):
             return self.run.run_level(self.body, args, kwargs)
 
 

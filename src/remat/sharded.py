@@ -31,14 +31,14 @@ __all__ = ["UnitGathering", "fsdp_units", "gathered_units"]
 # Replays: a region may begin in a unit whose parameters were resharded after its forward
 # and be replayed when backward reaches a later unit. Before a replayed stage runs, every
 # unit enclosing it is gathered if it is sharded (its parameters, and those the model's
-# code after the stage reads), and resharded as soon as the replay moves on to a stage
-# outside it, or when the outermost replay ends: a replay holds one stage's units at a
-# time. The recomputed tensors hold the gathered parameters by reference, and FSDP2 fills
-# the same storages again when backward reaches the unit: a recompute gathers its units'
-# parameters once more (comm="recompute" for FSDP2). A stage that is a unit itself gathers
-# its own parameters in its hooks, as it does when torch's checkpoint recomputes it, and
-# is resharded right after its call if it was sharded before. Gathered parameters are parameters, not activations: the tracker leaves
-# FSDP2's buffers out of its figures (NOTE [parameter traffic] in remat.memory).
+# code after the stage reads), and it stays gathered until FSDP2 reshards it after its own
+# backward: what FSDP2 does for a unit torch's checkpoint recomputes (a unit recomputed in
+# backward is not resharded after its forward), so the unit's backward finds it gathered
+# and gathers nothing more. A stage that is a unit itself gathers its own parameters in its
+# hooks, the same way. A replay that reaches back over several units thus holds their
+# parameters from the replay to their backward. Gathered parameters are parameters, not
+# activations: the tracker leaves FSDP2's buffers out of its figures (NOTE [parameter
+# traffic] in remat.memory).
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules of `model` sharded with FSDP2's ``fully_shard``, outermost first."""
     try:
@@ -93,12 +93,11 @@ def gathered_units(model: nn.Module) -> Iterator[None]:
 class UnitGathering:
     """Gathers, for a replay, the FSDP2 units whose stages it runs (see the NOTE).
 
-    A stage needs every unit enclosing it gathered: its own parameters, and what the model's
-    code after it (the glue, replayed with it) reads of theirs. Each is gathered before the
-    stage if it is sharded, and resharded as soon as the replay moves on to a stage outside
-    it (or when the outermost replay ends), so a replay holds the units of one stage at a
-    time. A stage that is a unit itself gathers its parameters in its own hooks; if it was
-    sharded before, it is resharded right after its call.
+    A stage needs every unit enclosing it gathered: its own parameters, and those the model's
+    code after it (the glue, replayed with it) reads. Each is gathered before the stage if it
+    is sharded, and stays gathered until FSDP2 reshards it after its own backward, as FSDP2
+    keeps a unit that torch's checkpoint recomputes. A stage that is a unit itself gathers
+    its parameters in its own hooks.
 
     Args:
         model: the model whose chain is replayed.
@@ -109,7 +108,6 @@ class UnitGathering:
 
     def __init__(self, model: nn.Module | None, stages: Sequence[nn.Module]) -> None:
         self._enclosing: dict[int, tuple[nn.Module, ...]] = {}  # stage -> its units, outermost first
-        self._units: set[int] = set()  # the stages that are units themselves
         units = [] if model is None else fsdp_units(model)
         if units:
             chains: dict[int, tuple[nn.Module, ...]] = {}
@@ -120,47 +118,12 @@ class UnitGathering:
                 enclosing = tuple(unit for unit in chains.get(id(stage), ()) if unit is not stage)
                 if enclosing:
                     self._enclosing[index] = enclosing
-                if any(unit is stage for unit in units):
-                    self._units.add(index)
-        self._depth = 0
-        self._gathered: list[nn.Module] = []
 
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        """Around a replay: the units still gathered for it are resharded when the outermost one ends."""
-        if not self._enclosing and not self._units:
-            yield
-            return
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._reshard(self._gathered)
-
-    @contextlib.contextmanager
-    def around(self, stage: int, module: nn.Module) -> Iterator[None]:
-        """Around the call of stage `stage` (`module`) in a replay; the units enclosing it stay
-        gathered after it, for its glue, until the replay moves on or ends."""
-        needed = self._enclosing.get(stage, ())
-        if needed or self._gathered:
-            self._reshard([unit for unit in self._gathered if not any(unit is u for u in needed)])
-            for unit in needed:
-                if not _gathered(unit):
-                    unit.unshard()  # type: ignore[operator]
-                    self._gathered.append(unit)
-        sharded_unit = stage in self._units and not _gathered(module)
-        try:
-            yield
-        finally:
-            if sharded_unit and _gathered(module):
-                module.reshard()  # type: ignore[operator]
-
-    def _reshard(self, units: list[nn.Module]) -> None:
-        for unit in units:
-            self._gathered.remove(unit)
-            unit.reshard()  # type: ignore[operator]
+    def before(self, stage: int) -> None:
+        """Gathers the units enclosing stage `stage` that are sharded, before its replay."""
+        for unit in self._enclosing.get(stage, ()):
+            if not _gathered(unit):
+                unit.unshard()  # type: ignore[operator]
 
 
 UnitGathering.NONE = UnitGathering(None, ())
