@@ -179,7 +179,7 @@ def _read_schedule(ops: Sequence[Operation], n_calls: int) -> _Level:
 class _Run:
     """The state of one forward of the chain: what the replays will need."""
 
-    def __init__(self, executor: ChainExecutor, gathering: UnitGathering = UnitGathering.NONE) -> None:
+    def __init__(self, executor: ChainExecutor) -> None:
         self.executor = executor
         self.next_stage = 0
         self.recording: RegionRecording | None = None
@@ -189,7 +189,6 @@ class _Run:
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
-        self.gathering = gathering  # NOTE [FSDP2 units] in remat.sharded
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -318,7 +317,8 @@ class _Run:
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
-        self.gathering.before(stage)
+        if self.executor.gathering is not None:  # NOTE [FSDP2 units] in remat.sharded
+            self.executor.gathering.before(stage)
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
             if option is not None:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
@@ -442,7 +442,7 @@ class ChainExecutor:
         # intercepted, so such a plan costs no time at all. What the executor would check
         # (every stage called once, in order) matters only to a replay, and there is none.
         self.plain = all(kind is _STORE and step.option is None for kind, step in self.first_forward)
-        self.gathering: UnitGathering | None = None  # for the model it first runs
+        self.gathering: UnitGathering | None = None  # the FSDP2 units of the model it first runs
 
     def recomputes(self) -> bool:
         """Whether any stage call is recomputed (not stored by its first forward, or stored under a policy)."""
@@ -465,7 +465,7 @@ class ChainExecutor:
             return out
         if self.gathering is None:
             self.gathering = UnitGathering(model, self.chain.modules)
-        run = _Run(self, self.gathering)
+        run = _Run(self)
         try:
             with intercept_stages(self.chain, run):
                 out = model(*args, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import nn
 
@@ -104,11 +104,9 @@ class UnitGathering:
         stages: the chain's stage modules.
     """
 
-    NONE: ClassVar[UnitGathering]  # gathers nothing (remat's own runs: NOTE [FSDP2 units])
-
-    def __init__(self, model: nn.Module | None, stages: Sequence[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, stages: Sequence[nn.Module]) -> None:
         self._enclosing: dict[int, tuple[nn.Module, ...]] = {}  # stage -> its units, outermost first
-        units = [] if model is None else fsdp_units(model)
+        units = fsdp_units(model)
         if units:
             chains: dict[int, tuple[nn.Module, ...]] = {}
             for unit in units:  # outermost first
@@ -124,6 +122,3 @@ class UnitGathering:
         for unit in self._enclosing.get(stage, ()):
             if not _gathered(unit):
                 unit.unshard()  # type: ignore[operator]
-
-
-UnitGathering.NONE = UnitGathering(None, ())

@@ -223,9 +223,9 @@ class TrackedStep:
     tracker: MemoryTracker
     alive_after_forward: dict[int, AllocationRecord]
     output_bytes: int
+    loss_output_bytes: int
     output_allocations: set[int]
     device: str
-    loss_output_bytes: int = 0
     state_allocations: set[int] = field(default_factory=set)
     cast_allocations: set[int] = field(default_factory=set)
     loss_event: int | None = None
@@ -316,7 +316,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         int(measured_peak_bytes),
         end_peak_bytes=int(end_peak_bytes),
         output_bytes=int(step.output_bytes),
-        loss_output_bytes=int(step.loss_output_bytes or step.output_bytes),
+        loss_output_bytes=int(step.loss_output_bytes),
         suffix_peak_bytes=int(suffix_peak_bytes),
         suffix_kept_bytes=int(suffix_kept_bytes),
         cast_bytes=tuple(int(c) for c in casts),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from collections import Counter
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
@@ -306,10 +307,7 @@ def escaped_bytes(chain: Chain, step: TrackedStep) -> int:
 def _saved_by_own_stage(step: TrackedStep) -> set[int]:
     """The escaped outputs that only their own stage's saving keeps alive (see the NOTE)."""
     stages, alive = step.watch.stages, step.alive_after_forward
-    savers: dict[int, int] = {}
-    for stage in stages:
-        for key in stage.saved_storages:
-            savers[key] = savers.get(key, 0) + 1
+    savers = Counter(key for stage in stages for key in stage.saved_storages)
     kept = set(step.output_allocations) | step.state_allocations | step.cast_allocations
     for stage in stages:
         kept |= set(stage.kept_constants) | stage.glue_constants

@@ -219,7 +219,7 @@ def prepared(
         # precision (losses upcast it). Without the user's loss_fn, the chain's output
         # gradient is charged that much more (it is live from the loss to the end of the
         # last stage's backward).
-        allowance = LOSS_ALLOWANCE_OUTPUTS * (measurement.loss_output_bytes or measurement.output_bytes)
+        allowance = LOSS_ALLOWANCE_OUTPUTS * measurement.loss_output_bytes
         gradients = list(profile.gradient_bytes)
         gradients[-1] += allowance
         profile = dataclasses.replace(profile, gradient_bytes=tuple(gradients))
