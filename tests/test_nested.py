@@ -17,6 +17,7 @@ from torch import nn
 
 import remat
 from remat.discover import discover_chain
+from remat.plan.share import prepared
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -192,3 +193,53 @@ def test_nested_plans_update_batch_norm_statistics_once() -> None:
         assert torch.equal(ours, theirs)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours.grad, theirs.grad)
+
+
+# NOTE [constants an earlier stage takes]: the residual stream a block's inner stages leave
+# is what its first stage took; a plan whose regions replay that stage with the glue that
+# adds it back takes it from the replay instead of keeping it through the step.
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_residuals_taken_from_the_replay_lower_the_smallest_budget(case: str) -> None:
+    model, inputs, target = CASES[case]()
+    model.train()
+    plain_peak, plain_grads = _plain(model, inputs, target)
+    wrapped = remat.Checkpointable(model, "min", loss_fn=lambda out: _loss(out, target), output_kept=False, nested=True)
+    measurement = wrapped.measure(inputs)
+    assert measurement.taken_again  # the residuals (decoder) and the shortcuts' inputs (resnet)
+    kept, taken = (
+        prepared(measurement, loss_measured=True, output_kept=False, margin=0.0, solver=wrapped._solver(), take_again=t)
+        for t in (False, True)
+    )
+    assert taken.held_outside_bytes < kept.held_outside_bytes
+    assert taken.minimum_total_bytes() < kept.minimum_total_bytes()
+    plan = wrapped.plan_for("min")
+    assert plan.budget_bytes == taken.minimum_total_bytes()
+    assert plan.schedule.profile.glue_spans  # the plan takes them from replays
+    model.zero_grad(set_to_none=True)
+    with remat.MemoryTracker() as tracker:
+        torch.manual_seed(1)
+        _loss(wrapped(inputs), target).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads, strict=True))
+    assert tracker.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+    assert tracker.peak_bytes < kept.minimum_total_bytes() < plain_peak
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.4])
+def test_replays_holding_a_residual_are_predicted_within_the_budget(budget: float) -> None:
+    # a replay holds the block's input from its first stage to the glue that adds it back
+    model, inputs, target = decoder_case()
+    model.train()
+    _, plain_grads = _plain(model, inputs, target)
+    wrapped = remat.Checkpointable(
+        model, budget, loss_fn=lambda out: _loss(out, target), output_kept=False, nested=True
+    )
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as tracker:
+            torch.manual_seed(1)
+            _loss(wrapped(inputs), target).backward()
+    plan = wrapped.plan
+    assert plan is not None and plan.budget_bytes is not None
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads, strict=True))
+    assert tracker.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.predicted_peak_bytes <= 1.05 * tracker.peak_bytes

@@ -170,3 +170,20 @@ def test_a_thousand_stage_chain_is_planned_with_numpy() -> None:
         schedule = solver(profile, budget)
         assert schedule.predicted_peak_bytes <= budget
         assert schedule.overhead_s > 0
+
+
+def test_glue_spans_hold_on_the_merged_chain() -> None:
+    # a region of groups that replays a span's glue stage starts at or before its first stage
+    profile = dataclasses.replace(random_chain(5, 9), glue_spans=((1, 2), (4, 7)))
+    starts = (0, 3, 6)
+    merged = merged_profile(profile, starts)
+    assert merged.glue_spans == ((0, 0), (1, 2))
+    accepted = 0
+    for plan in all_plans(merged.n_stages):
+        try:
+            on_groups = simulate(merged, plan)
+        except InvalidPlan:
+            continue
+        accepted += 1
+        assert simulate(profile, expanded_plan(plan, starts, 9)).peak_bytes <= on_groups.peak_bytes
+    assert 0 < accepted < len(all_plans(merged.n_stages))

@@ -366,6 +366,62 @@ def test_breaks_survive_a_saved_profile_and_are_checked(tmp_path: Path) -> None:
         dataclasses.replace(profile, pinned_stages=(-1,))
 
 
+# ---------------------------------------------------------------------------- glue spans
+
+
+def _with_spans(profile: ChainProfile, seed: int) -> ChainProfile:
+    """`profile` with random glue spans (NOTE [constants an earlier stage takes])."""
+    n = profile.n_stages
+    spans = tuple((s, min(n - 1, s + 1 + (seed + s) % 2)) for s in range(0, n - 1, 2) if (seed + s) % 3 != 1)
+    return dataclasses.replace(profile, glue_spans=spans)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(10))
+def test_optimal_plans_follow_glue_spans(implementation: str, seed: int) -> None:
+    # a region that replays a span's glue stage replays its first stage too
+    profile = _with_spans(random_chain(seed, 3 + seed % 3, integer_times=True, max_time_s=4.0), seed)
+    assert profile.glue_spans
+    results = _allowed_results(profile)
+    assert len(results) < len(all_plans(profile.n_stages))  # simulate() refused some plans
+    least = min(result.peak_bytes for result in results)
+    solver = OptimalSolver(implementation=implementation)
+    assert solver.minimum_bytes(profile) == least
+    for budget in range(least, max(result.peak_bytes for result in results) + 1):
+        schedule = solver(profile, budget)
+        fitting = [result.time_s for result in results if result.peak_bytes <= budget]
+        assert math.isclose(schedule.predicted_time_s, min(fitting), rel_tol=1e-12)
+
+
+def test_simulate_refuses_a_replay_that_starts_inside_a_glue_span() -> None:
+    profile = dataclasses.replace(random_chain(2, 5), glue_spans=((1, 3),))
+    assert not profile.region_allowed(2, 4) and not profile.region_allowed(3, 4)
+    assert profile.region_allowed(1, 4) and profile.region_allowed(2, 3) and profile.region_allowed(0, 5)
+    assert not profile.allowed_regions()[2, 4] and profile.allowed_regions()[1, 4]
+    with pytest.raises(InvalidPlan, match="glue takes the input of stage 1"):
+        simulate(profile, (Store(0), Store(1), Region(2, 4, (Store(2), Store(3))), Store(4)))
+    simulate(profile, (Store(0), Region(1, 4, (Store(1), Store(2), Store(3))), Store(4)))
+
+
+@pytest.mark.parametrize("name", ["inputs", "periodic"])
+def test_baselines_store_the_glue_stage_of_a_span_they_would_cut(name: str) -> None:
+    profile = dataclasses.replace(random_chain(1, 9), glue_spans=((1, 3), (4, 6), (6, 6)))
+    schedule = get_solver(name)(profile, None)  # simulate() checks every region
+    for item in schedule.items:
+        if isinstance(item, Region):
+            assert profile.region_allowed(item.start, item.stop)
+
+
+def test_glue_spans_survive_a_saved_profile_and_are_checked() -> None:
+    profile = dataclasses.replace(random_chain(3, 5), glue_spans=((2, 4), (0, 1), (2, 4)))
+    assert profile.glue_spans == ((0, 1), (2, 4))
+    assert ChainProfile.from_json(profile.to_json()) == profile
+    assert "glue_spans" not in random_chain(3, 5).to_dict()
+    for bad in ((3, 1), (0, 5), (-1, 2)):
+        with pytest.raises(InvalidProfile, match="glue_spans holds"):
+            dataclasses.replace(profile, glue_spans=(bad,))
+
+
 def test_a_pinned_stage_right_after_a_cut_region_is_stored_once() -> None:
     profile = dataclasses.replace(random_chain(4, 5), region_breaks=(1,), pinned_stages=(2,))
     plan = PeriodicSolver(segments=2).plan_for(profile)

@@ -34,7 +34,7 @@ from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.key import signature, what_changed
-from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, offload_option, prepared
+from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
 from remat.ranks import RankAgreement, agreement_group_active
@@ -214,7 +214,7 @@ class Checkpointable(ModelStandIn):
         self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
         self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
         self._forced_plan: Plan | None = Plan.pinned(plan)
-        self._minimums: dict[tuple[Hashable, _PlanOptions], int] = {}
+        self._minimums: dict[tuple[Hashable, _PlanOptions], list[int]] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
@@ -348,22 +348,19 @@ class Checkpointable(ModelStandIn):
         """
         if self.mem_limit is None:
             return None  # the free device memory: no plan fits where the timing pass does not
-        planning = self._prepare(key, sized)
-        total = self._total_bytes(key, planning, self.mem_limit)
+        plannings = self._plannings(key, sized)
+        total = self._total_bytes(key, plannings, self.mem_limit)
         if training and self._ranks is not None and self._ranks.measuring_together:  # NOTE [measuring together]
-            total = self._ranks.before_timing(functools.partial(self._check_feasible, key, planning, total), total)
+            total = self._ranks.before_timing(functools.partial(self._check_feasible, key, plannings, total), total)
         elif training:
-            self._check_feasible(key, planning, total)
+            self._check_feasible(key, plannings, total)
         if not needs:
             return None  # the first call, on the sizes alone
         timed = frozenset(g for g, need in enumerate(needs) if need <= total)
         if len(timed) < len(sized.groups):
-            logger.info(
-                "remat: %d of %d planned stages do not fit in the budget with their backward; their "
-                "backward times are estimated from their forwards",
-                len(sized.groups) - len(timed),
-                len(sized.groups),
-            )
+            logger.info("remat: %d of %d planned stages do not fit in the budget with their backward; their "
+                        "backward times are estimated from their forwards", len(sized.groups) - len(timed),
+                        len(sized.groups))  # fmt: skip
         return timed
 
     def plan_for(self, mem_limit: Budget | EllipsisType = ..., *, all_ranks: bool = False) -> Plan:
@@ -388,7 +385,7 @@ class Checkpointable(ModelStandIn):
     def minimum_budget_bytes(self) -> int:
         """The smallest feasible whole-step budget, in bytes, for the last measured input."""
         key = self._measured_key()
-        return self._minimum_budget_bytes(key, self._prepared(key))
+        return min(self._minima(key, self._plannings(key, self._measurements[key])))
 
     @contextlib.contextmanager
     def executing(self, plan: Plan) -> Iterator[Plan]:
@@ -528,15 +525,21 @@ class Checkpointable(ModelStandIn):
         if executor is None:
             refuse_meta_training(self.model)
             ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
+            taken = taken_again(plan, self._measurements.get(key))
             executor = self._executors[(key, plan)] = ChainExecutor(
-                chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies
+                chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken
             )
         return executor
 
     def _prepared(self, key: Hashable) -> Planning:
         return self._prepare(key, self._measurements[key])
 
-    def _prepare(self, key: Hashable, measurement: ChainMeasurement) -> Planning:
+    def _plannings(self, key: Hashable, measurement: ChainMeasurement) -> list[Planning]:
+        """Glue constants kept, or taken from replays (NOTE [constants an earlier stage takes])."""
+        ways = (False, True) if measurement.taken_again else (False,)
+        return [self._prepare(key, measurement, take_again=way) for way in ways]
+
+    def _prepare(self, key: Hashable, measurement: ChainMeasurement, take_again: bool = False) -> Planning:
         return prepared(
             measurement,
             loss_measured=self._loss_fn is not None or measurement.loss_from_output,
@@ -544,18 +547,21 @@ class Checkpointable(ModelStandIn):
             margin=self._margin(key, measurement),
             solver=self._solver(measurement.profile.n_stages),
             offload=self.offload,
+            take_again=take_again,
         )
 
-    def _minimum_budget_bytes(self, key: Hashable, planning: Planning) -> int:
+    def _minima(self, key: Hashable, plannings: list[Planning]) -> list[int]:
+        """The smallest feasible budget of each way to plan."""
         cache_key = (key, self._options(None))
-        if cache_key not in self._minimums:
-            self._minimums[cache_key] = planning.minimum_total_bytes()
+        if len(self._minimums.get(cache_key, ())) != len(plannings):
+            self._minimums[cache_key] = [planning.minimum_total_bytes() for planning in plannings]
         return self._minimums[cache_key]
 
-    def _total_bytes(self, key: Hashable, planning: Planning, mem_limit: Budget) -> int:
+    def _total_bytes(self, key: Hashable, plannings: list[Planning], mem_limit: Budget) -> int:
         """The whole-step budget in bytes that `mem_limit` stands for."""
+        planning = plannings[0]
         if mem_limit == MINIMUM:
-            return self._minimum_budget_bytes(key, planning)
+            return min(self._minima(key, plannings))
         # A fraction is of the budget that stores everything, margin included, with what
         # lives part of the step counted where it lives: 1.0 always plans no recompute.
         store_all = planning.store_all()
@@ -567,8 +573,8 @@ class Checkpointable(ModelStandIn):
             warn_default_cpu_budget(total, reference)
         return total
 
-    def _check_feasible(self, key: Hashable, planning: Planning, total: int) -> None:
-        minimum = self._minimum_budget_bytes(key, planning)
+    def _check_feasible(self, key: Hashable, plannings: list[Planning], total: int) -> None:
+        minimum = min(self._minima(key, plannings))
         if total < minimum:
             raise budget_too_small(total, minimum)
 
@@ -580,11 +586,11 @@ class Checkpointable(ModelStandIn):
         if ranks is not None:  # planned again, minimum included, from the figures of all ranks
             self._minimums.pop((key, self._options(None)), None)
         measurement = self._measurements[key]
-        planning = self._prepared(key) if ranks is None else ranks.combined(self._prepared(key))
-        total = self._total_bytes(key, planning, mem_limit)
+        plannings = [p if ranks is None else ranks.combined(p) for p in self._plannings(key, measurement)]
+        total = self._total_bytes(key, plannings, mem_limit)
         total = total if ranks is None else ranks.smallest(total)
-        self._check_feasible(key, planning, total)
-        schedule, split = planning.solve(planning.split(total))
+        self._check_feasible(key, plannings, total)
+        schedule, split = fastest(plannings, self._minima(key, plannings), total)
         plan = Plan(schedule, split, tuple(measurement.groups), measurement.measured_peak_bytes, measurement)
         self._plans[(key, options)] = plan
         counts, peak = plan.forward_counts, format_bytes(plan.predicted_peak_bytes)

@@ -30,9 +30,7 @@ some too; normalisation statistics are updated once (the recompute guard).
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -42,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain
-from remat.discover.glue import Glue, GlueRecorder
+from remat.discover.glue import EarlierInputs, Glue, GlueRecorder
 from remat.discover.intercept import (
     call_original,
     call_stage,
@@ -52,10 +50,10 @@ from remat.discover.intercept import (
 )
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._frames import active_mode
+from remat.manual._output_hooks import hook_chain_output
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._state import hold_hooks, is_recomputing
-from remat.manual._tensors import graph_retained
+from remat.manual._state import hold_hooks
 from remat.manual.offload import StageOffloads
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
@@ -189,6 +187,7 @@ class _Run:
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
+        self.earlier = EarlierInputs(executor.taken_again) if executor.taken_again else None
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -201,6 +200,8 @@ class _Run:
         self.next_stage += 1
         self.offloads.before(index, (args, kwargs))
         self._end_glue(args, kwargs)
+        if self.earlier is not None:  # NOTE [constants an earlier stage takes] in remat.discover.glue
+            self.earlier.called(index, _tensors((args, kwargs)))
         kind, step = executor.first_forward[index]
         if kind is _OFFLOAD and index < len(executor.chain) - 1:
             self.offloads.open(index, module, (args, kwargs))
@@ -212,7 +213,7 @@ class _Run:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.offloads.after(index, out)
         if index == len(executor.chain) - 1 and torch.is_grad_enabled():
-            _hook_chain_output(out, recomputes=executor.recomputes())
+            hook_chain_output(out, recomputes=executor.recomputes())
         return out
 
     # NOTE [glue between stages]
@@ -270,6 +271,8 @@ class _Run:
         index = self.next_stage - 2
         try:
             self.glues[index] = recorder.finish(args, kwargs)
+            if self.earlier is not None:
+                self.earlier.recorded(index, self.glues[index])
         finally:
             discarding.__exit__(None, None, None)
         self._close_region(index, step)
@@ -293,6 +296,10 @@ class _Run:
     # -- replay (runs during backward)
     def run_level(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replays a level from its first stage's inputs; returns the inputs of the stage after it."""
+        with self.earlier.replay() if self.earlier is not None else contextlib.nullcontext():
+            return self._run_steps(level, args, kwargs)
+
+    def _run_steps(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for step in level.steps:
             if step.kind in _STORES:
                 # the stage takes its inputs from the holder: what its glue does not use is
@@ -317,6 +324,8 @@ class _Run:
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
+        if self.earlier is not None:
+            self.earlier.replaying(stage, _tensors((args, kwargs)))
         if self.executor.gathering is not None:  # NOTE [FSDP2 units] in remat.sharded
             self.executor.gathering.before(stage)
         with replay_forward_state(state) if state is not None else contextlib.nullcontext():
@@ -329,7 +338,11 @@ class _Run:
                 return (out,), {}
             values = _tensors((args, kwargs)) + _tensors(out)
             del args, kwargs, out
-            return glue.replay(values)
+            if self.earlier is None:
+                return glue.replay(values)
+            replayed = glue.replay(values, self.earlier.input)
+            self.earlier.glue_replayed(stage)
+            return replayed
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -384,6 +397,9 @@ class ChainExecutor:
             the region's :class:`RegionSpan`. Used by measurement.
         policies: the policy of each store option the schedule names, by name; a stage
             stored under one runs as :func:`remat.recompute` under it.
+        taken_again: ``(stage, glue's stage)`` stage calls whose glue takes what the first
+            took as its input from the replay (NOTE [constants an earlier stage takes] in
+            remat.discover.glue); the schedule's regions must allow it.
 
     Raises:
         RematError: the operations are not a schedule of the chain's stage calls.
@@ -397,8 +413,10 @@ class ChainExecutor:
         preserve_rng_state: bool = True,
         observer: Callable[[RegionSpan], Any] | None = None,
         policies: Mapping[str, Policy] | None = None,
+        taken_again: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
         self.chain = chain
+        self.taken_again = taken_again
         self.policies = dict(policies or {})
         ops = [item for item in schedule if isinstance(item, Operation)]
         self.operations = tuple(ops) if len(ops) == len(schedule) else tuple(operations(tuple(schedule)))  # type: ignore[arg-type]
@@ -461,7 +479,7 @@ class ChainExecutor:
         if self.plain:  # NOTE [nothing to recompute]
             out = model(*args, **kwargs)
             if torch.is_grad_enabled():
-                _hook_chain_output(out, recomputes=False)
+                hook_chain_output(out, recomputes=False)
             return out
         if self.gathering is None:
             self.gathering = UnitGathering(model, self.chain.modules)
@@ -477,51 +495,6 @@ class ChainExecutor:
                 "needs every stage to run once per forward"
             )
         return out
-
-
-def _hook_chain_output(out: Any, *, recomputes: bool) -> None:
-    """Hooks on the chain's output: a retained graph is refused where stages are recomputed,
-    and a backward inside the forward's autocast region is warned about."""
-    hooks = []
-    if recomputes:
-        hooks.append(_refuse_retained_graph)
-    device_types = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-    if any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
-        hooks.append(functools.partial(_warn_backward_under_autocast, frozenset(device_types)))
-    for tensor in tree_leaves(out):
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            for hook in hooks:
-                tensor.register_hook(hook)
-
-
-def _warn_backward_under_autocast(device_types: frozenset[str], grad: torch.Tensor) -> None:
-    """Warns when the backward runs inside the autocast region of the forward."""
-    # NOTE [autocast casts] (remat.measure.outside): the plan counts autocast's cache of
-    # weight casts as emptied when the autocast region ends, before the backward, as in
-    # the training loop PyTorch recommends. A backward inside the region keeps it.
-    if not is_recomputing() and any(torch.is_autocast_enabled(d) for d in device_types if d in ("cpu", "cuda")):
-        warnings.warn(
-            "remat: backward runs inside torch.autocast; its cache keeps every weight cast of the "
-            "forward through the backward, which the plan does not count (it may go over the budget). "
-            "Leave the autocast region before calling backward, as PyTorch recommends",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-def _refuse_retained_graph(grad: torch.Tensor) -> None:
-    """Raises when a backward that keeps its graph reaches a chain that recomputes."""
-    # NOTE [retained graphs] (remat.manual._frames): a recompute's tensors are dropped as
-    # backward takes them, but a stage the plan stores keeps its activations until the
-    # graph is freed, on top of the recomputes the plan counted on their place.
-    if graph_retained():
-        raise RematError(
-            "backward(retain_graph=True) reached a chain that remat recomputes: a retained graph keeps "
-            "every stored stage's activations until it is freed, beyond the planned budget. Call "
-            "backward once per forward (for several losses, backward their sum), or use "
-            "remat.recompute for the blocks you choose. Gradients of the parameters after the chain "
-            "may already have been accumulated: zero them before the next step"
-        )
 
 
 class PolicyRunner:

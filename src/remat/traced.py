@@ -180,7 +180,7 @@ def _one_stage_plan(controller: Checkpointable, key: Hashable) -> tuple[Plan | N
     planning = controller._prepared(key)
     n = planning.profile.n_stages
     planning = planning._replace(profile=dataclasses.replace(planning.profile, region_breaks=tuple(range(1, n))))
-    total = controller._total_bytes(key, planning, controller.mem_limit)
+    total = controller._total_bytes(key, controller._plannings(key, measurement), controller.mem_limit)
     minimum = planning.minimum_total_bytes()
     if total < minimum:
         return None, (

@@ -21,6 +21,16 @@ constant, and what the glue then reads of that constant is the constant itself, 
 forward left it. This is exact for calls whose result does not depend on the old value
 of what they change (a normalisation in training uses the batch's statistics).
 
+NOTE [constants an earlier stage takes]
+A constant may be what an earlier stage of the chain took: the residual stream that a
+block's inner stages leave and its code adds back (``r = x; x = attn(ln(x)); x = x + r``,
+with ``ln`` and ``attn`` two stages). A replay of a region that runs that earlier stage
+makes the same value again, so the executor need not keep the first forward's tensor from
+then to the end of the backward: :meth:`Glue.take_from_earlier` turns such a constant into
+a reference to the earlier stage's input, which the replay looks up in what it ran
+(``earlier(stage, position)``). A plan does so only where every region that replays the
+glue also replays that stage (``ChainProfile.glue_spans``).
+
 NOTE [glue that changes an earlier activation]
 The glue may change in place a tensor that needs a gradient and is not one of the stage's
 own values: an earlier stage's output (``h = layer(x); r = shortcut(x); h += r``, with
@@ -32,7 +42,11 @@ a replay of it raises.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -42,11 +56,11 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.errors import NondeterministicRecompute, RecomputeInputModified, UnsupportedModel
+from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError, UnsupportedModel
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import detached_alias
 
-__all__ = ["Glue", "GlueRecorder"]
+__all__ = ["EarlierInputs", "Glue", "GlueRecorder", "StageInputs"]
 
 
 # Normalisations that update running statistics in place without telling autograd (their
@@ -62,7 +76,7 @@ _UPDATES_STATISTICS = frozenset(
 )
 
 # How a value of a recorded call (or of the next stage's inputs) is found at replay.
-_SLOT, _CONSTANT, _VALUE, _COPY = 0, 1, 2, 3
+_SLOT, _CONSTANT, _VALUE, _COPY, _EARLIER = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,21 @@ class Glue:
         """The tensors from before the stage that the glue or the next stage take as they are."""
         return [tensor for tensor, _ in self._constants]
 
+    def take_from_earlier(self, earlier: dict[int, tuple[int, int]]) -> None:
+        """Takes the constants whose ids are in `earlier` from the input of an earlier stage
+        at replay instead of keeping them: ``id -> (stage, position among its input tensors)``
+        (NOTE [constants an earlier stage takes])."""
+        if not earlier:
+            return
+
+        def source(item: tuple[int, Any]) -> tuple[int, Any]:
+            kind, value = item
+            return (_EARLIER, earlier[id(value)]) if kind == _CONSTANT and id(value) in earlier else item
+
+        self._calls = tuple(dataclasses.replace(c, sources=tuple(map(source, c.sources))) for c in self._calls)
+        self._next_sources = tuple(map(source, self._next_sources))
+        self._constants = [(t, v) for t, v in self._constants if id(t) not in earlier]
+
     def made(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Among the next stage's inputs (`args`, `kwargs`, as recorded), the tensors the
         stage or its glue made: the stage's outputs in the chain's sense."""
@@ -117,11 +146,15 @@ class Glue:
             if kind == _SLOT and (item >= self._n_inputs or item in self._returned) and isinstance(leaf, torch.Tensor)
         ]
 
-    def replay(self, stage_values: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def replay(
+        self, stage_values: list[torch.Tensor], earlier: Callable[[int, int], torch.Tensor] | None = None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Runs the calls again on `stage_values` (the replayed stage's input tensors, then
         its output tensors); returns the next stage's (args, kwargs). The inputs the calls do
         not take are dropped from `stage_values` (the list is the glue's own from then on):
         the first forward had freed them by then, unless the model's code held them.
+        `earlier(stage, position)` gives the replayed input of an earlier stage (NOTE
+        [constants an earlier stage takes]).
 
         Raises:
             RecomputeInputModified: a constant was changed in place since it was recorded.
@@ -160,6 +193,9 @@ class Glue:
                 if alias is None:
                     alias = aliases[id(item)] = detached_alias(item, item.requires_grad)
                 return alias
+            if kind == _EARLIER:  # NOTE [constants an earlier stage takes]
+                assert earlier is not None, "a glue that takes an earlier stage's input needs `earlier`"
+                return earlier(*item)
             if kind == _COPY:  # NOTE [constants the glue changes]
                 copy = item.detach().clone()
                 return copy.requires_grad_(True) if item.requires_grad else copy
@@ -248,6 +284,95 @@ def _alias(tensor: torch.Tensor, of: torch.Tensor) -> bool:
         and tensor.stride() == of.stride()
         and tensor.storage_offset() == of.storage_offset()
     )
+
+
+class StageInputs:
+    """Which stage last took each tensor as an input, and where among its input tensors
+    (NOTE [constants an earlier stage takes]); it holds no tensor alive."""
+
+    def __init__(self) -> None:
+        self._of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def note(self, stage: int, inputs: list[torch.Tensor]) -> None:
+        for position, tensor in enumerate(inputs):
+            self._of[tensor] = (stage, position)
+            # a view that reads the same elements as its base (FSDP2's pass-through of a
+            # unit's input) stands for it: the model's code may hold the base
+            if tensor._base is not None and _alias(tensor, tensor._base):
+                self._of[tensor._base] = (stage, position)
+
+    def earlier(self, tensors: list[torch.Tensor], before: int) -> dict[int, tuple[int, int]]:
+        """``id -> (stage, position)`` for those of `tensors` a stage before `before` took."""
+        found = ((t, self._of.get(t)) for t in tensors)
+        return {id(t): where for t, where in found if where is not None and where[0] < before}
+
+
+class EarlierInputs:
+    """The executor's side of NOTE [constants an earlier stage takes], for one forward.
+
+    Args:
+        pairs: ``(stage, glue's stage)``: the glue after the second takes what the first
+            took as its input from the replay, not as the first forward's tensor.
+    """
+
+    def __init__(self, pairs: frozenset[tuple[int, int]]) -> None:
+        self.pairs = pairs
+        self.last_glue: dict[int, int] = {}
+        for stage, glue in pairs:
+            self.last_glue[stage] = max(glue, self.last_glue.get(stage, glue))
+        self._seen = StageInputs()
+        self._replayed: dict[int, list[torch.Tensor]] = {}
+        self._depth = 0
+
+    def called(self, stage: int, inputs: list[torch.Tensor]) -> None:
+        """First forward: stage `stage` is called on `inputs`."""
+        self._seen.note(stage, inputs)
+
+    def recorded(self, stage: int, glue: Glue) -> None:
+        """First forward: the glue after `stage` was recorded."""
+        earlier = self._seen.earlier(glue.constants, stage)
+        taken = {key: at for key, at in earlier.items() if (at[0], stage) in self.pairs}
+        glue.take_from_earlier(taken)
+        missed = {first for first, glue_stage in self.pairs if glue_stage == stage} - {at[0] for at in taken.values()}
+        if missed:
+            warnings.warn(
+                f"remat: the model's code after stage {stage} no longer takes the input of stage(s) "
+                f"{sorted(missed)} as it did when measured; it keeps it for the replay, which the plan "
+                "did not count (the step may go over its budget). Please report this model",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def replaying(self, stage: int, inputs: list[torch.Tensor]) -> None:
+        """A replay runs `stage` on `inputs`: held until the last glue that takes them."""
+        if stage in self.last_glue:
+            self._replayed[stage] = inputs
+
+    def input(self, stage: int, position: int) -> torch.Tensor:
+        """The replayed input `position` of `stage`, for a glue replayed after it."""
+        inputs = self._replayed.get(stage)
+        if inputs is None:
+            raise RematError(
+                f"a replay needs the input of stage {stage}, which it did not run: the plan's regions "
+                "do not follow its glue spans (ChainProfile.glue_spans); plan the model again"
+            )
+        return inputs[position]
+
+    def glue_replayed(self, stage: int) -> None:
+        for earlier, last in self.last_glue.items():
+            if last == stage:
+                self._replayed.pop(earlier, None)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Around each replay of a level: what the outermost one held is let go at its end."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._replayed.clear()
 
 
 class GlueRecorder(TorchFunctionMode):

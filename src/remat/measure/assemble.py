@@ -27,6 +27,7 @@ from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import (
     cached_casts,
+    constants_taken_again,
     glue_constants,
     held_outside_chain,
     recomputed,
@@ -97,6 +98,12 @@ class ChainMeasurement:
         waiting_gradient_bytes: per planned boundary ``k`` (``n + 1``), the gradients that
             wait, alive, for the replay of a region ending at ``k`` (NOTE [gradients
             waiting for a replay] in ``remat.measure.outside``); empty when not measured.
+        taken_again: per glue constant a plan may take from the replay of an earlier stage
+            instead of keeping it (NOTE [constants an earlier stage takes] in
+            ``remat.discover.glue``): its bytes and its ``(stage, glue's stage)`` pairs.
+        glue_constants_kept: ``glue_constants`` without those.
+        timing_pass_bytes: the largest peak of a group in the timing pass's rehearsal:
+            the measuring step's own need, which no plan goes below (0: not timed).
     """
 
     stages: list[StageMeasurement]
@@ -121,6 +128,9 @@ class ChainMeasurement:
     option_extra_s: tuple[dict[str, float], ...] = ()
     glue_constants: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
     waiting_gradient_bytes: tuple[int, ...] = ()
+    taken_again: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    glue_constants_kept: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
+    timing_pass_bytes: int = 0
 
     @property
     def chain_activation_bytes(self) -> int:
@@ -142,14 +152,40 @@ class ChainMeasurement:
         total = chain + self.outside_activation_bytes
         return chain / total if total else 1.0
 
-    def outside_split(self, kept_output_bytes: int, loss_allowance_bytes: int) -> BudgetSplit:
+    def glue_spans(self) -> tuple[tuple[int, int], ...]:
+        """``(planned stage, glue's planned stage)`` of every constant in ``taken_again``:
+        the spans of ``ChainProfile.glue_spans``."""
+        group_of = self.group_of()
+        return tuple(sorted({(group_of[s], group_of[k]) for _, pairs in self.taken_again for s, k in pairs}))
+
+    def group_of(self) -> list[int]:
+        """The planned stage of each stage call."""
+        return [g for g, (first, stop) in enumerate(self.groups) for _ in range(first, stop)]
+
+    def outside_split(self, kept_output_bytes: int, loss_allowance_bytes: int, take_again: bool = False) -> BudgetSplit:
         """What the step holds outside the chain, as planning shares a budget out (no
         budget yet): with the model output a training loop keeps (from the loss on), and
-        the room kept for a loss that was not measured."""
+        the room kept for a loss that was not measured. `take_again`: for a plan that
+        takes the constants of ``taken_again`` from replays (NOTE [constants an earlier
+        stage takes] in remat.discover.glue)."""
+        fixed, constants = self.fixed_bytes, self._glue_constants(self.glue_constants)
+        replay_held: tuple[tuple[int, int, int, bool], ...] = ()
+        if take_again:
+            fixed -= sum(nbytes for nbytes, _ in self.taken_again)
+            constants = self._glue_constants(self.glue_constants_kept)
+            group_of, saves_input = self.group_of(), self.profile.saves_input
+            # (a stage's input kept by its stage: the stage starts its group and saves it)
+            held = {
+                (group_of[s], group_of[k], nbytes, self.groups[group_of[s]][0] == s and saves_input[group_of[s]])
+                for nbytes, pairs in self.taken_again
+                for s, k in pairs
+                if group_of[s] < group_of[k]
+            }
+            replay_held = tuple(sorted(held))
         return BudgetSplit(
             total_bytes=None,
             chain_bytes=None,
-            held_outside_bytes=self.fixed_bytes + kept_output_bytes,
+            held_outside_bytes=fixed + kept_output_bytes,
             loss_allowance_bytes=loss_allowance_bytes,
             after_chain_peak_bytes=self.end_peak_bytes + kept_output_bytes,
             cast_bytes=self.cast_bytes,
@@ -161,14 +197,15 @@ class ChainMeasurement:
             loss_only_bytes=self.suffix_transient_bytes,
             held_inputs=self.held_inputs(),
             suffix_backward_excess_bytes=self.suffix_backward_excess_bytes,
-            glue_constants=self._glue_constants(),
+            glue_constants=constants,
             waiting_gradient_bytes=self.waiting_gradient_bytes,
+            replay_held=replay_held,
         )
 
-    def _glue_constants(self) -> tuple[GlueConstant, ...]:
+    def _glue_constants(self, entries: tuple[tuple[int, tuple[int, ...], int, bool], ...]) -> tuple[GlueConstant, ...]:
         profile = self.profile
         out = []
-        for nbytes, keepers, stage, saved in self.glue_constants:
+        for nbytes, keepers, stage, saved in entries:
             if stage < 0:
                 out.append(GlueConstant(nbytes, keepers, saved=saved))
                 continue
@@ -179,7 +216,7 @@ class ChainMeasurement:
     def held_inputs(self) -> tuple[HeldInput, ...]:
         """What the model holds beyond a planned stage: its input (see ``input_held_until``),
         and what it made and keeps for later (``held_outputs``)."""
-        group_of = [g for g, (first, stop) in enumerate(self.groups) for _ in range(first, stop)]
+        group_of = self.group_of()
         out = []
         for index, until in enumerate(self.input_held_until):
             start, end = group_of[index], group_of[until]
@@ -267,6 +304,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     cached = cached_casts(step, groups)
     fixed_bytes += sum(cached)
     constants = glue_constants(step, groups, group_of)
+    taken_again = constants_taken_again(step, groups)
+    constants_kept = glue_constants(step, groups, group_of, frozenset(taken_again))
     fixed_bytes += sum(nbytes for nbytes, _, _, saved in constants if saved)  # the others are escaped bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
@@ -327,6 +366,8 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
         glue_constants=constants,
         waiting_gradient_bytes=waiting_gradients(step, groups),
+        taken_again=tuple((nbytes, tuple(sorted(pairs))) for nbytes, pairs in taken_again.values()),
+        glue_constants_kept=constants_kept,
     )
 
 

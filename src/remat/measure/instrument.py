@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain, StageLinks
-from remat.discover.glue import GlueRecorder
+from remat.discover.glue import GlueRecorder, StageInputs
 from remat.discover.intercept import call_original
 from remat.errors import UnsupportedModel
 from remat.memory import MemoryTracker
@@ -94,6 +94,9 @@ class StageMeasurement:
         glue_constants: allocation ids of every tensor the model's code after it (or the
             next stage) takes as it is, made before the chain too: the executor keeps
             them while the stage may be replayed.
+        earlier_inputs: allocation id -> stage, for those of ``kept_constants`` that an
+            earlier stage took as its input (NOTE [constants an earlier stage takes] in
+            remat.discover.glue).
     """
 
     name: str
@@ -114,6 +117,7 @@ class StageMeasurement:
     kept_constants: dict[int, int] = field(default_factory=dict)
     glue_replayable: bool = True
     glue_constants: frozenset[int] = frozenset()
+    earlier_inputs: dict[int, int] = field(default_factory=dict)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -193,6 +197,7 @@ class StageWatch:
         self.current: int | None = None
         self.next_stage = 0
         self._glue: GlueRecorder | None = None  # the running stage's glue, while it runs
+        self._stage_inputs = StageInputs()
         self._started: tuple[float, int, int, tuple[int, int, int]] = (0.0, 0, 0, (0, 0, 0))
         self._block_outputs: dict[int, int] = {}
         self._saved_at_return = (0, 0)
@@ -237,6 +242,7 @@ class StageWatch:
         inputs = tensors_in((args, kwargs))
         if index > 0:
             self._end_forward(index - 1, args, kwargs)
+        self._stage_inputs.note(index, inputs)
         stage = self.stages[index]
         stage.input_changed = self.in_place.before(index, args, kwargs)
         stage.input_requires_grad = tuple(t.requires_grad for t in inputs)
@@ -295,6 +301,12 @@ class StageWatch:
                 records = tracker.allocation_records(tracker.allocations_of(recorded.constants))
                 stage.glue_constants = frozenset(records)
                 stage.kept_constants = {key: r.nbytes for key, r in records.items() if r.allocated_event >= chain_start}
+                # NOTE [constants an earlier stage takes] in remat.discover.glue
+                for tensor in recorded.constants:
+                    taken = self._stage_inputs.earlier([tensor], index).get(id(tensor))
+                    keys = tracker.allocations_of([tensor])
+                    if taken is not None and len(keys) == 1 and next(iter(keys)) in stage.kept_constants:
+                        stage.earlier_inputs[next(iter(keys))] = taken[0]
         self.current = None
         if self.synchronize is not None:
             self.synchronize()

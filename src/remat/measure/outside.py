@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cached_casts",
+    "constants_taken_again",
     "glue_constants",
     "held_outside_chain",
     "recomputed",
@@ -186,24 +187,48 @@ def held_outside_chain(
 # frees the stage's inputs its glue does not take before running the glue, as the first
 # forward did: remat.discover.glue.Glue.replay.)
 def glue_constants(
-    step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
+    step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int], taken_again: frozenset[int] = frozenset()
 ) -> tuple[tuple[int, tuple[int, ...], int, bool], ...]:
     """Per glue constant the model does not hold by itself: its bytes, the groups keeping
     it, the group whose input it is (-1: none), and False; then, per tensor made earlier in
     the chain that a group saves for its backward (NOTE [earlier activations saved]), the
-    same with True."""
+    same with True. The constants in `taken_again` are left out (NOTE [constants an
+    earlier stage takes] in remat.discover.glue)."""
     stages = step.watch.stages
     held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
     inputs = {key: group for group, (first, _) in enumerate(groups) for key in stages[first].input_storages}
     keepers: dict[int, tuple[int, set[int]]] = {}
     for index, stage in enumerate(stages):
         for key, nbytes in stage.kept_constants.items():
-            if key not in held:
+            if key not in held and key not in taken_again:
                 keepers.setdefault(key, (nbytes, set()))[1].add(group_of[index])
     out = [(nbytes, tuple(sorted(k)), inputs.get(key, -1), False) for key, (nbytes, k) in keepers.items()]
     savers = earlier_activations_saved(step, groups, held)
     out += [(nbytes, tuple(sorted(k)), inputs.get(key, -1), True) for key, (nbytes, k) in savers.items()]
     return tuple(out)
+
+
+def constants_taken_again(
+    step: TrackedStep, groups: list[tuple[int, int]]
+) -> dict[int, tuple[int, frozenset[tuple[int, int]]]]:
+    """The glue constants that a plan may take from the replay of the earlier stage whose
+    input they are instead of keeping them (NOTE [constants an earlier stage takes] in
+    remat.discover.glue): allocation id -> (bytes, ``(stage, glue's stage)`` pairs). Only
+    those counted as kept for the glue alone: not held by the model, not saved by a stage,
+    and taken from an earlier stage by every glue that keeps them."""
+    stages = step.watch.stages
+    held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    saved = earlier_activations_saved(step, groups, held)
+    out: dict[int, tuple[int, set[tuple[int, int]]]] = {}
+    refused: set[int] = set(held) | set(saved)
+    for index, stage in enumerate(stages):
+        for key, nbytes in stage.kept_constants.items():
+            earlier = stage.earlier_inputs.get(key)
+            if earlier is None:
+                refused.add(key)
+            else:
+                out.setdefault(key, (nbytes, set()))[1].add((earlier, index))
+    return {key: (nbytes, frozenset(pairs)) for key, (nbytes, pairs) in out.items() if key not in refused}
 
 
 # NOTE [earlier activations saved]

@@ -317,6 +317,12 @@ def _sized_measurement(
                 model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device,
                 run_loss=run_loss, track_all=True, rehearsal=True, policies=policies,
             )  # fmt: skip
+    # the real pass runs on copies of the inputs the model changes in place (on aliases
+    # of the others), which the rehearsal did not count
+    leaves = tree_flatten((args, kwargs))[0]
+    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed)
+    # the pass runs every group's forward, timed or not: no budget below that is planned
+    floor = _untimed_pass_bytes(model, chain, sized, args, kwargs, device, devices) + copies + loss_extra
     if estimated_times is not None:
         estimated = with_times(sized, estimated_times(sized))
         metadata = {**estimated.profile.metadata, "times": estimated_times.describe()}
@@ -325,11 +331,8 @@ def _sized_measurement(
             profile=dataclasses.replace(estimated.profile, metadata=metadata),
             input_held_until=rehearsal.input_held_until,
             held_outputs=rehearsal.held_outputs,
+            timing_pass_bytes=floor,
         )
-    # the real pass runs on copies of the inputs the model changes in place (on aliases
-    # of the others), which the rehearsal did not count
-    leaves = tree_flatten((args, kwargs))[0]
-    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed)
     needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
     backward_groups = before_timing(sized, needs) if before_timing is not None else None
     # NOTE [a cold device]: a GPU's first call of each kernel and shape (loading the kernel,
@@ -355,6 +358,7 @@ def _sized_measurement(
         input_held_until=rehearsal.input_held_until,
         held_outputs=rehearsal.held_outputs,
         option_extra_s=timing.option_extra_s,
+        timing_pass_bytes=floor,
     )
     if timing.suffix_peak_bytes is not None and rehearsal.suffix_peak_bytes is not None:
         # what runs after the chain, on real tensors, beyond its rehearsal and the loss probe
@@ -362,6 +366,30 @@ def _sized_measurement(
         extra = timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes - loss_extra
         measurement = _with_fixed_bytes(measurement, extra)
     return measurement
+
+
+def _untimed_pass_bytes(
+    model: nn.Module,
+    chain: Chain,
+    sized: ChainMeasurement,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    devices: Any,
+) -> int:
+    """The timing pass's peak where no group's backward is timed, rehearsed on fake tensors.
+
+    The pass runs every group's forward, and times the backward of those that fit in the
+    budget: no budget below this one is planned (the first step must fit it too).
+    """
+    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
+        fake_args, fake_kwargs = fake.inputs(args, kwargs)
+        with fake.mode:
+            rehearsal = time_groups(
+                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device, frozenset(),
+                track_all=True, rehearsal=True,
+            )  # fmt: skip
+    return max(rehearsal.group_peak_bytes, default=0)
 
 
 def _with_fixed_bytes(measurement: ChainMeasurement, extra: int) -> ChainMeasurement:

@@ -120,6 +120,12 @@ class Lifetimes:
             the replay of a region ending at ``k``: alive during the forwards that follow
             the backward of stage ``k`` (not held outside the chain: not in
             :attr:`total_bytes`).
+        replay_held: ``(stage, glue's stage, bytes, kept by stage)``: in a replay (a
+            forward after the first backward), the input of ``stage`` is held from the end of
+            its forward to the end of the glue's stage's, or to the next backward, unless
+            the replay keeps it anyway (a checkpoint, or a stored stage that saves its
+            input) (NOTE [constants an earlier stage takes] in ``remat.discover.glue``; not
+            held outside the chain: not in :attr:`total_bytes`).
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -132,6 +138,7 @@ class Lifetimes:
     leftover_freed: Sequence[tuple[int, int]] = ()
     glue_constants: Sequence[GlueConstant] = ()
     waiting_gradient_bytes: Sequence[int] = ()
+    replay_held: Sequence[tuple[int, int, int, bool]] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -148,6 +155,7 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
     waiting = lifetimes.waiting_gradient_bytes
     peak = 0
     replay_after: int | None = None  # the stage whose backward the forwards running now follow
+    replays = _ReplayHeld(lifetimes.replay_held)
     for entry in simulation.timeline:
         kind, stage = entry.operation.kind, entry.operation.stage
         if stage is not None and kind.is_forward:
@@ -165,7 +173,11 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
             alive.end_of_forward()
         elif stage is not None and kind.is_forward:
             alive.forward_starts(kind, stage)
-        peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed + extra)
+        peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed + extra + replays.bytes)
+        if stage is not None and kind.is_forward and alive.in_backward:
+            replays.forward_ends(kind, stage)
+        elif not kind.is_forward:
+            replays.sweep_ends()
         if kind is OperationKind.LOSS:
             alive.bytes -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
         elif stage is not None and kind.is_forward:
@@ -173,6 +185,30 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
         elif stage is not None:
             alive.backward_ends(stage)
     return peak
+
+
+class _ReplayHeld:
+    """What a replay holds of an earlier stage's input for a glue constant (see
+    ``Lifetimes.replay_held``), along a schedule."""
+
+    def __init__(self, held: Sequence[tuple[int, int, int, bool]]) -> None:
+        self.held = held
+        self.until: dict[int, int] = {}  # holding entry -> the stage whose forward ends it
+        self.bytes = 0
+
+    def forward_ends(self, kind: OperationKind, stage: int) -> None:
+        for index, (start, end, nbytes, kept_by_stage) in enumerate(self.held):
+            if self.until.get(index) == stage:
+                del self.until[index]
+                self.bytes -= nbytes
+            kept = kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and kept_by_stage
+            if start == stage and index not in self.until and not kept:
+                self.until[index] = end
+                self.bytes += nbytes
+
+    def sweep_ends(self) -> None:
+        self.until.clear()
+        self.bytes = 0
 
 
 class _Alive:

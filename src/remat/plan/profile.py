@@ -48,7 +48,7 @@ _BYTE_FIELDS = (
     "backward_temp_bytes",
 )
 _TIME_FIELDS = ("forward_time_s", "backward_time_s")
-_OPTIONAL_FIELDS = ("region_breaks", "pinned_stages")
+_OPTIONAL_FIELDS = ("region_breaks", "pinned_stages", "glue_spans")
 _FLAG_FIELDS = ("saves_input", "saves_output")
 
 
@@ -88,6 +88,10 @@ class ChainProfile:
         pinned_stages: stages that no recompute region may contain: they always run once,
             stored (a stage whose input is changed in place both by the model's code and
             by the stage itself, which can neither be replayed nor start a region).
+        glue_spans: ``(s, k)`` with ``s <= k``: a recompute region that holds stage ``k``
+            starts at ``s`` or before it. The glue after ``k`` takes what ``s`` took as its
+            input from the replay of ``s`` instead of keeping it (NOTE [constants an
+            earlier stage takes] in ``remat.discover.glue``).
         metadata: free-form JSON-able facts about the measurement (device, dtype, shapes).
         offload_time_per_byte_s: seconds to move one byte between the device and host
             memory, one way (pinned host memory, measured on the device); None where offload
@@ -114,6 +118,7 @@ class ChainProfile:
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
     region_breaks: tuple[int, ...] = ()
     pinned_stages: tuple[int, ...] = ()
+    glue_spans: tuple[tuple[int, int], ...] = ()
     offload_time_per_byte_s: float | None = None
     store_options: tuple[StoreOption, ...] = ()
 
@@ -141,6 +146,11 @@ class ChainProfile:
         object.__setattr__(self, "metadata", dict(self.metadata))
         object.__setattr__(self, "region_breaks", _indices(self.region_breaks, "region_breaks", 1, n_stages - 1))
         object.__setattr__(self, "pinned_stages", _indices(self.pinned_stages, "pinned_stages", 0, n_stages - 1))
+        spans = tuple(tuple(span) for span in self.glue_spans)
+        for span in spans:
+            if len(span) != 2 or not all(isinstance(k, int) for k in span) or not 0 <= span[0] <= span[1] < n_stages:
+                raise InvalidProfile(f"glue_spans holds (s, k) pairs with 0 <= s <= k < {n_stages}, got {list(span)}")
+        object.__setattr__(self, "glue_spans", tuple(sorted(set(spans))))
         per_byte = self.offload_time_per_byte_s
         if per_byte is not None:
             if isinstance(per_byte, bool) or not isinstance(per_byte, numbers.Real) or not 0 < per_byte < math.inf:
@@ -229,10 +239,13 @@ class ChainProfile:
     def region_allowed(self, start: int, stop: int) -> bool:
         """Whether a recompute region may cover the stages ``[start, stop)``.
 
-        It may not cross a break (``start < k < stop``) nor hold a pinned stage.
+        It may not cross a break (``start < k < stop``) nor hold a pinned stage, nor hold
+        the glue's stage of a glue span without its first stage.
         """
-        return not any(start < k < stop for k in self.region_breaks) and not any(
-            start <= g < stop for g in self.pinned_stages
+        return (
+            not any(start < k < stop for k in self.region_breaks)
+            and not any(start <= g < stop for g in self.pinned_stages)
+            and not any(s < start <= k < stop for s, k in self.glue_spans)
         )
 
     def allowed_regions(self) -> numpy.ndarray:
@@ -243,6 +256,8 @@ class ChainProfile:
             allowed[:k, k + 1 :] = False
         for g in self.pinned_stages:
             allowed[: g + 1, g + 1 :] = False
+        for s, k in self.glue_spans:
+            allowed[s + 1 : k + 1, k + 1 :] = False
         return allowed
 
     # ------------------------------------------------------------------ serialisation
@@ -255,7 +270,7 @@ class ChainProfile:
             data[field_name] = list(getattr(self, field_name))
         for field_name in _OPTIONAL_FIELDS:
             if getattr(self, field_name):
-                data[field_name] = list(getattr(self, field_name))
+                data[field_name] = [list(v) if isinstance(v, tuple) else v for v in getattr(self, field_name)]
         if self.offload_time_per_byte_s is not None:
             data["offload_time_per_byte_s"] = self.offload_time_per_byte_s
         if self.store_options:

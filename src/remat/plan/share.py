@@ -12,7 +12,7 @@ from remat.plan.profile import ChainProfile
 from remat.plan.schedule import Schedule
 from remat.plan.simulate import SimulationResult, simulate
 from remat.plan.solvers import Solver, store_everything_plan
-from remat.plan.step import BudgetSplit
+from remat.plan.step import BudgetSplit, Plan
 
 if TYPE_CHECKING:
     from remat.measure import ChainMeasurement
@@ -28,7 +28,7 @@ TIGHTENINGS = 4
 #: the smallest one above it whose plan did not.
 BISECTIONS = 4
 
-__all__ = ["LOSS_ALLOWANCE_OUTPUTS", "Planning", "offload_option", "prepared"]
+__all__ = ["LOSS_ALLOWANCE_OUTPUTS", "Planning", "fastest", "offload_option", "prepared", "taken_again"]
 
 
 class Planning(NamedTuple):
@@ -41,12 +41,15 @@ class Planning(NamedTuple):
         outside: what is held outside the chain and when, the loss allowance and the peak
             after the chain's backward (a :class:`BudgetSplit` with no budget yet:
             :meth:`split` gives the one of a budget).
+        floor_bytes: the least whole-step budget the measuring step itself fits in (its
+            timing pass); no smaller budget is planned.
     """
 
     profile: ChainProfile
     margin: float
     solver: Solver
     outside: BudgetSplit
+    floor_bytes: int = 0
 
     @property
     def held_outside_bytes(self) -> int:
@@ -72,8 +75,11 @@ class Planning(NamedTuple):
 
         It is the one the solver's least-memory schedule fits, with everything counted
         where it lives (:meth:`BudgetSplit.chain_phase_peak_bytes`), and the peak after
-        the chain's backward.
+        the chain's backward, and at least :attr:`floor_bytes`.
         """
+        return max(self.floor_bytes, self._least_total_bytes())
+
+    def _least_total_bytes(self) -> int:
         minimum = self.solver.minimum_bytes(self.profile)
         least = self.solver(self.profile, minimum)
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
@@ -191,6 +197,7 @@ def prepared(
     margin: float,
     solver: Solver,
     offload: bool | float = False,
+    take_again: bool = False,
 ) -> Planning:
     """A measurement made ready for the solver.
 
@@ -204,8 +211,13 @@ def prepared(
         offload: whether the profile gets the link speed to host memory, which lets an
             offloading solver plan offload: True measures it on the measured device, a
             number is that speed in bytes per second (see :func:`offload_option`).
+        take_again: plan the glue constants an earlier stage took as its input as taken
+            from its replay, not kept: every region that replays such a glue replays that
+            stage too (NOTE [constants an earlier stage takes] in remat.discover.glue).
     """
     profile = measurement.profile
+    if take_again:
+        profile = dataclasses.replace(profile, glue_spans=measurement.glue_spans())
     if offload is not False:
         device = profile.metadata.get("device", "cpu")
         per_byte = offload_time_per_byte_s(device) if offload is True else 1.0 / offload
@@ -227,5 +239,24 @@ def prepared(
     # that keeps it holds it from the loss on (planned as held through the whole step,
     # predicted where it lives: remat.plan.lifetimes).
     kept_output = measurement.output_bytes if output_kept else 0
-    outside = measurement.outside_split(kept_output, allowance)
-    return Planning(profile, margin, solver, outside)
+    outside = measurement.outside_split(kept_output, allowance, take_again)
+    return Planning(profile, margin, solver, outside, measurement.timing_pass_bytes)
+
+
+def taken_again(plan: Plan, measurement: ChainMeasurement | None) -> frozenset[tuple[int, int]]:
+    """The ``(stage, glue's stage)`` stage calls of `measurement` whose glue takes an earlier
+    stage's input from its replay under `plan` (NOTE [constants an earlier stage takes] in
+    remat.discover.glue): those its profile's glue spans cover."""
+    spans = set(plan.schedule.profile.glue_spans)
+    if not spans or measurement is None:
+        return frozenset()
+    group_of = [g for g, (first, stop) in enumerate(plan.groups) for _ in range(first, stop)]
+    pairs = (pair for _, pairs in measurement.taken_again for pair in pairs)
+    return frozenset((s, k) for s, k in pairs if (group_of[s], group_of[k]) in spans)
+
+
+def fastest(plannings: list[Planning], minima: list[int], total_bytes: int) -> tuple[Schedule, BudgetSplit]:
+    """The fastest schedule of the ways to plan one measurement (`minima`: the smallest
+    budget of each) within a whole-step budget (at least one of them fits it)."""
+    solved = [p.solve(p.split(total_bytes)) for p, least in zip(plannings, minima, strict=True) if least <= total_bytes]
+    return min(solved, key=lambda solution: solution[0].predicted_time_s)

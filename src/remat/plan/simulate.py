@@ -193,6 +193,11 @@ class _Simulation:
         self.loss_seen = False
         self.breaks = frozenset(profile.region_breaks)
         self.pinned = frozenset(profile.pinned_stages)
+        # glue spans: a replay that runs stage k starts at or before the span's first stage
+        self.span_start: dict[int, int] = {}
+        for first, glue in profile.glue_spans:
+            self.span_start[glue] = min(first, self.span_start.get(glue, first))
+        self.sweep_start: int | None = 0  # where the forwards running now started
         # offloaded stages (NOTE [offloaded stages]): the one whose copy overlaps the next
         # operation, and those whose saved bytes are in host memory
         self.leaving: int | None = None
@@ -241,6 +246,7 @@ class _Simulation:
         if not self.is_live(self.n_stages):
             raise InvalidPlan(f"{where}: the chain output has not been computed")
         self.loss_seen = True
+        self.sweep_start = None
         gradient_bytes = self.profile.gradient_bytes[self.n_stages]
         peak_during = self.live_bytes + gradient_bytes
         self.live_bytes += gradient_bytes
@@ -265,6 +271,12 @@ class _Simulation:
             )
         if self.backward_done[stage]:
             raise InvalidPlan(f"{where}: runs after the backward of stage {stage}")
+        self.sweep_start = stage if self.sweep_start is None else self.sweep_start
+        if self.sweep_start > self.span_start.get(stage, self.sweep_start):
+            raise InvalidPlan(
+                f"{where}: a replay from stage {self.sweep_start} runs it, but its glue takes the input of stage "
+                f"{self.span_start[stage]} from the replay (see ChainProfile.glue_spans)"
+            )
         self.forward_counts[stage] += 1
         self.times_s.append(profile.forward_time_s[stage])
         peak_during = (
@@ -325,6 +337,7 @@ class _Simulation:
         if not self.gradient_live[stage + 1]:
             raise InvalidPlan(f"{where}: the gradient of x_{stage + 1} does not exist yet")
         self.backward_done[stage] = True
+        self.sweep_start = None
         self.times_s.append(profile.backward_time_s[stage])
         option = self.options.pop(stage, None)
         if stage in self.on_host:  # nothing brought it back: this backward waits for it

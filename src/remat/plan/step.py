@@ -81,6 +81,12 @@ class BudgetSplit:
             the gradients that wait, alive, for the replay of a region ending at ``k``
             (NOTE [gradients waiting for a replay] in ``remat.measure.outside``): not in
             the figures above; the prediction adds them to that replay.
+        replay_held: ``(stage, glue's stage, bytes, kept by stage)`` per glue constant a
+            replay takes from an earlier planned stage instead of keeping it (NOTE
+            [constants an earlier stage takes] in ``remat.discover.glue``): in a replay
+            the executor holds that stage's input from its forward to the glue's, unless
+            the schedule keeps it (kept by stage: the stage saves its input); not in the
+            figures above, the prediction adds it there.
     """
 
     total_bytes: int | None
@@ -100,8 +106,11 @@ class BudgetSplit:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     glue_constants: tuple[GlueConstant, ...] = ()
     waiting_gradient_bytes: tuple[int, ...] = ()
+    replay_held: tuple[tuple[int, int, int, bool], ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
+        held = tuple((int(a), int(b), int(n), bool(k)) for a, b, n, k in self.replay_held)
+        object.__setattr__(self, "replay_held", held)
         object.__setattr__(self, "waiting_gradient_bytes", tuple(int(c) for c in self.waiting_gradient_bytes))
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "cached_cast_bytes", tuple(int(c) for c in self.cached_cast_bytes))
@@ -138,6 +147,7 @@ class BudgetSplit:
             self.leftover_freed,
             self.glue_constants,
             self.waiting_gradient_bytes,
+            self.replay_held,
         )
         return peak_with_lifetimes(simulation, lifetimes) + self.held_outside_bytes - lifetimes.total_bytes
 

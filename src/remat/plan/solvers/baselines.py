@@ -30,15 +30,20 @@ def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
     """``plan`` with its regions cut where the profile forbids them to reach.
 
     A region that crosses a break (see :attr:`ChainProfile.region_breaks`) becomes one
-    region per piece between the breaks, and a pinned stage in it is stored instead. Only
-    regions whose bodies store every stage are cut (the baselines' plans).
+    region per piece between the breaks, and a pinned stage in it is stored instead, as is
+    the glue's stage of a glue span whose first stage is before its piece (see
+    :attr:`ChainProfile.glue_spans`). Only regions whose bodies store every stage are cut
+    (the baselines' plans).
 
     Raises:
         ValueError: a region that must be cut has a nested region in its body.
     """
-    if not profile.region_breaks and not profile.pinned_stages:
+    if not profile.region_breaks and not profile.pinned_stages and not profile.glue_spans:
         return plan
     breaks, pinned = set(profile.region_breaks), set(profile.pinned_stages)
+    span_start: dict[int, int] = {}
+    for first, glue in profile.glue_spans:
+        span_start[glue] = min(first, span_start.get(glue, first))
     items: list[PlanItem] = []
     for item in plan:
         if isinstance(item, Store | Offload) or profile.region_allowed(item.start, item.stop):
@@ -48,11 +53,12 @@ def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
             raise ValueError(f"cannot cut the region [{item.start}, {item.stop}): its body holds regions")
         start = item.start
         for stage in range(item.start, item.stop + 1):
-            if stage == item.stop or stage in breaks or stage in pinned:
+            stored = stage < item.stop and (stage in pinned or span_start.get(stage, start) < start)
+            if stage == item.stop or stage in breaks or stored:
                 if start < stage:
                     items.append(Region(start, stage, tuple(Store(k) for k in range(start, stage))))
                 start = stage
-            if stage in pinned and stage < item.stop:
+            if stored:
                 items.append(Store(stage))
                 start = stage + 1
     return tuple(items)

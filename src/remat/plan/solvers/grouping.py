@@ -134,6 +134,7 @@ def merged_profile(profile: ChainProfile, starts: tuple[int, ...]) -> ChainProfi
                 | {int(group_of[k]) for k in profile.region_breaks if k not in starts}
             )
         ),
+        glue_spans=tuple(sorted({(int(group_of[a]), int(group_of[b])) for a, b in profile.glue_spans})),
         offload_time_per_byte_s=profile.offload_time_per_byte_s,
         store_options=tuple(_merged_option(option, bounds) for option in profile.store_options),
     )
