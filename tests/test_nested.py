@@ -17,6 +17,8 @@ from torch import nn
 
 import remat
 from remat.discover import discover_chain
+from remat.discover.glue import EarlierInputs, GlueRecorder
+from remat.errors import RematError
 from remat.plan.share import prepared
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
@@ -132,8 +134,8 @@ def test_nested_chains_split_blocks_into_their_submodules(case: str) -> None:
         assert any(name == block or name.startswith(block + ".") for block in blocks.names), name
 
 
-# The small ResNet's blocks keep their input for the shortcut: counted through the step
-# (NOTE [glue constants]), it makes its nested plans need 87% of the plain peak at least.
+# The small ResNet's blocks keep their input for the shortcut (NOTE [glue constants]),
+# taken from replays or kept: its nested plans need most of the plain peak.
 BUDGETS = [("decoder", 0.3), ("decoder", 0.6), ("decoder", "min"), ("resnet", 0.95), ("resnet", "min")]
 
 
@@ -243,3 +245,32 @@ def test_replays_holding_a_residual_are_predicted_within_the_budget(budget: floa
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads, strict=True))
     assert tracker.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
     assert plan.predicted_peak_bytes <= 1.05 * tracker.peak_bytes
+
+
+def test_a_glue_that_no_longer_takes_an_earlier_input_is_warned_about_and_a_missing_one_refused() -> None:
+    # the executor's side of NOTE [constants an earlier stage takes]: a plan counted the
+    # input of stage 1 as taken again by the glue after stage 3
+    earlier = EarlierInputs(frozenset({(1, 3)}))
+    residual, other = torch.randn(4), torch.randn(4)
+    earlier.called(1, [residual])
+    stage_in, stage_out = torch.randn(4), torch.randn(4)
+    recorder = GlueRecorder([stage_in], [stage_out])
+    recorder.start()
+    summed = stage_out + other  # takes another tensor, not stage 1's input
+    glue = recorder.finish((summed,), {})
+    with pytest.warns(RuntimeWarning, match="no longer takes the input of stage"):
+        earlier.recorded(3, glue)
+    assert glue.constants == [other]
+    recorder = GlueRecorder([stage_in], [stage_out])
+    recorder.start()
+    summed = stage_out + residual
+    glue = recorder.finish((summed,), {})
+    earlier.recorded(3, glue)
+    assert glue.constants == []  # taken from the replay, not kept
+    with pytest.raises(RematError, match="did not run"):
+        glue.replay([stage_in, stage_out], earlier.input)
+    with earlier.replay():
+        earlier.replaying(1, [residual * 1])
+        (args, _) = glue.replay([stage_in, stage_out], earlier.input)
+        earlier.glue_replayed(3)
+    assert torch.equal(args[0], summed)
