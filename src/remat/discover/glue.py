@@ -146,6 +146,16 @@ class Glue:
             if kind == _SLOT and (item >= self._n_inputs or item in self._returned) and isinstance(leaf, torch.Tensor)
         ]
 
+    def passed_through(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """Among :meth:`made`, the stage's own inputs that it returned as they are (a position
+        bias each block takes and hands on)."""
+        flat = tree_flatten((args, kwargs))[0]
+        return [
+            leaf
+            for leaf, (kind, item) in zip(flat, self._next_sources, strict=True)
+            if kind == _SLOT and item < self._n_inputs and item in self._returned and isinstance(leaf, torch.Tensor)
+        ]
+
     def replay(
         self, stage_values: list[torch.Tensor], earlier: Callable[[int, int], torch.Tensor] | None = None
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -204,6 +204,7 @@ class StageWatch:
         self.saved_ids: list[list[int]] = [[] for _ in chain.names]  # frugal: per stage, in save order
         self.grad_ready_time: dict[int, float] = {}  # stage -> when its output's gradient was complete
         self.grad_ready_event: dict[int, int] = {}
+        self.own_ready_event: dict[int, int] = {}  # stage -> when the gradient of what it made was complete
         self.grad_ready_work: dict[int, tuple[int, int, int]] = {}  # stage -> work mark then
         self.output_grad_bytes = 0
         self.gradient_allocations: set[int] = set()
@@ -287,6 +288,7 @@ class StageWatch:
         """Ends stage `index`'s forward: the next stage is called with (args, kwargs) (None: it was the last)."""
         glue, self._glue = self._glue, None
         made: list[torch.Tensor] = []
+        passed: list[torch.Tensor] = []
         stage = self.stages[index]
         tracker = self.tracker
         start_time, start_event, start_saved, start_work = self._started
@@ -294,6 +296,7 @@ class StageWatch:
             recorded = glue.finish(args, kwargs)
             stage.glue_replayable = recorded.replayable
             made = recorded.made(args, kwargs)
+            passed = recorded.passed_through(args, kwargs)
             if tracker is not None:
                 # what the executor keeps for the replay of this stage's glue: the tensors
                 # made since the chain began that the glue or the next stage take as they are
@@ -325,7 +328,7 @@ class StageWatch:
             stage.saved_storages = {k: (r.nbytes, r.allocated_event) for k, r in records.items()}
         if torch.is_grad_enabled() and args is not None:
             # its backward starts once the whole gradient of what the next stage took from it is there
-            self._hook_gradients(index, made)
+            self._hook_gradients(index, made, passed)
 
     def finish(self) -> None:
         """Stops a glue recording left running (the forward failed, or ended early)."""
@@ -349,20 +352,27 @@ class StageWatch:
         previous.output_storages = linked
         stage.input_storages = linked
 
-    def _hook_gradients(self, index: int, tensors: list[torch.Tensor]) -> None:
+    def _hook_gradients(self, index: int, tensors: list[torch.Tensor], passed: Sequence[torch.Tensor] = ()) -> None:
         # Plain tensor hooks (they also fire for the tensor backward starts from). The
-        # last one to fire marks the moment the whole gradient is there.
+        # last one to fire marks the moment the whole gradient is there; the last of those
+        # of what the stage made, not `passed` on from its inputs, when its own backward
+        # can start (NOTE [gradients waiting for a replay] in remat.measure.outside).
         received: dict[int, int] = {}  # position -> bytes, shared by the outputs of one stage
+        own: set[int] = set()  # the positions of what it made
         position = 0
         for tensor in tensors:
             if tensor.requires_grad:
                 # Reading grad_fn first brings a view changed in place up to date: PyTorch
                 # regenerates its node there, and registering a hook before that fails.
                 _ = tensor.grad_fn
-                tensor.register_hook(functools.partial(self._on_gradient, index, position, received))
+                if not any(tensor is other for other in passed):
+                    own.add(position)
+                tensor.register_hook(functools.partial(self._on_gradient, index, position, received, own))
                 position += 1
 
-    def _on_gradient(self, index: int, position: int, received: dict[int, int], grad: torch.Tensor | None) -> None:
+    def _on_gradient(
+        self, index: int, position: int, received: dict[int, int], own: set[int], grad: torch.Tensor | None
+    ) -> None:
         # The gradient of one output of stage `index` (-1: of the chain input) is there.
         # Once all have come, stage `index`'s backward starts, and the backward of stage
         # index + 1 has just ended.
@@ -371,6 +381,8 @@ class StageWatch:
         tracker = self.tracker
         self.grad_ready_time[index] = time.perf_counter()
         self.grad_ready_event[index] = tracker.n_events if tracker is not None else 0
+        if position in own and own <= {*received, position}:
+            self.own_ready_event.setdefault(index, self.grad_ready_event[index])
         self.grad_ready_work[index] = work_mark(tracker)
         if grad is None:
             received[position] = 0

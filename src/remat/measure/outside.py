@@ -86,7 +86,9 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
         if used is not None:
             earliest = used if earliest is None else min(earliest, used)
         group = group_starts.get(index + 1)
-        whole = watch.grad_ready_event.get(index)
+        # (what a stage hands on from its inputs as it is, a position bias every block takes,
+        # is whole only later: its own backward, and the replay before it, start earlier)
+        whole = watch.own_ready_event.get(index, watch.grad_ready_event.get(index))
         if group is None or whole is None:
             continue
         start = earliest
