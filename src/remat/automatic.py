@@ -553,7 +553,7 @@ class Checkpointable(ModelStandIn):
     def _minima(self, key: Hashable, plannings: list[Planning]) -> list[int]:
         """The smallest feasible budget of each way to plan."""
         cache_key = (key, self._options(None))
-        if len(self._minimums.get(cache_key, ())) != len(plannings):
+        if cache_key not in self._minimums:
             self._minimums[cache_key] = [planning.minimum_total_bytes() for planning in plannings]
         return self._minimums[cache_key]
 

@@ -305,11 +305,11 @@ class StageWatch:
                 stage.glue_constants = frozenset(records)
                 stage.kept_constants = {key: r.nbytes for key, r in records.items() if r.allocated_event >= chain_start}
                 # NOTE [constants an earlier stage takes] in remat.discover.glue
+                earlier = self._stage_inputs.earlier(recorded.constants, index)
                 for tensor in recorded.constants:
-                    taken = self._stage_inputs.earlier([tensor], index).get(id(tensor))
                     keys = tracker.allocations_of([tensor])
-                    if taken is not None and len(keys) == 1 and next(iter(keys)) in stage.kept_constants:
-                        stage.earlier_inputs[next(iter(keys))] = taken[0]
+                    if id(tensor) in earlier and len(keys) == 1 and next(iter(keys)) in stage.kept_constants:
+                        stage.earlier_inputs[next(iter(keys))] = earlier[id(tensor)][0]
         self.current = None
         if self.synchronize is not None:
             self.synchronize()

@@ -197,7 +197,7 @@ def glue_constants(
     same with True. The constants in `taken_again` are left out (NOTE [constants an
     earlier stage takes] in remat.discover.glue)."""
     stages = step.watch.stages
-    held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    held = _held_by_model(step)
     inputs = {key: group for group, (first, _) in enumerate(groups) for key in stages[first].input_storages}
     keepers: dict[int, tuple[int, set[int]]] = {}
     for index, stage in enumerate(stages):
@@ -210,6 +210,11 @@ def glue_constants(
     return tuple(out)
 
 
+def _held_by_model(step: TrackedStep) -> set[int]:
+    """What the stages made that escapes to the model's code and is alive when the forward returns."""
+    return {key for stage in step.watch.stages for key in stage.escaped_storages if key in step.alive_after_forward}
+
+
 def constants_taken_again(
     step: TrackedStep, groups: list[tuple[int, int]]
 ) -> dict[int, tuple[int, frozenset[tuple[int, int]]]]:
@@ -219,7 +224,7 @@ def constants_taken_again(
     those counted as kept for the glue alone: not held by the model, not saved by a stage,
     and taken from an earlier stage by every glue that keeps them."""
     stages = step.watch.stages
-    held = {key for stage in stages for key in stage.escaped_storages if key in step.alive_after_forward}
+    held = _held_by_model(step)
     saved = earlier_activations_saved(step, groups, held)
     out: dict[int, tuple[int, set[tuple[int, int]]]] = {}
     refused: set[int] = set(held) | set(saved)

@@ -50,7 +50,7 @@ from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
 from remat.measure.isolation import isolated_inputs, preserved_model_state
 from remat.measure.losses import _check_no_cache, _DefaultLoss, _loss_and_backward
-from remat.measure.timing import time_groups
+from remat.measure.timing import TimingPass, time_groups
 from remat.memory import MemoryTracker
 
 __all__ = [
@@ -310,13 +310,7 @@ def _sized_measurement(
         else "rehearsing the timing pass on fake tensors; times estimated from the sizes",
     )
     # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
-    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
-        fake_args, fake_kwargs = fake.inputs(args, kwargs)
-        with fake.mode:
-            rehearsal = time_groups(
-                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device,
-                run_loss=run_loss, track_all=True, rehearsal=True, policies=policies,
-            )  # fmt: skip
+    rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, run_loss=run_loss, policies=policies)
     # the real pass runs on copies of the inputs the model changes in place (on aliases
     # of the others), which the rehearsal did not count
     leaves = tree_flatten((args, kwargs))[0]
@@ -382,14 +376,29 @@ def _untimed_pass_bytes(
     The pass runs every group's forward, and times the backward of those that fit in the
     budget: no budget below this one is planned (the first step must fit it too).
     """
+    rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
+    return max(rehearsal.group_peak_bytes, default=0)
+
+
+def _rehearsal(
+    model: nn.Module,
+    chain: Chain,
+    sized: ChainMeasurement,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    devices: Any,
+    backward_groups: frozenset[int] | None = None,
+    **options: Any,
+) -> TimingPass:
+    """The timing pass on fake tensors, every group tracked (`options`: of :func:`time_groups`)."""
     with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         with fake.mode:
-            rehearsal = time_groups(
-                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device, frozenset(),
-                track_all=True, rehearsal=True,
+            return time_groups(
+                model, chain, sized.stages, sized.groups, fake_args, fake_kwargs, device, backward_groups,
+                track_all=True, rehearsal=True, **options,
             )  # fmt: skip
-    return max(rehearsal.group_peak_bytes, default=0)
 
 
 def _with_fixed_bytes(measurement: ChainMeasurement, extra: int) -> ChainMeasurement:
