@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import remat
@@ -454,6 +455,33 @@ def test_blocks_in_a_sequential_are_predicted_to_the_byte(fraction: float) -> No
     assert kept.plan is not None
     # the prediction counts the kept output during the loss too, where it is the chain's output
     assert 0 <= kept.plan.predicted_peak_bytes - peak <= x.numel() * 4
+
+
+class _CarriesItsLoss(nn.Module):
+    """Returns its loss in a mapping with its output, as a Hugging Face model given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = _blocks_in_a_sequential()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.blocks(x)
+        return {"loss": F.mse_loss(out, target), "logits": out}
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.45, 0.9])
+def test_the_loss_an_output_carries_is_held_through_the_backward(fraction: float) -> None:
+    # the loop drops the output but keeps its loss for the backward: it is predicted from
+    # the loss on (it was left out as part of the output, four bytes over the prediction)
+    x, target = torch.randn(128, 64), torch.randn(128, 64)
+    torch.manual_seed(0)
+    outcome = train_steps(_CarriesItsLoss().train(), fraction, (x, target), {}, lambda out: out["loss"], "fp32")
+    assert outcome is not None
+    peaks, wrapped = outcome
+    plan = wrapped.plan
+    assert plan is not None and plan.budget_bytes is not None
+    assert max(peaks) <= plan.budget_bytes
+    assert peaks[1] == plan.predicted_peak_bytes
 
 
 def test_a_backward_inside_autocast_is_warned_about() -> None:

@@ -272,7 +272,7 @@ class _Run:
         try:
             self.glues[index] = recorder.finish(args, kwargs)
             if self.earlier is not None:
-                self.earlier.recorded(index, self.glues[index])
+                self.earlier.recorded(index, self.glues[index], recorder)
         finally:
             discarding.__exit__(None, None, None)
         self._close_region(index, step)
@@ -340,7 +340,7 @@ class _Run:
             del args, kwargs, out
             if self.earlier is None:
                 return glue.replay(values)
-            replayed = glue.replay(values, self.earlier.input)
+            replayed = glue.replay(values, self.earlier.input, self.earlier.keeper(stage))
             self.earlier.glue_replayed(stage)
             return replayed
 

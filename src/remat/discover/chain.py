@@ -256,8 +256,9 @@ def discover_chain(
 # MLP, a recompute inside a recomputed block. The smallest budget falls to what the
 # largest indivisible call needs. A stage is split only where its chain is linked to the
 # stages around it: its first call derives from the stage before, the stage after derives
-# from its last call. Their predictions err on the safe side: the residual streams the
-# glue keeps for its replays are counted through the step (NOTE [glue constants]).
+# from its last call. What the glue keeps for its replays is planned as held through the
+# step (NOTE [glue constants]), unless a replay makes it again (NOTE [constants an earlier
+# stage takes] in remat.discover.glue: a residual stream, a query and a key).
 def _deepen(calls: list[_Call], chain: list[int]) -> list[int]:
     """`chain` with every stage replaced by the chain of its own children where it has one, recursively."""
     children = _eligible_children(calls)

@@ -31,6 +31,12 @@ a reference to the earlier stage's input, which the replay looks up in what it r
 (``earlier(stage, position)``). A plan does so only where every region that replays the
 glue also replays that stage (``ChainProfile.glue_spans``).
 
+The same holds for what an earlier stage's glue made: an attention whose query and key
+projections run as glue after its norm (the chain goes on through the value projection)
+computes them with the scores after that projection, in the glue of the later stage. A
+replay of the norm's stage runs its glue again and makes them again; the later glue takes
+them from there (``EarlierValue.made``) instead of keeping the first forward's.
+
 NOTE [glue that changes an earlier activation]
 The glue may change in place a tensor that needs a gradient and is not one of the stage's
 own values: an earlier stage's output (``h = layer(x); r = shortcut(x); h += r``, with
@@ -49,7 +55,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -60,7 +66,17 @@ from remat.errors import NondeterministicRecompute, RecomputeInputModified, Rema
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import detached_alias
 
-__all__ = ["EarlierInputs", "Glue", "GlueRecorder", "StageInputs"]
+__all__ = ["EarlierInputs", "EarlierValue", "Glue", "GlueRecorder", "StageInputs"]
+
+
+class EarlierValue(NamedTuple):
+    """Where a glue constant comes from at replay (NOTE [constants an earlier stage takes]):
+    input ``position`` of ``stage``, or, when ``made``, the value of slot ``position`` of
+    the glue after ``stage``."""
+
+    stage: int
+    position: int
+    made: bool = False
 
 
 # Normalisations that update running statistics in place without telling autograd (their
@@ -121,10 +137,10 @@ class Glue:
         """The tensors from before the stage that the glue or the next stage take as they are."""
         return [tensor for tensor, _ in self._constants]
 
-    def take_from_earlier(self, earlier: dict[int, tuple[int, int]]) -> None:
-        """Takes the constants whose ids are in `earlier` from the input of an earlier stage
-        at replay instead of keeping them: ``id -> (stage, position among its input tensors)``
-        (NOTE [constants an earlier stage takes])."""
+    def take_from_earlier(self, earlier: dict[int, EarlierValue]) -> None:
+        """Takes the constants whose ids are in `earlier` from the replay of an earlier stage
+        (its input, or what its glue made) instead of keeping them (NOTE [constants an
+        earlier stage takes])."""
         if not earlier:
             return
 
@@ -156,20 +172,8 @@ class Glue:
             if kind == _SLOT and item < self._n_inputs and item in self._returned and isinstance(leaf, torch.Tensor)
         ]
 
-    def replay(
-        self, stage_values: list[torch.Tensor], earlier: Callable[[int, int], torch.Tensor] | None = None
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Runs the calls again on `stage_values` (the replayed stage's input tensors, then
-        its output tensors); returns the next stage's (args, kwargs). The inputs the calls do
-        not take are dropped from `stage_values` (the list is the glue's own from then on):
-        the first forward had freed them by then, unless the model's code held them.
-        `earlier(stage, position)` gives the replayed input of an earlier stage (NOTE
-        [constants an earlier stage takes]).
-
-        Raises:
-            RecomputeInputModified: a constant was changed in place since it was recorded.
-            NondeterministicRecompute: the replayed stage gave another number of tensors.
-        """
+    def _check_replayable(self, stage_values: list[torch.Tensor]) -> None:
+        """Refuses a replay that cannot be exact (see :meth:`replay`)."""
         if not self.replayable:
             raise UnsupportedModel(
                 "the model's code after a recomputed stage changes in place a tensor that needs a "
@@ -188,6 +192,25 @@ class Glue:
                     "stages uses was changed in place after the forward; its recompute would see other "
                     "values. Make that change out of place"
                 )
+
+    def replay(
+        self,
+        stage_values: list[torch.Tensor],
+        earlier: Callable[[EarlierValue], torch.Tensor] | None = None,
+        made: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Runs the calls again on `stage_values` (the replayed stage's input tensors, then
+        its output tensors); returns the next stage's (args, kwargs). The inputs the calls do
+        not take are dropped from `stage_values` (the list is the glue's own from then on):
+        the first forward had freed them by then, unless the model's code held them.
+        `earlier` gives the replayed value of an earlier stage, and `made(slot, tensor)` is
+        told each value the calls make (NOTE [constants an earlier stage takes]).
+
+        Raises:
+            RecomputeInputModified: a constant was changed in place since it was recorded.
+            NondeterministicRecompute: the replayed stage gave another number of tensors.
+        """
+        self._check_replayable(stage_values)
         slots: list[Any] = stage_values
         for position in range(self._n_inputs):
             if position not in self._used_inputs:
@@ -204,8 +227,8 @@ class Glue:
                     alias = aliases[id(item)] = detached_alias(item, item.requires_grad)
                 return alias
             if kind == _EARLIER:  # NOTE [constants an earlier stage takes]
-                assert earlier is not None, "a glue that takes an earlier stage's input needs `earlier`"
-                return earlier(*item)
+                assert earlier is not None, "a glue that takes an earlier stage's value needs `earlier`"
+                return earlier(item)
             if kind == _COPY:  # NOTE [constants the glue changes]
                 copy = item.detach().clone()
                 return copy.requires_grad_(True) if item.requires_grad else copy
@@ -216,6 +239,9 @@ class Glue:
             with torch.set_grad_enabled(call.grad_enabled), replay_forward_state(call.autocast):
                 out = call.function(*args, **kwargs)
             tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+            if made is not None:
+                for offset, position in enumerate(call.new_slots):
+                    made(len(slots) + offset, tensors[position])
             slots.extend(tensors[position] for position in call.new_slots)
             del args, kwargs, out, tensors
             for slot in freed:  # NOTE [glue values freed after their last use]
@@ -297,24 +323,38 @@ def _alias(tensor: torch.Tensor, of: torch.Tensor) -> bool:
 
 
 class StageInputs:
-    """Which stage last took each tensor as an input, and where among its input tensors
-    (NOTE [constants an earlier stage takes]); it holds no tensor alive."""
+    """Which stage last took each tensor as an input, and where among its input tensors,
+    and which glue made each of its values (NOTE [constants an earlier stage takes]); it
+    holds no tensor alive."""
 
     def __init__(self) -> None:
         self._of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def note(self, stage: int, inputs: list[torch.Tensor]) -> None:
         for position, tensor in enumerate(inputs):
-            self._of[tensor] = (stage, position)
+            self._of[tensor] = EarlierValue(stage, position)
             # a view that reads the same elements as its base (FSDP2's pass-through of a
             # unit's input) stands for it: the model's code may hold the base
             if tensor._base is not None and _alias(tensor, tensor._base):
-                self._of[tensor._base] = (stage, position)
+                self._of[tensor._base] = EarlierValue(stage, position)
 
-    def earlier(self, tensors: list[torch.Tensor], before: int) -> dict[int, tuple[int, int]]:
-        """``id -> (stage, position)`` for those of `tensors` a stage before `before` took."""
-        found = ((t, self._of.get(t)) for t in tensors)
-        return {id(t): where for t, where in found if where is not None and where[0] < before}
+    def note_made(self, stage: int, recorder: GlueRecorder) -> None:
+        """The glue after `stage` was recorded by `recorder`: the values it made."""
+        for slot, tensor in recorder.made_values():
+            self._made[tensor] = EarlierValue(stage, slot, made=True)
+
+    def earlier(self, tensors: list[torch.Tensor], before: int) -> dict[int, EarlierValue]:
+        """Where each of `tensors` comes from before stage `before`: what a stage took (the
+        latest), else what a glue made; by id."""
+        out = {}
+        for tensor in tensors:
+            where = self._of.get(tensor)
+            if where is None or where.stage >= before:
+                where = self._made.get(tensor)
+            if where is not None and where.stage < before:
+                out[id(tensor)] = where
+        return out
 
 
 class EarlierInputs:
@@ -327,26 +367,38 @@ class EarlierInputs:
 
     def __init__(self, pairs: frozenset[tuple[int, int]]) -> None:
         self.pairs = pairs
+        # the last glue recorded to take a value of each stage (a glue whose stage was
+        # stored in the first forward is never replayed: it takes nothing)
         self.last_glue: dict[int, int] = {}
-        for stage, glue in pairs:
-            self.last_glue[stage] = max(glue, self.last_glue.get(stage, glue))
         self._seen = StageInputs()
         self._replayed: dict[int, list[torch.Tensor]] = {}
+        self._inputs_wanted: set[int] = set()  # the stages whose input a later glue takes
+        self._wanted: dict[int, set[int]] = {}  # stage -> the slots of its glue taken later
+        self._made: dict[int, dict[int, torch.Tensor]] = {}  # stage -> its glue's replayed values
         self._depth = 0
 
     def called(self, stage: int, inputs: list[torch.Tensor]) -> None:
         """First forward: stage `stage` is called on `inputs`."""
         self._seen.note(stage, inputs)
 
-    def recorded(self, stage: int, glue: Glue) -> None:
-        """First forward: the glue after `stage` was recorded."""
+    def recorded(self, stage: int, glue: Glue, recorder: GlueRecorder) -> None:
+        """First forward: the glue after `stage` was recorded (by `recorder`)."""
         earlier = self._seen.earlier(glue.constants, stage)
-        taken = {key: at for key, at in earlier.items() if (at[0], stage) in self.pairs}
+        self._seen.note_made(stage, recorder)
+        taken = {key: at for key, at in earlier.items() if (at.stage, stage) in self.pairs}
         glue.take_from_earlier(taken)
-        missed = {first for first, glue_stage in self.pairs if glue_stage == stage} - {at[0] for at in taken.values()}
+        for at in taken.values():
+            self.last_glue[at.stage] = max(stage, self.last_glue.get(at.stage, stage))
+            if at.made:
+                self._wanted.setdefault(at.stage, set()).add(at.position)
+            else:
+                self._inputs_wanted.add(at.stage)
+        missed = {first for first, glue_stage in self.pairs if glue_stage == stage} - {
+            at.stage for at in taken.values()
+        }
         if missed:
             warnings.warn(
-                f"remat: the model's code after stage {stage} no longer takes the input of stage(s) "
+                f"remat: the model's code after stage {stage} no longer takes a value of stage(s) "
                 f"{sorted(missed)} as it did when measured; it keeps it for the replay, which the plan "
                 "did not count (the step may go over its budget). Please report this model",
                 RuntimeWarning,
@@ -355,23 +407,38 @@ class EarlierInputs:
 
     def replaying(self, stage: int, inputs: list[torch.Tensor]) -> None:
         """A replay runs `stage` on `inputs`: held until the last glue that takes them."""
-        if stage in self.last_glue:
+        if stage in self._inputs_wanted:
             self._replayed[stage] = inputs
 
-    def input(self, stage: int, position: int) -> torch.Tensor:
-        """The replayed input `position` of `stage`, for a glue replayed after it."""
-        inputs = self._replayed.get(stage)
-        if inputs is None:
+    def keeper(self, stage: int) -> Callable[[int, torch.Tensor], None] | None:
+        """What a replay of the glue after `stage` tells the values it makes, or None when no
+        later glue takes any of them."""
+        wanted = self._wanted.get(stage)
+        if not wanted:
+            return None
+        made = self._made[stage] = {}
+
+        def keep(slot: int, tensor: torch.Tensor) -> None:
+            if slot in wanted:
+                made[slot] = tensor
+
+        return keep
+
+    def input(self, at: EarlierValue) -> torch.Tensor:
+        """The replayed value `at` of an earlier stage, for a glue replayed after it."""
+        values = self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
+        if values is None or (at.made and at.position not in values):
             raise RematError(
-                f"a replay needs the input of stage {stage}, which it did not run: the plan's regions "
+                f"a replay needs a value of stage {at.stage}, which it did not run: the plan's regions "
                 "do not follow its glue spans (ChainProfile.glue_spans); plan the model again"
             )
-        return inputs[position]
+        return values[at.position]
 
     def glue_replayed(self, stage: int) -> None:
         for earlier, last in self.last_glue.items():
             if last == stage:
                 self._replayed.pop(earlier, None)
+                self._made.pop(earlier, None)
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
@@ -383,6 +450,7 @@ class EarlierInputs:
             self._depth -= 1
             if self._depth == 0:
                 self._replayed.clear()
+                self._made.clear()
 
 
 class GlueRecorder(TorchFunctionMode):
@@ -409,6 +477,10 @@ class GlueRecorder(TorchFunctionMode):
         self._read: set[int] = set()  # the constants read as they are (not only changed on a copy)
         self._replayable = True  # NOTE [glue that changes an earlier activation]
         self._entered = False
+
+    def made_values(self) -> list[tuple[int, torch.Tensor]]:
+        """``(slot, tensor)`` of the values the recorded calls made that are still alive."""
+        return [(slot, tensor) for tensor, slot in self._slots.items() if slot >= self._n_stage_values]
 
     # -- recording
     def _source(self, value: Any) -> tuple[int, Any]:

@@ -26,6 +26,7 @@ from remat.manual._state import snapshot_bytes
 from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import (
+    TakenAgain,
     cached_casts,
     constants_taken_again,
     glue_constants,
@@ -35,7 +36,7 @@ from remat.measure.outside import (
     waiting_gradients,
 )
 from remat.memory import AllocationRecord, MemoryTracker
-from remat.plan.lifetimes import GlueConstant, HeldInput
+from remat.plan.lifetimes import GlueConstant, HeldInput, ReplayHold
 from remat.plan.profile import ChainProfile
 from remat.plan.step import BudgetSplit
 
@@ -128,7 +129,7 @@ class ChainMeasurement:
     option_extra_s: tuple[dict[str, float], ...] = ()
     glue_constants: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
     waiting_gradient_bytes: tuple[int, ...] = ()
-    taken_again: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    taken_again: tuple[TakenAgain, ...] = ()
     glue_constants_kept: tuple[tuple[int, tuple[int, ...], int, bool], ...] = ()
     timing_pass_bytes: int = 0
 
@@ -156,7 +157,7 @@ class ChainMeasurement:
         """``(planned stage, glue's planned stage)`` of every constant in ``taken_again``:
         the spans of ``ChainProfile.glue_spans``."""
         group_of = self.group_of()
-        return tuple(sorted({(group_of[s], group_of[k]) for _, pairs in self.taken_again for s, k in pairs}))
+        return tuple(sorted({(group_of[s], group_of[k]) for taken in self.taken_again for s, k in taken.pairs}))
 
     def group_of(self) -> list[int]:
         """The planned stage of each stage call."""
@@ -169,18 +170,24 @@ class ChainMeasurement:
         takes the constants of ``taken_again`` from replays (NOTE [constants an earlier
         stage takes] in remat.discover.glue)."""
         fixed, constants = self.fixed_bytes, self._glue_constants(self.glue_constants)
-        replay_held: tuple[tuple[int, int, int, bool], ...] = ()
+        replay_held: tuple[ReplayHold, ...] = ()
         if take_again:
-            fixed -= sum(nbytes for nbytes, _ in self.taken_again)
+            fixed -= sum(taken.nbytes for taken in self.taken_again)
             constants = self._glue_constants(self.glue_constants_kept)
             group_of, saves_input = self.group_of(), self.profile.saves_input
             # (a stage's input kept by its stage: the stage starts its group and saves it)
-            held = {
-                (group_of[s], group_of[k], nbytes, self.groups[group_of[s]][0] == s and saves_input[group_of[s]])
-                for nbytes, pairs in self.taken_again
-                for s, k in pairs
-                if group_of[s] < group_of[k]
-            }
+            # one per tensor and planned pair (two tensors of one size are two holds)
+            held = [
+                ReplayHold(
+                    group_of[s],
+                    group_of[k],
+                    taken.nbytes,
+                    not taken.made and self.groups[group_of[s]][0] == s and saves_input[group_of[s]],
+                    taken.saved,
+                )
+                for taken in self.taken_again
+                for s, k in sorted({(s, k) for s, k in taken.pairs if group_of[s] < group_of[k]})
+            ]
             replay_held = tuple(sorted(held))
         return BudgetSplit(
             total_bytes=None,
@@ -366,7 +373,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
         glue_constants=constants,
         waiting_gradient_bytes=waiting_gradients(step, groups),
-        taken_again=tuple((nbytes, tuple(sorted(pairs))) for nbytes, pairs in taken_again.values()),
+        taken_again=tuple(taken_again.values()),
         glue_constants_kept=constants_kept,
     )
 

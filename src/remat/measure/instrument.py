@@ -95,8 +95,9 @@ class StageMeasurement:
             next stage) takes as it is, made before the chain too: the executor keeps
             them while the stage may be replayed.
         earlier_inputs: allocation id -> stage, for those of ``kept_constants`` that an
-            earlier stage took as its input (NOTE [constants an earlier stage takes] in
-            remat.discover.glue).
+            earlier stage took as its input or its glue made (NOTE [constants an earlier
+            stage takes] in remat.discover.glue).
+        earlier_made: those of ``earlier_inputs`` that the glue made.
     """
 
     name: str
@@ -118,6 +119,7 @@ class StageMeasurement:
     glue_replayable: bool = True
     glue_constants: frozenset[int] = frozenset()
     earlier_inputs: dict[int, int] = field(default_factory=dict)
+    earlier_made: set[int] = field(default_factory=set)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -309,7 +311,11 @@ class StageWatch:
                 for tensor in recorded.constants:
                     keys = tracker.allocations_of([tensor])
                     if id(tensor) in earlier and len(keys) == 1 and next(iter(keys)) in stage.kept_constants:
-                        stage.earlier_inputs[next(iter(keys))] = earlier[id(tensor)][0]
+                        key, at = next(iter(keys)), earlier[id(tensor)]
+                        stage.earlier_inputs[key] = at.stage
+                        if at.made:
+                            stage.earlier_made.add(key)
+            self._stage_inputs.note_made(index, glue)
         self.current = None
         if self.synchronize is not None:
             self.synchronize()

@@ -37,6 +37,13 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
         yield
 
 
+def preserved_state_bytes(model: nn.Module) -> int:
+    """What :func:`preserved_model_state` holds while its body runs: a copy of every buffer."""
+    return sum(
+        b.numel() * b.element_size() for module in model.modules() for b in module._buffers.values() if b is not None
+    )
+
+
 @contextlib.contextmanager
 def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     grads = [(p, p.grad) for p in model.parameters()]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from remat.errors import RematError, UnsupportedModel
 from remat.measure.instrument import tensors_in
+from remat.memory import MemoryTracker
 
 __all__ = ["output_loss"]
 
@@ -52,16 +57,16 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 def _loss_and_backward(
-    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[], None] | None = None
+    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[Any], None] | None = None
 ) -> None:
     """Computes the loss, drops the output (as a training loop does), then runs backward.
 
     `output` is a one-element list so that this function holds the only reference;
-    `on_loss` is called once the loss is computed, before its backward.
+    `on_loss` is called with the loss once it is computed, before its backward.
     """
     loss = loss_fn(output.pop())
     if on_loss is not None:
-        on_loss()
+        on_loss(loss)
     if loss is None:  # the loss function ran the backward itself
         return
     if not isinstance(loss, torch.Tensor):
@@ -89,3 +94,43 @@ def _check_no_cache(output: Any) -> None:
             "use_cache=False (Hugging Face: from_pretrained(..., use_cache=False) or "
             "config.use_cache = False) or call it with use_cache=False"
         )
+
+
+def _shape_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TensorShape(tuple(value.shape), value.dtype, value.requires_grad)
+    return value
+
+
+def _loss_widening(outputs: list[torch.Tensor]) -> float:
+    """How much wider a loss computes than the output is stored: a loss on half-precision
+    floats upcasts them to float32 (NOTE [loss allowance] in remat.plan.share)."""
+    sizes = [t.element_size() for t in outputs if t.is_floating_point()]
+    return max([4 / size for size in sizes if size < 4], default=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorShape:  # (not a pytree node: tree_map leaves it whole)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _loss_probe(run_loss: Callable[[list[Any]], None], output: Any, device: torch.device) -> int:
+    """Bytes the loss needs on real tensors beyond fake ones, on an output of zeros of the model's shapes."""
+
+    def zeros(value: Any) -> Any:
+        if isinstance(value, _TensorShape):
+            return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.requires_grad)
+        return value
+
+    peaks = []
+    for fake in (False, True):
+        context = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with context:
+            holder = [tree_map(zeros, output)]
+        tracker = MemoryTracker(device=device.type, count_fake=True)
+        with context, tracker:
+            run_loss(holder)
+        peaks.append(tracker.peak_bytes)
+    return max(0, peaks[0] - peaks[1])

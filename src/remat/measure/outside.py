@@ -12,7 +12,7 @@ import bisect
 import warnings
 from collections import Counter
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from remat.discover.chain import Chain
 from remat.units import format_bytes
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from remat.measure.assemble import TrackedStep
 
 __all__ = [
+    "TakenAgain",
     "cached_casts",
     "constants_taken_again",
     "glue_constants",
@@ -134,11 +135,25 @@ def held_outside_chain(
     fixed_bytes += sum(casts.values())
     # What a stage's backward leaves behind besides its input's gradient (the partial
     # gradient of a weight used twice, waiting for the other use) lives on after it.
+    # A later backward may free it (the gradient a shortcut convolution run as glue gives
+    # the block's input, summed with the block's own at its first stage's backward).
+    windows = [stage.backward_window for stage in stages]
+    freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
+
+    def taken_by(freed: int | None, nbytes: int) -> None:
+        taker = next((k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None)
+        if taker is not None:
+            freed_by.append((taker, nbytes))
+
     leftovers = [0] * len(stages)
     for index, stage in enumerate(stages):
         if stage.backward_window is not None:
-            leftover = tracker.surviving_allocations(*stage.backward_window)
-            leftovers[index] = sum_except(leftover, step.watch.gradient_allocations | recomputed(step, leftover))
+            surviving = tracker.surviving_allocations(*stage.backward_window)
+            excluded = step.watch.gradient_allocations | recomputed(step, surviving)
+            leftover = {key: nbytes for key, nbytes in surviving.items() if key not in excluded}
+            leftovers[index] = sum(leftover.values())
+            for key, (_, freed) in tracker.allocation_freed_events(leftover).items():
+                taken_by(freed, leftover[key])
     # A gradient a stage's backward received that outlives it: a U-Net's up block passes
     # its skip's gradient back as a view of its input's gradient, which then lives until
     # the down block's backward takes it. It is left over from that stage's backward on.
@@ -153,9 +168,7 @@ def held_outside_chain(
     # after the block's last stages, for the block's first stage to return the other part of
     # it. It is left over from that stage's backward on (without this, a residual loop with
     # dropouts at p=0 went over its budget by a block's output).
-    windows = [stage.backward_window for stage in stages]
     first_of = [first for first, stop in groups for _ in range(first, stop)]
-    freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
     for index, window in enumerate(windows):
         if window is None:
             continue
@@ -170,11 +183,7 @@ def held_outside_chain(
             passed_on = index > first_of[index] and (freed is None or freed > group_end)
             if key not in own or passed_on:
                 leftovers[index] += records[key].nbytes
-                taker = next(
-                    (k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None
-                )
-                if taker is not None:
-                    freed_by.append((taker, records[key].nbytes))
+                taken_by(freed, records[key].nbytes)
     return fixed_bytes + sum(leftovers), leftovers, freed_by
 
 
@@ -215,19 +224,33 @@ def _held_by_model(step: TrackedStep) -> set[int]:
     return {key for stage in step.watch.stages for key in stage.escaped_storages if key in step.alive_after_forward}
 
 
-def constants_taken_again(
-    step: TrackedStep, groups: list[tuple[int, int]]
-) -> dict[int, tuple[int, frozenset[tuple[int, int]]]]:
+class TakenAgain(NamedTuple):
+    """A glue constant a plan may take from a replay instead of keeping it."""
+
+    nbytes: int
+    #: ``(stage, glue's stage)`` stage calls: the glue after the second takes the input of the first
+    pairs: frozenset[tuple[int, int]]
+    #: the glue saves it for its backward too: a replay that stores the glue's stage holds
+    #: it until that stage's backward
+    saved: bool = False
+    #: what the earlier stage's glue made, not its input
+    made: bool = False
+
+
+def constants_taken_again(step: TrackedStep, groups: list[tuple[int, int]]) -> dict[int, TakenAgain]:
     """The glue constants that a plan may take from the replay of the earlier stage whose
     input they are instead of keeping them (NOTE [constants an earlier stage takes] in
-    remat.discover.glue): allocation id -> (bytes, ``(stage, glue's stage)`` pairs). Only
-    those counted as kept for the glue alone: not held by the model, not saved by a stage,
-    and taken from an earlier stage by every glue that keeps them."""
+    remat.discover.glue), by allocation id. Only those counted as kept for the glue alone:
+    not held by the model, taken from an earlier stage by every glue that keeps them, and
+    saved for a backward by none but the groups of those glues (a residual block's shortcut
+    convolution, run as glue, saves the block's input it keeps)."""
     stages = step.watch.stages
+    group_of = [g for g, (first, stop) in enumerate(groups) for _ in range(first, stop)]
     held = _held_by_model(step)
     saved = earlier_activations_saved(step, groups, held)
     out: dict[int, tuple[int, set[tuple[int, int]]]] = {}
-    refused: set[int] = set(held) | set(saved)
+    refused: set[int] = set(held)
+    made: set[int] = set()
     for index, stage in enumerate(stages):
         for key, nbytes in stage.kept_constants.items():
             earlier = stage.earlier_inputs.get(key)
@@ -235,7 +258,13 @@ def constants_taken_again(
                 refused.add(key)
             else:
                 out.setdefault(key, (nbytes, set()))[1].add((earlier, index))
-    return {key: (nbytes, frozenset(pairs)) for key, (nbytes, pairs) in out.items() if key not in refused}
+                made |= {key} & stage.earlier_made
+    for key, (_, savers) in saved.items():
+        keepers = {group_of[k] for _, k in out.get(key, (0, set()))[1]}
+        if not savers <= keepers:
+            refused.add(key)
+    kept = ((key, nbytes, pairs) for key, (nbytes, pairs) in out.items() if key not in refused)
+    return {key: TakenAgain(nbytes, frozenset(pairs), key in saved, key in made) for key, nbytes, pairs in kept}
 
 
 # NOTE [earlier activations saved]

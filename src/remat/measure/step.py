@@ -24,7 +24,6 @@ fused with the stage before it. Which activations each stage keeps (``saves_inpu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -37,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
@@ -48,8 +46,15 @@ from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with
 from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
 from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
-from remat.measure.isolation import isolated_inputs, preserved_model_state
-from remat.measure.losses import _check_no_cache, _DefaultLoss, _loss_and_backward
+from remat.measure.isolation import isolated_inputs, preserved_model_state, preserved_state_bytes
+from remat.measure.losses import (
+    _check_no_cache,
+    _DefaultLoss,
+    _loss_and_backward,
+    _loss_probe,
+    _loss_widening,
+    _shape_of,
+)
 from remat.measure.timing import TimingPass, time_groups
 from remat.memory import MemoryTracker
 
@@ -286,6 +291,9 @@ def _sized_measurement(
             )
             if isinstance(leaf, torch.Tensor) and leaf._version != version
         }
+    # the fake model keeps real copies of the counters it made fake constants of: dropped
+    # now, not held through the timing pass
+    del fake, fake_args, fake_kwargs
     sized = assemble(chain, tracked)
     if before_timing is not None:
         before_timing(sized, ())  # a budget no schedule fits is refused before anything real runs
@@ -312,9 +320,10 @@ def _sized_measurement(
     # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
     rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, run_loss=run_loss, policies=policies)
     # the real pass runs on copies of the inputs the model changes in place (on aliases
-    # of the others), which the rehearsal did not count
+    # of the others), and holds a copy of the model's buffers to restore them after it:
+    # the rehearsal counted neither
     leaves = tree_flatten((args, kwargs))[0]
-    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed)
+    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed) + preserved_state_bytes(model)
     # the pass runs every group's forward, timed or not: no budget below that is planned
     floor = _untimed_pass_bytes(model, chain, sized, args, kwargs, device, devices) + copies + loss_extra
     if estimated_times is not None:
@@ -414,46 +423,6 @@ def _with_fixed_bytes(measurement: ChainMeasurement, extra: int) -> ChainMeasure
     return dataclasses.replace(measurement, profile=profile, fixed_bytes=fixed_bytes)
 
 
-def _shape_of(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _TensorShape(tuple(value.shape), value.dtype, value.requires_grad)
-    return value
-
-
-def _loss_widening(outputs: list[torch.Tensor]) -> float:
-    """How much wider a loss computes than the output is stored: a loss on half-precision
-    floats upcasts them to float32 (NOTE [loss allowance] in remat.plan.share)."""
-    sizes = [t.element_size() for t in outputs if t.is_floating_point()]
-    return max([4 / size for size in sizes if size < 4], default=1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorShape:  # (not a pytree node: tree_map leaves it whole)
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-def _loss_probe(run_loss: Callable[[list[Any]], None], output: Any, device: torch.device) -> int:
-    """Bytes the loss needs on real tensors beyond fake ones, on an output of zeros of the model's shapes."""
-
-    def zeros(value: Any) -> Any:
-        if isinstance(value, _TensorShape):
-            return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.requires_grad)
-        return value
-
-    peaks = []
-    for fake in (False, True):
-        context = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-        with context:
-            holder = [tree_map(zeros, output)]
-        tracker = MemoryTracker(device=device.type, count_fake=True)
-        with context, tracker:
-            run_loss(holder)
-        peaks.append(tracker.peak_bytes)
-    return max(0, peaks[0] - peaks[1])
-
-
 def _tracked_step(
     model: nn.Module,
     chain: Chain,
@@ -489,7 +458,13 @@ def _tracked_step(
         holder = [output]
         del output
         loss_events: list[int] = []
-        _loss_and_backward(loss_fn, holder, lambda: loss_events.append(tracker.n_events))
+        loss_storages: set[int] = set()
+
+        def on_loss(loss: Any) -> None:
+            loss_events.append(tracker.n_events)
+            loss_storages.update(tracker.allocations_of(tensors_in(loss)))
+
+        _loss_and_backward(loss_fn, holder, on_loss)
     if watch.next_stage != len(chain):
         raise UnsupportedModel(
             f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
@@ -501,7 +476,9 @@ def _tracked_step(
         alive_after_forward=alive_after_forward,
         output_bytes=sum(output_storages.values()),
         loss_output_bytes=int(sum(output_storages.values()) * widening),
-        output_allocations=set(output_storages),
+        # the loss a training loop keeps for its backward is no longer the output (a Hugging
+        # Face output's loss): held from the loss on, like the rest of what the suffix keeps
+        output_allocations=set(output_storages) - loss_storages,
         device=str(device),
         state_allocations=state_allocations,
         cast_allocations=tracker.cast_allocations(),

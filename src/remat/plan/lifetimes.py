@@ -37,14 +37,14 @@ schedule for the prediction:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from remat.plan.operations import OperationKind
 from remat.plan.simulate import SimulationResult
 
-__all__ = ["GlueConstant", "HeldInput", "Lifetimes", "peak_with_lifetimes"]
+__all__ = ["GlueConstant", "HeldInput", "Lifetimes", "ReplayHold", "peak_with_lifetimes"]
 
 
 class HeldInput(NamedTuple):
@@ -93,6 +93,27 @@ class GlueConstant(NamedTuple):
     saved: bool = False
 
 
+class ReplayHold(NamedTuple):
+    """An earlier stage's input that a replay holds for the glue after a later stage
+    (NOTE [constants an earlier stage takes] in ``remat.discover.glue``).
+
+    Attributes:
+        stage: the planned stage whose input it is.
+        glue_stage: the planned stage whose glue takes it.
+        nbytes: its size.
+        kept_by_stage: whether ``stage`` saves its input for its backward.
+        saved_by_glue: whether the glue saves it for its backward too (a shortcut
+            convolution run as glue): stored in a replay, ``glue_stage`` holds it until its
+            backward.
+    """
+
+    stage: int
+    glue_stage: int
+    nbytes: int
+    kept_by_stage: bool
+    saved_by_glue: bool = False
+
+
 @dataclass(frozen=True)
 class Lifetimes:
     """Bytes planned as living longer than they do.
@@ -120,12 +141,13 @@ class Lifetimes:
             the replay of a region ending at ``k``: alive during the forwards that follow
             the backward of stage ``k`` (not held outside the chain: not in
             :attr:`total_bytes`).
-        replay_held: ``(stage, glue's stage, bytes, kept by stage)``: in a replay (a
-            forward after the first backward), the input of ``stage`` is held from the end of
-            its forward to the end of the glue's stage's, or to the next backward, unless
-            the replay keeps it anyway (a checkpoint, or a stored stage that saves its
-            input) (NOTE [constants an earlier stage takes] in ``remat.discover.glue``; not
-            held outside the chain: not in :attr:`total_bytes`).
+        replay_held: in a replay (a forward after the first backward), the input of
+            each :class:`ReplayHold`'s ``stage`` is held from the end of its forward to the
+            end of the glue's stage's, or to the next backward (to the glue's stage's
+            backward where that stage is stored and its glue saves it), unless the replay
+            keeps it anyway (a checkpoint, or a stored stage that saves its input) (NOTE
+            [constants an earlier stage takes] in ``remat.discover.glue``; not held
+            outside the chain: not in :attr:`total_bytes`).
     """
 
     leftover_bytes: Sequence[int] = ()
@@ -138,7 +160,7 @@ class Lifetimes:
     leftover_freed: Sequence[tuple[int, int]] = ()
     glue_constants: Sequence[GlueConstant] = ()
     waiting_gradient_bytes: Sequence[int] = ()
-    replay_held: Sequence[tuple[int, int, int, bool]] = ()
+    replay_held: Sequence[ReplayHold] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -175,9 +197,9 @@ def peak_with_lifetimes(simulation: SimulationResult, lifetimes: Lifetimes) -> i
             alive.forward_starts(kind, stage)
         peak = max(peak, entry.peak_during_bytes + alive.bytes + alive.replayed + extra + replays.bytes)
         if stage is not None and kind.is_forward and alive.in_backward:
-            replays.forward_ends(kind, stage)
+            replays.forward_ends(kind, stage, alive.first_kinds)
         elif not kind.is_forward:
-            replays.sweep_ends()
+            replays.sweep_ends(stage)
         if kind is OperationKind.LOSS:
             alive.bytes -= lifetimes.loss_only_bytes  # until the last stage's backward releases it
         elif stage is not None and kind.is_forward:
@@ -191,24 +213,33 @@ class _ReplayHeld:
     """What a replay holds of an earlier stage's input for a glue constant (see
     ``Lifetimes.replay_held``), along a schedule."""
 
-    def __init__(self, held: Sequence[tuple[int, int, int, bool]]) -> None:
+    def __init__(self, held: Sequence[ReplayHold]) -> None:
         self.held = held
         self.until: dict[int, int] = {}  # holding entry -> the stage whose forward ends it
+        self.saved: list[tuple[int, int]] = []  # (stored glue's stage, bytes) until its backward
         self.bytes = 0
 
-    def forward_ends(self, kind: OperationKind, stage: int) -> None:
-        for index, (start, end, nbytes, kept_by_stage) in enumerate(self.held):
+    def forward_ends(self, kind: OperationKind, stage: int, first_kinds: dict[int, OperationKind]) -> None:
+        stored = kind is OperationKind.FORWARD_STORE
+        for index, hold in enumerate(self.held):
+            if first_kinds.get(hold.glue_stage) is OperationKind.FORWARD_STORE:
+                continue  # a glue stored in the first forward is never replayed: it takes nothing
             if self.until.get(index) == stage:
                 del self.until[index]
-                self.bytes -= nbytes
-            kept = kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and kept_by_stage
-            if start == stage and index not in self.until and not kept:
-                self.until[index] = end
-                self.bytes += nbytes
+                if hold.saved_by_glue and stored:
+                    self.saved.append((stage, hold.nbytes))
+                else:
+                    self.bytes -= hold.nbytes
+            kept = kind is OperationKind.FORWARD_CHECKPOINT or stored and hold.kept_by_stage
+            if hold.stage == stage and index not in self.until and not kept:
+                self.until[index] = hold.glue_stage
+                self.bytes += hold.nbytes
 
-    def sweep_ends(self) -> None:
+    def sweep_ends(self, stage: int | None) -> None:
+        """A backward (of `stage`) or the loss runs: the replay before it is over."""
         self.until.clear()
-        self.bytes = 0
+        self.saved = [(saver, nbytes) for saver, nbytes in self.saved if saver != stage]
+        self.bytes = sum(nbytes for _, nbytes in self.saved)
 
 
 class _Alive:
@@ -225,9 +256,11 @@ class _Alive:
         self.cast_alive: set[int] = set()  # stages whose casts are alive
         self.stored: set[int] = set()  # stages whose activations are kept until their backward
         self.first_kinds: dict[int, OperationKind] = {}  # each stage's kind in the first forward
-        self.model_held: dict[int, int] = {}  # bytes the model holds, by the stage whose forward ends it
-        # the stages holding each glue constant (saved ones are let go at their backward)
-        self.constant_holders: list[set[int]] = [set() for _ in lifetimes.glue_constants]
+        # what the model holds, by the stage whose forward ends it: (tensor, holder, bytes)
+        self.model_held: dict[int, list[tuple[Hashable, Hashable, int]]] = {}
+        # the holders of each tensor counted (a stage's input the model holds may be what a
+        # glue keeps or saves too: counted once, while any of them holds it)
+        self.holders: dict[Hashable, set[Hashable]] = {}
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
         if self.in_backward:
@@ -248,17 +281,31 @@ class _Alive:
         if self.in_backward:
             return
         self.first_kinds[stage] = kind
-        self.bytes -= self.model_held.pop(stage, 0)
-        for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
+        for tensor, holder, nbytes in self.model_held.pop(stage, ()):
+            self._release(tensor, holder, nbytes)
+        for index, constant in enumerate(self.lifetimes.glue_constants):
             holds = (kind is OperationKind.FORWARD_STORE) is constant.saved
             covered = constant.saved and _schedule_keeps_constant(constant, self.first_kinds)
             if holds and stage in constant.keepers and not covered:
-                self.bytes += constant.nbytes if not holders else 0
-                holders.add(stage)
-        for held in self.lifetimes.held_inputs:
+                self._hold(_constant_tensor(index, constant), ("glue", index, stage), constant.nbytes)
+        for index, held in enumerate(self.lifetimes.held_inputs):
             if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
-                self.bytes += held.nbytes
-                self.model_held[held.until] = self.model_held.get(held.until, 0) + held.nbytes
+                tensor = ("input", held.stage, held.nbytes) if held.is_stage_input else ("held", index)
+                self._hold(tensor, ("model", index), held.nbytes)
+                self.model_held.setdefault(held.until, []).append((tensor, ("model", index), held.nbytes))
+
+    def _hold(self, tensor: Hashable, holder: Hashable, nbytes: int) -> None:
+        holders = self.holders.setdefault(tensor, set())
+        if not holders:
+            self.bytes += nbytes
+        holders.add(holder)
+
+    def _release(self, tensor: Hashable, holder: Hashable, nbytes: int) -> None:
+        holders = self.holders.get(tensor, set())
+        if holder in holders:
+            holders.discard(holder)
+            if not holders:
+                self.bytes -= nbytes
 
     def end_of_forward(self) -> None:
         self.in_backward = True
@@ -274,14 +321,19 @@ class _Alive:
         if self.lifetimes.leftover_bytes:
             self.bytes += self.lifetimes.leftover_bytes[stage]
         self.bytes -= sum(nbytes for freed_by, nbytes in self.lifetimes.leftover_freed if freed_by == stage)
-        for constant, holders in zip(self.lifetimes.glue_constants, self.constant_holders, strict=True):
-            if constant.saved and stage in holders:  # the glue keeps the others to the end
-                holders.discard(stage)
-                self.bytes -= constant.nbytes if not holders else 0
+        for index, constant in enumerate(self.lifetimes.glue_constants):
+            if constant.saved:  # the glue keeps the others to the end
+                self._release(_constant_tensor(index, constant), ("glue", index, stage), constant.nbytes)
         if stage in self.cast_alive:
             self.cast_alive.discard(stage)
             self.stored.discard(stage)
             self.bytes -= self.casts[stage]
+
+
+def _constant_tensor(index: int, constant: GlueConstant) -> Hashable:
+    """What identifies a glue constant's tensor among those counted: a stage's input is
+    the same tensor whoever holds it."""
+    return ("input", constant.stage_input, constant.nbytes) if constant.stage_input >= 0 else ("constant", index)
 
 
 def _schedule_keeps_constant(constant: GlueConstant, first_kinds: dict[int, OperationKind]) -> bool:

@@ -24,6 +24,19 @@ LOSS_ALLOWANCE_OUTPUTS = 3
 #: part of the step where it lives (see :meth:`Planning.solve`).
 TIGHTENINGS = 4
 
+#: At most this many shares just above the solver's least are compared for the smallest
+#: whole-step budget (NOTE [shares near the minimum]).
+NEAR_MINIMUM = 5
+
+# NOTE [shares near the minimum]
+# Several schedules may need the solver's least memory, or a few bytes more, and they may
+# peak at different moments: one at a replay while a saved shortcut input or a residual's
+# gradient lives outside the chain, another where nothing else does. The solver sees only
+# the chain. The smallest whole-step budget is taken over the schedules planned within the
+# least share and within a few shares above it (1/512 of it more, then 1/256, up to 1/32),
+# stopping at the first whose need is the least possible. `Planning.solve` tries the same
+# shares when nothing larger fits, so that every budget from that minimum on is planned.
+
 #: Then at most this many solves bisect between the largest share whose plan fitted and
 #: the smallest one above it whose plan did not.
 BISECTIONS = 4
@@ -81,14 +94,32 @@ class Planning(NamedTuple):
 
     def _least_total_bytes(self) -> int:
         minimum = self.solver.minimum_bytes(self.profile)
-        least = self.solver(self.profile, minimum)
+        least = min(self.total_holding(self.solver(self.profile, share).simulation) for share in self.least_shares())
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
         # [gradients waiting for a replay]): storing everything may need less
         roomiest = self._roomiest_share(minimum) if any(self.outside.waiting_gradient_bytes) else None
         if roomiest is None:
-            return self.total_holding(least.simulation)
-        storing = self.solver(self.profile, roomiest)
-        return min(self.total_holding(least.simulation), self.total_holding(storing.simulation))
+            return least
+        return min(least, self.total_holding(self.solver(self.profile, roomiest).simulation))
+
+    def least_shares(self) -> list[int]:
+        """The chain's shares whose schedules :meth:`minimum_total_bytes` compares: the
+        solver's least, then larger ones until a schedule's whole-step need is the least
+        possible (its chain peak, the solver's least, at a moment when nothing held part
+        of the step lives), at most ``NEAR_MINIMUM`` of them (NOTE [shares near the
+        minimum])."""
+        minimum = self.solver.minimum_bytes(self.profile)
+        through_step = self.held_outside_bytes - self.outside.part_time_bytes
+        floor = self.total_holding_bytes(minimum + through_step)
+        shares = [minimum]
+        best = self.total_holding(self.solver(self.profile, minimum).simulation)
+        for step in range(1, NEAR_MINIMUM + 1):
+            if best <= floor:
+                break
+            share = minimum + max(1, minimum >> (NEAR_MINIMUM + 5 - step))
+            shares.append(share)
+            best = min(best, self.total_holding(self.solver(self.profile, share).simulation))
+        return shares
 
     def store_all(self) -> SimulationResult:
         """The simulation of the schedule that stores every stage (no recompute)."""
@@ -103,7 +134,12 @@ class Planning(NamedTuple):
     def total_holding(self, simulation: SimulationResult) -> int:
         """The smallest whole-step budget that holds a schedule simulated so, everything
         counted where it lives, and the peak after the chain's backward."""
-        needed = max(self.outside.chain_phase_peak_bytes(simulation), self.after_chain_peak_bytes)
+        return self.total_holding_bytes(self.outside.chain_phase_peak_bytes(simulation))
+
+    def total_holding_bytes(self, chain_phase_peak_bytes: int) -> int:
+        """The smallest whole-step budget that holds a chain phase peaking at
+        `chain_phase_peak_bytes`, and the peak after the chain's backward."""
+        needed = max(chain_phase_peak_bytes, self.after_chain_peak_bytes)
         total = math.ceil(needed / (1.0 - self.margin))
         while int(total * (1.0 - self.margin)) < needed:
             total += 1
@@ -158,13 +194,13 @@ class Planning(NamedTuple):
         if split.chain_bytes >= minimum:
             attempt(split.chain_bytes)  # first: the plain split is kept unless a faster one fits
         share = split.chain_bytes + split.part_time_bytes
-        for step in range(TIGHTENINGS + 1):
-            if step == TIGHTENINGS or share < minimum:
-                share = minimum  # the last try: the least memory the solver can plan in
-            excess = attempt(share)
-            if excess <= 0 or share == minimum:
+        for _ in range(TIGHTENINGS):
+            if share < minimum or attempt(share) <= 0:
                 break
-            share -= excess
+            share -= tried[share]
+        if all(excess > 0 for excess in tried.values()):
+            # the last tries: the least memory the solver can plan in, and just above it
+            any(attempt(least) <= 0 for least in self.least_shares())
         for _ in range(BISECTIONS):
             fitting = max((s for s, excess in tried.items() if excess <= 0), default=None)
             above = [s for s, excess in tried.items() if excess > 0 and fitting is not None and s > fitting]
@@ -251,7 +287,7 @@ def taken_again(plan: Plan, measurement: ChainMeasurement | None) -> frozenset[t
     if not spans or measurement is None:
         return frozenset()
     group_of = [g for g, (first, stop) in enumerate(plan.groups) for _ in range(first, stop)]
-    pairs = (pair for _, pairs in measurement.taken_again for pair in pairs)
+    pairs = (pair for taken in measurement.taken_again for pair in taken.pairs)
     return frozenset((s, k) for s, k in pairs if (group_of[s], group_of[k]) in spans)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from remat.plan.lifetimes import GlueConstant, HeldInput, Lifetimes, peak_with_lifetimes
+from remat.plan.lifetimes import GlueConstant, HeldInput, Lifetimes, ReplayHold, peak_with_lifetimes
 from remat.plan.operations import InvalidPlan, plan_from_data
 from remat.plan.profile import ChainProfile
 from remat.plan.report import PlanReport
@@ -81,12 +81,12 @@ class BudgetSplit:
             the gradients that wait, alive, for the replay of a region ending at ``k``
             (NOTE [gradients waiting for a replay] in ``remat.measure.outside``): not in
             the figures above; the prediction adds them to that replay.
-        replay_held: ``(stage, glue's stage, bytes, kept by stage)`` per glue constant a
+        replay_held: a :class:`~remat.plan.lifetimes.ReplayHold` per glue constant a
             replay takes from an earlier planned stage instead of keeping it (NOTE
             [constants an earlier stage takes] in ``remat.discover.glue``): in a replay
-            the executor holds that stage's input from its forward to the glue's, unless
-            the schedule keeps it (kept by stage: the stage saves its input); not in the
-            figures above, the prediction adds it there.
+            the executor holds that stage's input from its forward to the glue's (to the
+            glue's stage's backward where it is stored and its glue saves it), unless
+            the schedule keeps it; not in the figures above, the prediction adds it there.
     """
 
     total_bytes: int | None
@@ -106,10 +106,10 @@ class BudgetSplit:
     leftover_freed: tuple[tuple[int, int], ...] = ()
     glue_constants: tuple[GlueConstant, ...] = ()
     waiting_gradient_bytes: tuple[int, ...] = ()
-    replay_held: tuple[tuple[int, int, int, bool], ...] = ()
+    replay_held: tuple[ReplayHold, ...] = ()
 
     def __post_init__(self) -> None:  # tuples again when read back from JSON
-        held = tuple((int(a), int(b), int(n), bool(k)) for a, b, n, k in self.replay_held)
+        held = tuple(ReplayHold(int(a), int(b), int(n), *map(bool, flags)) for a, b, n, *flags in self.replay_held)
         object.__setattr__(self, "replay_held", held)
         object.__setattr__(self, "waiting_gradient_bytes", tuple(int(c) for c in self.waiting_gradient_bytes))
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
