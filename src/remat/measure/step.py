@@ -162,14 +162,26 @@ def measure_chain(
     devices = step_devices(model, args, kwargs)
     device = _first_accelerator(devices)
     if sized:
+        # the sizing step ran the loss: what the timing pass may do is decided with the
+        # loss it found (a loss the output carries needs no allowance), as the plan is
+        checked = before_timing
+
+        def with_loss(sized: ChainMeasurement, needs: tuple[int, ...]) -> frozenset[int] | None:
+            assert checked is not None
+            return checked(_with_loss_found(sized, default), needs)
+
         measurement = _sized_measurement(
-            model, chain, args, kwargs, chosen, devices, device, before_timing, known_times, estimated_times, policies
-        )
+            model, chain, args, kwargs, chosen, devices, device, with_loss if checked else None, known_times,
+            estimated_times, policies,
+        )  # fmt: skip
     else:
         measurement = _plain_measurement(model, chain, args, kwargs, chosen, devices, device, frugal)
-    if default.from_output:
-        measurement = dataclasses.replace(measurement, loss_from_output=True)
-    return measurement
+    return _with_loss_found(measurement, default)
+
+
+def _with_loss_found(measurement: ChainMeasurement, default: _DefaultLoss) -> ChainMeasurement:
+    """The measurement, marked as measured with the loss its output carries where it was."""
+    return dataclasses.replace(measurement, loss_from_output=True) if default.from_output else measurement
 
 
 def measure_on_device(
