@@ -104,17 +104,17 @@ class Planning(NamedTuple):
 
     def least_shares(self) -> list[int]:
         """The chain's shares whose schedules :meth:`minimum_total_bytes` compares: the
-        solver's least, then larger ones until a schedule's whole-step need is the least
-        possible (its chain peak, the solver's least, at a moment when nothing held part
-        of the step lives), at most ``NEAR_MINIMUM`` of them (NOTE [shares near the
-        minimum])."""
+        solver's least, then larger ones until a schedule's whole-step need is within 1/64
+        of the least possible (its chain peak, the solver's least, at a moment when nothing
+        held part of the step lives), at most ``NEAR_MINIMUM`` of them (NOTE [shares near
+        the minimum])."""
         minimum = self.solver.minimum_bytes(self.profile)
         through_step = self.held_outside_bytes - self.outside.part_time_bytes
         floor = self.total_holding_bytes(minimum + through_step)
         shares = [minimum]
         best = self.total_holding(self.solver(self.profile, minimum).simulation)
         for step in range(1, NEAR_MINIMUM + 1):
-            if best <= floor:
+            if best <= floor + (floor >> 6):  # within 1/64 of the least possible: not worth more solves
                 break
             share = minimum + max(1, minimum >> (NEAR_MINIMUM + 5 - step))
             shares.append(share)
