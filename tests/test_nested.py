@@ -19,7 +19,10 @@ import remat
 from remat.discover import discover_chain
 from remat.discover.glue import EarlierInputs, GlueRecorder
 from remat.errors import RematError
+from remat.plan.lifetimes import Lifetimes, ReplayHold, peak_with_lifetimes
+from remat.plan.operations import Operation, OperationKind
 from remat.plan.share import prepared
+from remat.plan.simulate import SimulationResult, TimelineEntry
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -467,3 +470,28 @@ def test_a_glue_takes_what_an_earlier_glue_made_from_its_replay_and_refuses_a_mi
         (args, _) = later.replay([later_in, later_out], earlier.input)
         earlier.glue_replayed(3)
     assert torch.equal(args[0], summed)
+
+
+@pytest.mark.parametrize(("made", "held"), [(True, 100), (False, 0)])
+def test_a_replay_that_checkpoints_a_stage_holds_what_its_glue_made_for_a_later_glue(made: bool, held: int) -> None:
+    # NOTE [constants an earlier stage takes]: a checkpoint keeps a stage's input, not what
+    # its glue makes (a query), which the replay holds until the later glue that takes it,
+    # then (saved by it, the glue's stage stored) until that stage's backward
+    # (an input: kept by the checkpoint, and by the stage, which saves it, when stored)
+    kinds = [
+        (OperationKind.FORWARD_CHECKPOINT, 0), (OperationKind.FORWARD_DISCARD, 1), (OperationKind.FORWARD_DISCARD, 2),
+        (OperationKind.LOSS, None), (OperationKind.FORWARD_CHECKPOINT, 1), (OperationKind.FORWARD_STORE, 2),
+        (OperationKind.BACKWARD, 2), (OperationKind.FORWARD_STORE, 1), (OperationKind.BACKWARD, 1),
+        (OperationKind.FORWARD_STORE, 0), (OperationKind.BACKWARD, 0),
+    ]  # fmt: skip
+    timeline = tuple(TimelineEntry(Operation(kind, stage), 0, 0) for kind, stage in kinds)
+    simulation = SimulationResult(0, 0.0, 0.0, (2, 3, 2), timeline)
+    hold = ReplayHold(stage=1, glue_stage=2, nbytes=100, kept_by_stage=not made, saved_by_glue=True, made=made)
+    assert peak_with_lifetimes(simulation, Lifetimes(replay_held=(hold,))) == held
+    # a glue stored in the first forward is never replayed: it takes nothing
+    first = (
+        (OperationKind.FORWARD_STORE, 2) if stage == 2 and i == 2 else (kind, stage)
+        for i, (kind, stage) in enumerate(kinds)
+    )
+    stored = tuple(TimelineEntry(Operation(kind, stage), 0, 0) for kind, stage in first)
+    assert peak_with_lifetimes(SimulationResult(0, 0.0, 0.0, (2, 3, 2), stored), Lifetimes(replay_held=(hold,))) == 0

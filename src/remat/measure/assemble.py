@@ -184,6 +184,7 @@ class ChainMeasurement:
                     taken.nbytes,
                     not taken.made and self.groups[group_of[s]][0] == s and saves_input[group_of[s]],
                     taken.saved,
+                    taken.made,
                 )
                 for taken in self.taken_again
                 for s, k in sorted({(s, k) for s, k in taken.pairs if group_of[s] < group_of[k]})

@@ -105,6 +105,8 @@ class ReplayHold(NamedTuple):
         saved_by_glue: whether the glue saves it for its backward too (a shortcut
             convolution run as glue): stored in a replay, ``glue_stage`` holds it until its
             backward.
+        made: it is what the glue after ``stage`` made, not its input: a replay that
+            checkpoints ``stage`` does not keep it.
     """
 
     stage: int
@@ -112,6 +114,7 @@ class ReplayHold(NamedTuple):
     nbytes: int
     kept_by_stage: bool
     saved_by_glue: bool = False
+    made: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ class _ReplayHeld:
                     self.saved.append((stage, hold.nbytes))
                 else:
                     self.bytes -= hold.nbytes
-            kept = kind is OperationKind.FORWARD_CHECKPOINT or stored and hold.kept_by_stage
+            kept = not hold.made and (kind is OperationKind.FORWARD_CHECKPOINT or stored and hold.kept_by_stage)
             if hold.stage == stage and index not in self.until and not kept:
                 self.until[index] = hold.glue_stage
                 self.bytes += hold.nbytes
