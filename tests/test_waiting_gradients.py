@@ -177,3 +177,37 @@ def test_a_tensor_handed_on_as_it_is_makes_no_gradient_wait() -> None:
         with remat.MemoryTracker() as tracker:
             _loss(model(x)).backward()
     assert tracker.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+class MakesAndTakesBias(nn.Module):
+    """Makes the bias, takes it too, and hands it on (T5's first block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 4 * WIDTH)
+        self.block = TakesBias()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.block(x, self.proj(x).sigmoid())
+
+
+def test_the_backward_of_the_block_that_makes_a_bias_is_not_a_gradient_wait() -> None:
+    # The bias's gradient is whole only within its maker's own backward (its own use comes
+    # last). The activations that backward frees until then were counted as gradients
+    # waiting for the replay of a region ending there: 5 bias sizes, against 3 (the bias's
+    # own gradient and the maker's backward up to it), and the prediction 37% above the
+    # measured peak at the smallest budget, against 20%.
+    torch.manual_seed(0)
+    model = PassesBiasOn().train()
+    model.first = MakesAndTakesBias()  # type: ignore[assignment]
+    x = torch.randn(8, 32, WIDTH)
+    control = remat.enable(model, "min", loss_fn=_loss)
+    control.measure(x)
+    plan = control.plan_for()
+    bias_bytes = 8 * 32 * 4 * WIDTH * 4
+    assert 0 < plan.budget.waiting_gradient_bytes[1] <= 3 * bias_bytes
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as tracker:
+            _loss(model(x)).backward()
+    assert tracker.peak_bytes <= plan.predicted_peak_bytes <= min(plan.budget_bytes, 1.25 * tracker.peak_bytes)

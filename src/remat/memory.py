@@ -187,6 +187,7 @@ class MemoryTracker(TorchDispatchMode):
         self._allocations: dict[int, _Allocation] = {}
         self._live_by_key: dict[int, int] = {}  # storage _cdata -> allocation id
         self._events: list[tuple[int, int]] = []  # (allocation id, +nbytes / -nbytes)
+        self._since_cache: tuple[int, int, np.ndarray] | None = None
         self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}
         self._extra_leaves: list[weakref.ref[torch.Tensor]] = []
         if exclude_grads_of is not None:
@@ -512,7 +513,22 @@ class MemoryTracker(TorchDispatchMode):
             self._curve_cache = (len(live), self._frozen_excluded, live)
         return live
 
-    def window(self, start_event: int = 0, stop_event: int | None = None) -> Window:
+    def _live_since(self, event: int) -> np.ndarray:
+        """Live bytes after each event, of the allocations made at or after `event` alone."""
+        cached = self._since_cache
+        if cached is not None and cached[:2] == (event, len(self._events)):
+            return cached[2]
+        events = self._counted_events()
+        with self._lock:
+            earlier = np.fromiter(
+                (a for a, record in self._allocations.items() if record.allocated_at < event), dtype=np.int64
+            )
+        events[np.isin(events[:, 0], earlier), 1] = 0
+        live = np.cumsum(events[:, 1])
+        self._since_cache = (event, len(self._events), live)
+        return live
+
+    def window(self, start_event: int = 0, stop_event: int | None = None, *, since: int | None = None) -> Window:
         """Live bytes before, at the peak of and after the events ``[start_event, stop_event)``.
 
         Event indices are those of :attr:`n_events` read during the run: the window opened
@@ -522,11 +538,12 @@ class MemoryTracker(TorchDispatchMode):
         Args:
             start_event: index of the window's first event.
             stop_event: index one past its last event (``None``: the end of the run).
+            since: count only what was allocated at or after this event (None: everything).
 
         Returns:
             A :class:`Window`; an empty window reports the live bytes at its start three times.
         """
-        live = self._live_after_each_event()
+        live = self._live_after_each_event() if since is None else self._live_since(since)
         stop = len(live) if stop_event is None else min(stop_event, len(live))
         before = int(live[start_event - 1]) if start_event > 0 else 0
         if stop <= start_event:

@@ -99,7 +99,10 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
             replayed_from = replay_starts.get(replayed_until)
             start = replayed_until if replayed_from is not None and replayed_from < whole else None
         if start is not None and start < whole:
-            window = tracker.window(start, whole)
+            # gradients, made by the backward: the activations its stages saved, freed by
+            # the backward in that window (a maker of a position bias whose gradient is
+            # whole only within its own backward), are the simulator's
+            window = tracker.window(start, whole, since=step.loss_event)
             # the glue's own backward runs after the replay; the backward of the region's
             # last stage, planned next, leaves room for its input's gradient
             room = stages[groups[group - 1][0]].gradient_bytes_in
