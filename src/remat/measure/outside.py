@@ -59,7 +59,10 @@ def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
 # backward of what the stages up to that one (or their glue) saved, to the moment the
 # gradient of its output is whole: what is live at the first above what is live then, or
 # the most that is live in between above it, less the gradient the stage's own backward
-# is planned to make (the glue's backward runs after the replay, within that room). The
+# is planned to make (the glue's backward runs after the replay, within that room). Only
+# what the backward made counts: a stage that makes a tensor it also takes (T5's first
+# block and its position bias) has that tensor's gradient whole only within its own
+# backward, whose freed activations are the simulator's, not waiting gradients. The
 # prediction adds it to the replay after that boundary's backward
 # (remat.plan.lifetimes). Frugal mode replays every span anyway: from the end of the
 # replay of the span that ends with the stage. Inside a span of several stages (stages
