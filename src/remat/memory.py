@@ -520,10 +520,8 @@ class MemoryTracker(TorchDispatchMode):
             return cached[2]
         events = self._counted_events()
         with self._lock:
-            earlier = np.fromiter(
-                (a for a, record in self._allocations.items() if record.allocated_at < event), dtype=np.int64
-            )
-        events[np.isin(events[:, 0], earlier), 1] = 0
+            earlier = [a for a, record in self._allocations.items() if record.allocated_at < event]
+        events[np.isin(events[:, 0], np.asarray(earlier, dtype=np.int64)), 1] = 0
         live = np.cumsum(events[:, 1])
         self._since_cache = (event, len(self._events), live)
         return live
