@@ -398,7 +398,7 @@ class ChainExecutor:
         policies: the policy of each store option the schedule names, by name; a stage
             stored under one runs as :func:`remat.recompute` under it.
         taken_again: ``(stage, glue's stage)`` stage calls whose glue takes what the first
-            took as its input from the replay (NOTE [constants an earlier stage takes] in
+            took as its input, or what its glue made, from the replay (NOTE [constants an earlier stage takes] in
             remat.discover.glue); the schedule's regions must allow it.
 
     Raises:

@@ -362,7 +362,8 @@ class EarlierInputs:
 
     Args:
         pairs: ``(stage, glue's stage)``: the glue after the second takes what the first
-            took as its input from the replay, not as the first forward's tensor.
+            took as its input, or what its glue made, from the replay, not as the first
+            forward's tensor.
     """
 
     def __init__(self, pairs: frozenset[tuple[int, int]]) -> None:
@@ -393,9 +394,8 @@ class EarlierInputs:
                 self._wanted.setdefault(at.stage, set()).add(at.position)
             else:
                 self._inputs_wanted.add(at.stage)
-        missed = {first for first, glue_stage in self.pairs if glue_stage == stage} - {
-            at.stage for at in taken.values()
-        }
+        expected = {first for first, glue_stage in self.pairs if glue_stage == stage}
+        missed = expected - {at.stage for at in taken.values()}
         if missed:
             warnings.warn(
                 f"remat: the model's code after stage {stage} no longer takes a value of stage(s) "

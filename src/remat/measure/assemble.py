@@ -312,7 +312,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     cached = cached_casts(step, groups)
     fixed_bytes += sum(cached)
     constants = glue_constants(step, groups, group_of)
-    taken_again = constants_taken_again(step, groups)
+    taken_again = constants_taken_again(step, groups, group_of)
     constants_kept = glue_constants(step, groups, group_of, frozenset(taken_again))
     fixed_bytes += sum(nbytes for nbytes, _, _, saved in constants if saved)  # the others are escaped bytes
     costs = [_group_cost(chain, step, first, stop) for first, stop in groups]

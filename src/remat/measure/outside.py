@@ -234,7 +234,8 @@ class TakenAgain(NamedTuple):
     """A glue constant a plan may take from a replay instead of keeping it."""
 
     nbytes: int
-    #: ``(stage, glue's stage)`` stage calls: the glue after the second takes the input of the first
+    #: ``(stage, glue's stage)`` stage calls: the glue after the second takes the input of
+    #: the first, or what the first's glue made
     pairs: frozenset[tuple[int, int]]
     #: the glue saves it for its backward too: a replay that stores the glue's stage holds
     #: it until that stage's backward
@@ -243,15 +244,16 @@ class TakenAgain(NamedTuple):
     made: bool = False
 
 
-def constants_taken_again(step: TrackedStep, groups: list[tuple[int, int]]) -> dict[int, TakenAgain]:
+def constants_taken_again(
+    step: TrackedStep, groups: list[tuple[int, int]], group_of: list[int]
+) -> dict[int, TakenAgain]:
     """The glue constants that a plan may take from the replay of the earlier stage whose
-    input they are instead of keeping them (NOTE [constants an earlier stage takes] in
-    remat.discover.glue), by allocation id. Only those counted as kept for the glue alone:
+    input they are, or whose glue made them, instead of keeping them (NOTE [constants an
+    earlier stage takes] in remat.discover.glue), by allocation id. Only those counted as kept for the glue alone:
     not held by the model, taken from an earlier stage by every glue that keeps them, and
     saved for a backward by none but the groups of those glues (a residual block's shortcut
     convolution, run as glue, saves the block's input it keeps)."""
     stages = step.watch.stages
-    group_of = [g for g, (first, stop) in enumerate(groups) for _ in range(first, stop)]
     held = _held_by_model(step)
     saved = earlier_activations_saved(step, groups, held)
     out: dict[int, tuple[int, set[tuple[int, int]]]] = {}

@@ -336,8 +336,11 @@ def _sized_measurement(
     # the rehearsal counted neither
     leaves = tree_flatten((args, kwargs))[0]
     copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed) + preserved_state_bytes(model)
-    # the pass runs every group's forward, timed or not: no budget below that is planned
-    floor = _untimed_pass_bytes(model, chain, sized, args, kwargs, device, devices) + copies + loss_extra
+    # the pass runs every group's forward, timed or not, and times the backward of those
+    # that fit in the budget: its peak with no backward timed is the least budget planned
+    # (the first step must fit it too)
+    untimed = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
+    floor = max(untimed.group_peak_bytes, default=0) + copies + loss_extra
     if estimated_times is not None:
         estimated = with_times(sized, estimated_times(sized))
         metadata = {**estimated.profile.metadata, "times": estimated_times.describe()}
@@ -381,24 +384,6 @@ def _sized_measurement(
         extra = timing.suffix_peak_bytes - rehearsal.suffix_peak_bytes - loss_extra
         measurement = _with_fixed_bytes(measurement, extra)
     return measurement
-
-
-def _untimed_pass_bytes(
-    model: nn.Module,
-    chain: Chain,
-    sized: ChainMeasurement,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    devices: Any,
-) -> int:
-    """The timing pass's peak where no group's backward is timed, rehearsed on fake tensors.
-
-    The pass runs every group's forward, and times the backward of those that fit in the
-    budget: no budget below this one is planned (the first step must fit it too).
-    """
-    rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
-    return max(rehearsal.group_peak_bytes, default=0)
 
 
 def _rehearsal(

@@ -94,11 +94,11 @@ class GlueConstant(NamedTuple):
 
 
 class ReplayHold(NamedTuple):
-    """An earlier stage's input that a replay holds for the glue after a later stage
-    (NOTE [constants an earlier stage takes] in ``remat.discover.glue``).
+    """An earlier stage's input, or what its glue made, that a replay holds for the glue
+    after a later stage (NOTE [constants an earlier stage takes] in ``remat.discover.glue``).
 
     Attributes:
-        stage: the planned stage whose input it is.
+        stage: the planned stage whose input it is (or whose glue made it).
         glue_stage: the planned stage whose glue takes it.
         nbytes: its size.
         kept_by_stage: whether ``stage`` saves its input for its backward.
@@ -144,8 +144,8 @@ class Lifetimes:
             the replay of a region ending at ``k``: alive during the forwards that follow
             the backward of stage ``k`` (not held outside the chain: not in
             :attr:`total_bytes`).
-        replay_held: in a replay (a forward after the first backward), the input of
-            each :class:`ReplayHold`'s ``stage`` is held from the end of its forward to the
+        replay_held: in a replay (a forward after the first backward), the value of
+            each :class:`ReplayHold` is held from the end of its forward to the
             end of the glue's stage's, or to the next backward (to the glue's stage's
             backward where that stage is stored and its glue saves it), unless the replay
             keeps it anyway (a checkpoint, or a stored stage that saves its input) (NOTE

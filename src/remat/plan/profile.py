@@ -90,8 +90,8 @@ class ChainProfile:
             by the stage itself, which can neither be replayed nor start a region).
         glue_spans: ``(s, k)`` with ``s <= k``: a recompute region that holds stage ``k``
             starts at ``s`` or before it. The glue after ``k`` takes what ``s`` took as its
-            input from the replay of ``s`` instead of keeping it (NOTE [constants an
-            earlier stage takes] in ``remat.discover.glue``).
+            input, or what its glue made, from the replay of ``s`` instead of keeping it
+            (NOTE [constants an earlier stage takes] in ``remat.discover.glue``).
         metadata: free-form JSON-able facts about the measurement (device, dtype, shapes).
         offload_time_per_byte_s: seconds to move one byte between the device and host
             memory, one way (pinned host memory, measured on the device); None where offload
@@ -235,6 +235,14 @@ class ChainProfile:
         if self.saves_output[stage]:
             total += self.activation_bytes[stage + 1]
         return total
+
+    def span_starts(self) -> dict[int, int]:
+        """Per stage that is the glue's stage of a glue span, the latest stage a recompute
+        region that holds it may start at (the earliest first stage of its spans)."""
+        starts: dict[int, int] = {}
+        for first, glue in self.glue_spans:
+            starts[glue] = min(first, starts.get(glue, first))
+        return starts
 
     def region_allowed(self, start: int, stop: int) -> bool:
         """Whether a recompute region may cover the stages ``[start, stop)``.

@@ -94,7 +94,7 @@ class Planning(NamedTuple):
 
     def _least_total_bytes(self) -> int:
         minimum = self.solver.minimum_bytes(self.profile)
-        least = min(self.total_holding(self.solver(self.profile, share).simulation) for share in self.least_shares())
+        least = min(total for _, _, total in self.near_minimum())
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
         # [gradients waiting for a replay]): storing everything may need less
         roomiest = self._roomiest_share(minimum) if any(self.outside.waiting_gradient_bytes) else None
@@ -102,24 +102,23 @@ class Planning(NamedTuple):
             return least
         return min(least, self.total_holding(self.solver(self.profile, roomiest).simulation))
 
-    def least_shares(self) -> list[int]:
-        """The chain's shares whose schedules :meth:`minimum_total_bytes` compares: the
-        solver's least, then larger ones until a schedule's whole-step need is within 1/64
-        of the least possible (its chain peak, the solver's least, at a moment when nothing
-        held part of the step lives), at most ``NEAR_MINIMUM`` of them (NOTE [shares near
-        the minimum])."""
+    def near_minimum(self) -> list[tuple[int, Schedule, int]]:
+        """``(share, schedule, whole-step budget it needs)`` of the chain's shares that
+        :meth:`minimum_total_bytes` compares: the solver's least, then larger ones until a
+        schedule's whole-step need is within 1/64 of the least possible (its chain peak,
+        the solver's least, at a moment when nothing held part of the step lives), at most
+        ``NEAR_MINIMUM`` more (NOTE [shares near the minimum])."""
         minimum = self.solver.minimum_bytes(self.profile)
         through_step = self.held_outside_bytes - self.outside.part_time_bytes
         floor = self.total_holding_bytes(minimum + through_step)
-        shares = [minimum]
-        best = self.total_holding(self.solver(self.profile, minimum).simulation)
-        for step in range(1, NEAR_MINIMUM + 1):
-            if best <= floor + (floor >> 6):  # within 1/64 of the least possible: not worth more solves
-                break
-            share = minimum + max(1, minimum >> (NEAR_MINIMUM + 5 - step))
-            shares.append(share)
-            best = min(best, self.total_holding(self.solver(self.profile, share).simulation))
-        return shares
+        out: list[tuple[int, Schedule, int]] = []
+        for step in range(NEAR_MINIMUM + 1):
+            share = minimum + (max(1, minimum >> (NEAR_MINIMUM + 5 - step)) if step else 0)
+            schedule = self.solver(self.profile, share)
+            out.append((share, schedule, self.total_holding(schedule.simulation)))
+            if min(total for _, _, total in out) <= floor + (floor >> 6):
+                break  # within 1/64 of the least possible: not worth more solves
+        return out
 
     def store_all(self) -> SimulationResult:
         """The simulation of the schedule that stores every stage (no recompute)."""
@@ -166,7 +165,7 @@ class Planning(NamedTuple):
         the budget with everything counted where it lives. The solver is first given
         the larger share that counts the part-time bytes where they live, and the
         share is lowered by the excess until the schedule fits (at most ``TIGHTENINGS``
-        times, then the solver's minimum is tried), then bisected between the largest
+        times, then the shares of :meth:`near_minimum` are tried), then bisected between the largest
         share that fitted and the smallest above it that did not (at most
         ``BISECTIONS`` times); the schedule planned within ``split.chain_bytes`` is a
         candidate too. The fastest one that fits is taken.
@@ -178,13 +177,14 @@ class Planning(NamedTuple):
         best: tuple[Schedule, BudgetSplit] | None = None
         tried: dict[int, int] = {}  # share -> excess
 
-        def attempt(share: int) -> int:
-            """The excess of the schedule planned within `share` over the budget (<= 0: it fits)."""
+        def attempt(share: int, planned: Schedule | None = None) -> int:
+            """The excess of the schedule planned within `share` (`planned`, where it is
+            already) over the budget (<= 0: it fits)."""
             nonlocal best
             if share in tried:
                 return tried[share]
             candidate_split = dataclasses.replace(split, chain_bytes=share)
-            candidate = self.solver(self.profile, share)
+            candidate = planned if planned is not None else self.solver(self.profile, share)
             excess = candidate_split.chain_phase_peak_bytes(candidate.simulation) - limit
             if excess <= 0 and (best is None or candidate.predicted_time_s < best[0].predicted_time_s):
                 best = candidate, candidate_split
@@ -200,7 +200,9 @@ class Planning(NamedTuple):
             share -= tried[share]
         if all(excess > 0 for excess in tried.values()):
             # the last tries: the least memory the solver can plan in, and just above it
-            any(attempt(least) <= 0 for least in self.least_shares())
+            for least, planned, _ in self.near_minimum():
+                if attempt(least, planned) <= 0:
+                    break
         for _ in range(BISECTIONS):
             fitting = max((s for s, excess in tried.items() if excess <= 0), default=None)
             above = [s for s, excess in tried.items() if excess > 0 and fitting is not None and s > fitting]
@@ -247,8 +249,8 @@ def prepared(
         offload: whether the profile gets the link speed to host memory, which lets an
             offloading solver plan offload: True measures it on the measured device, a
             number is that speed in bytes per second (see :func:`offload_option`).
-        take_again: plan the glue constants an earlier stage took as its input as taken
-            from its replay, not kept: every region that replays such a glue replays that
+        take_again: plan the glue constants an earlier stage took as its input, or its glue
+            made, as taken from its replay, not kept: every region that replays such a glue replays that
             stage too (NOTE [constants an earlier stage takes] in remat.discover.glue).
     """
     profile = measurement.profile
@@ -281,7 +283,7 @@ def prepared(
 
 def taken_again(plan: Plan, measurement: ChainMeasurement | None) -> frozenset[tuple[int, int]]:
     """The ``(stage, glue's stage)`` stage calls of `measurement` whose glue takes an earlier
-    stage's input from its replay under `plan` (NOTE [constants an earlier stage takes] in
+    stage's input, or what its glue made, from its replay under `plan` (NOTE [constants an earlier stage takes] in
     remat.discover.glue): those its profile's glue spans cover."""
     spans = set(plan.schedule.profile.glue_spans)
     if not spans or measurement is None:

@@ -194,9 +194,7 @@ class _Simulation:
         self.breaks = frozenset(profile.region_breaks)
         self.pinned = frozenset(profile.pinned_stages)
         # glue spans: a replay that runs stage k starts at or before the span's first stage
-        self.span_start: dict[int, int] = {}
-        for first, glue in profile.glue_spans:
-            self.span_start[glue] = min(first, self.span_start.get(glue, first))
+        self.span_start = profile.span_starts()
         self.sweep_start: int | None = 0  # where the forwards running now started
         # offloaded stages (NOTE [offloaded stages]): the one whose copy overlaps the next
         # operation, and those whose saved bytes are in host memory

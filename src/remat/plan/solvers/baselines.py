@@ -41,9 +41,7 @@ def within_breaks(plan: PlanTree, profile: ChainProfile) -> PlanTree:
     if not profile.region_breaks and not profile.pinned_stages and not profile.glue_spans:
         return plan
     breaks, pinned = set(profile.region_breaks), set(profile.pinned_stages)
-    span_start: dict[int, int] = {}
-    for first, glue in profile.glue_spans:
-        span_start[glue] = min(first, span_start.get(glue, first))
+    span_start = profile.span_starts()
     items: list[PlanItem] = []
     for item in plan:
         if isinstance(item, Store | Offload) or profile.region_allowed(item.start, item.stop):
