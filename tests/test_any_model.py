@@ -202,6 +202,63 @@ def test_the_longest_chain_counts_the_stages_of_nested_sequentials() -> None:
     assert chain.names == expected + ["layer2.0", "layer3.0", "layer4.0", "avgpool", "fc"]
 
 
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(_Layer(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return (x,)
+
+
+class _FlatHead(nn.Module):
+    """DistilBERT's masked-LM shape: beside its encoder, the model calls more modules of its
+    own (a head) than the encoder has blocks."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.encoder = _Encoder(width, depth)
+        self.dense = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(width)
+        self.project = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(self.norm(self.act(self.dense(self.encoder(x)[0]))))
+
+
+def test_a_stage_that_runs_repeated_blocks_is_split_down_to_them() -> None:
+    """NOTE [blocks inside a stage]: the head's run is the longest; the encoder is split."""
+    torch.manual_seed(0)
+    model = _FlatHead()
+    x = torch.randn(64, 16)
+    chain = discover_chain(model, (x,), {})
+    layers = [f"encoder.layers.{i}" for i in range(3)]
+    assert chain.names == ["encoder.embed", *layers, "dense", "act", "norm", "project"]
+    reference = copy.deepcopy(model)
+    reference(x).square().sum().backward()
+    wrapped = remat.Checkpointable(model, "min", loss_fn=lambda out: out.square().sum())
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        wrapped(x).square().sum().backward()
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
 class _Bottleneck(nn.Module):
     """A Hugging Face ResNet layer's shape: its convolutions, a shortcut called after them,
     the residual added in place, an activation."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -228,3 +229,42 @@ def test_a_side_input_given_to_every_stage_does_not_hold_their_inputs(measure: s
         wrapper(x).sum().backward()
     assert wrapper.plan is not None and max(wrapper.plan.forward_counts) > 1
     assert tracker.peak_bytes <= wrapper.plan.budget_bytes
+
+
+class _ResidualLayer(nn.Module):
+    """A RegNet-shaped layer: its main path opens on a stage that keeps nothing (fused into
+    the stage before's group), and its shortcut runs on its input after the main path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Identity(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+        self.shortcut = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.layer(x) + self.shortcut(x))
+
+
+def test_a_group_backward_stops_at_the_graph_of_the_group_before() -> None:
+    """NOTE [a group's own graph]: a layer's input is made in the group before (the model's
+    code after that group's last stage), and its shortcut takes it in a later group."""
+    import warnings
+
+    import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), *(_ResidualLayer() for _ in range(3)), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    reference(x).square().sum().backward()
+    wrapper = remat.Checkpointable(model, "min", nested=True, loss_fn=lambda out: out.square().sum())
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the sized measuring step does not give up on it
+            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
+                wrapper(x).square().sum().backward()
+        assert wrapper.plan is not None
+        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
+    assert max(wrapper.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)

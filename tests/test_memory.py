@@ -318,6 +318,18 @@ def test_gradients_of_leaves_made_and_freed_during_the_run_are_all_excluded() ->
     assert len(set(ids)) < len(ids), "ids are reused (what the test relies on)"
 
 
+def test_a_gradient_copied_into_grad_is_excluded_after_its_leaf_is_gone() -> None:
+    # A gradient of another layout than its leaf's (a sum's expanded gradient, a CPU
+    # convolution's weight gradient) is copied into .grad: that copy is the gradient. The
+    # leaf may die before the run ends (remat's measuring steps run on parameter aliases).
+    weight = torch.randn(64, 64).t().requires_grad_()  # a leaf of transposed strides
+    with MemoryTracker() as tracker:
+        (weight.sum() * 2).backward()
+        assert weight.grad is not None and weight.grad.stride() == weight.stride()
+        del weight
+    assert tracker.peak_bytes < 64 * 64 * 4
+
+
 def test_a_wrapper_tensor_counts_its_inner_tensors_once() -> None:
     # NOTE [wrapper tensors]: a wrapper subclass (DTensor, TwoTensor) reports a storage of
     # its own that holds nothing; the tracker counts the inner tensors' storages instead

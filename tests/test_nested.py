@@ -495,3 +495,23 @@ def test_a_replay_that_checkpoints_a_stage_holds_what_its_glue_made_for_a_later_
     )
     stored = tuple(TimelineEntry(Operation(kind, stage), 0, 0) for kind, stage in first)
     assert peak_with_lifetimes(SimulationResult(0, 0.0, 0.0, (2, 3, 2), stored), Lifetimes(replay_held=(hold,))) == 0
+
+
+class _CheckpointsItsBlocks(nn.Module):
+    """Runs each block through torch's checkpoint, as Hugging Face's gradient checkpointing
+    does: the backward calls the blocks' submodules again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_model_that_checkpoints_itself_is_refused_with_the_reason() -> None:
+    wrapped = remat.Checkpointable(_CheckpointsItsBlocks(), "min", nested=True, loss_fn=lambda out: out.sum())
+    with pytest.raises(remat.UnsupportedModel, match="during the backward.*gradient_checkpointing_disable"):
+        wrapped(torch.randn(8, 16)).sum().backward()

@@ -46,6 +46,7 @@ from remat.discover.intercept import (
     call_stage,
     compiled_stages,
     intercept_stages,
+    out_of_order,
     refuse_compiled_state,
 )
 from remat.errors import RematError, UnsupportedModel
@@ -192,11 +193,7 @@ class _Run:
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
         if index != self.next_stage:
-            raise UnsupportedModel(
-                f"stage {index} ({executor.chain.names[index]!r}) was called when stage "
-                f"{self.next_stage} was expected; remat needs the chain's stages to run once each, "
-                "in order, in every forward (use remat.mark for models whose forward varies)"
-            )
+            raise out_of_order(executor.chain, index, self.next_stage)
         self.next_stage += 1
         self.offloads.before(index, (args, kwargs))
         self._end_glue(args, kwargs)

@@ -225,10 +225,9 @@ class MemoryTracker(TorchDispatchMode):
             self._frozen_excluded = self._excluded_ids()
 
     # NOTE [lean dispatch]
-    # __torch_dispatch__ runs for every operator of the step, so it makes no Python call of
-    # its own per tensor: the storage bookkeeping of each output is inline, the inputs are
-    # read by one helper per operator, and the only other call is the finalizer of each
-    # storage when it dies.
+    # __torch_dispatch__ runs for every operator of the step: no Python call of its own per
+    # tensor. The bookkeeping of each output is inline, the inputs are read by one helper
+    # per operator, and the only other call is the finalizer of each storage when it dies.
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _DEVICE:
@@ -285,13 +284,11 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     # NOTE [parameter traffic]
-    # FSDP2 gathers a unit's parameters into a buffer it allocates just before its own
-    # operator (fsdp.all_gather_copy_in) fills it, and reduces the gradients through one
-    # (fsdp.chunk_cat). Those buffers are parameters on their way in and gradients on their
-    # way out, not activations: an allocation that an operator of the fsdp namespace takes
-    # is left out of every figure, from its allocation on, as parameter gradients are. (The
-    # gathered parameters themselves live in storages FSDP2 resizes in place, allocated
-    # before the step: no operator allocates them during it.)
+    # FSDP2 gathers a unit's parameters into a buffer its own operator fills
+    # (fsdp.all_gather_copy_in) and reduces gradients through one (fsdp.chunk_cat): not
+    # activations. An allocation an fsdp operator takes is left out of every figure, from
+    # its allocation on, as parameter gradients are. (The gathered parameters live in
+    # storages FSDP2 resizes in place, allocated before the step.)
     def _note_traffic(self, keys: set[int]) -> None:
         with self._lock:
             self._traffic_ids.update(self._live_by_key[key] for key in keys if key in self._live_by_key)
@@ -307,6 +304,8 @@ class MemoryTracker(TorchDispatchMode):
             if hook_leaves and leaf.requires_grad and leaf.is_leaf and (known is None or known() is not leaf):
                 self._leaves[id(leaf)] = weakref.ref(leaf)
                 self._hooks.append(leaf.register_hook(self._on_leaf_gradient))
+                # and what ends up its .grad (a gradient of another layout is copied there)
+                self._hooks.append(leaf.register_post_accumulate_grad_hook(self._on_accumulated))
             key = storage_key(leaf)  # a wrapper's inner storage (NOTE [wrapper tensors] in remat.storages)
             if key is not None:
                 keys.add(key)
@@ -326,10 +325,9 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ saved tensors
     # NOTE [saved-tensor records]
-    # The pack hook runs for every tensor autograd saves, so it only notes the allocation
-    # id, inline. Storages are known by allocation id, not address: a saved tensor can die
-    # before the next is saved, and its address be reused. The packed value is a
-    # one-tuple so that the unpack hook is a C-level item getter.
+    # The pack hook runs for every tensor autograd saves: it only notes the allocation id,
+    # inline. Storages are known by allocation id, not address: a saved tensor can die
+    # before the next is saved, and its address be reused.
     @contextlib.contextmanager
     def saved_tensors_hooks(self, *, note_kept: bool = True) -> Iterator[None]:
         """Saved-tensor hooks that note the allocation behind every tensor saved for backward.
@@ -466,10 +464,13 @@ class MemoryTracker(TorchDispatchMode):
         return [s for s in self._sections if s.name == name and s.stop_event is not None]
 
     # ------------------------------------------------------------------ figures
-    def _on_leaf_gradient(self, grad: torch.Tensor) -> None:
+    def _on_accumulated(self, leaf: torch.Tensor) -> None:
+        self._on_leaf_gradient(leaf.grad)
+
+    def _on_leaf_gradient(self, grad: torch.Tensor | None) -> None:
         # A gradient on its way into a leaf's .grad (for a tied weight, one of several
         # partial gradients summed there) is parameter-gradient memory.
-        key = storage_key(grad)
+        key = None if grad is None else storage_key(grad)
         if key is None:
             return
         with self._lock:

@@ -14,6 +14,7 @@ normally and is accounted for as fixed memory.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,8 +234,7 @@ def discover_chain(
         call.eligible = call.eligible and call_counts[id(call.module)] == 1 and on_loss_path
     _expand_passes(calls)
     best = _join_runs(calls, _runs(calls))
-    if nested:
-        best = _deepen(calls, best)
+    best = _deepen(calls, best) if nested else _deepen_to_blocks(calls, best)
     stages = [stage for i in best for stage in calls[i].stages]
     if len(stages) < 2:
         raise UnsupportedModel(
@@ -259,8 +259,10 @@ def discover_chain(
 # from its last call. What the glue keeps for its replays is planned as held through the
 # step (NOTE [glue constants]), unless a replay makes it again (NOTE [constants an earlier
 # stage takes] in remat.discover.glue: a residual stream, a query and a key).
-def _deepen(calls: list[_Call], chain: list[int]) -> list[int]:
-    """`chain` with every stage replaced by the chain of its own children where it has one, recursively."""
+def _deepen(calls: list[_Call], chain: list[int], *, to_blocks: bool = False) -> list[int]:
+    """`chain` with every stage replaced by the chain of its own children where it has one,
+    recursively; with `to_blocks`, only a stage that runs repeated blocks inside it (NOTE
+    [blocks inside a stage])."""
     children = _eligible_children(calls)
     out = list(chain)
     position = 0
@@ -273,11 +275,47 @@ def _deepen(calls: list[_Call], chain: list[int]) -> list[int]:
             and (position == 0 or bool(calls[run[0]].first_from >> out[position - 1] & 1))
             and (position + 1 == len(out) or bool(calls[out[position + 1]].first_from >> run[-1] & 1))
         )
-        if linked:
+        if linked and (not to_blocks or _runs_blocks(calls, children, index, out)):
             out[position : position + 1] = run  # its calls may split further: not advanced
         else:
             position += 1
     return out
+
+
+# NOTE [blocks inside a stage]
+# A model may call beside its encoder as many modules of its own as the encoder has
+# blocks, or more (DistilBERT's and ELECTRA's masked-LM heads: a product, an activation,
+# a norm, a projection, the loss). The longest run is then the model's own calls, and the
+# whole encoder one stage: the smallest budget near storing everything. A stage of the
+# chain that is the only one of its kind and runs repeated blocks somewhere inside it (a
+# run with two or more calls of one class of module that has submodules) is split into its
+# children, down to the blocks, as nested chains split every stage (NOTE [nested chains]).
+def _deepen_to_blocks(calls: list[_Call], chain: list[int]) -> list[int]:
+    """`chain` with each stage that runs repeated blocks inside it split down to them."""
+    return _deepen(calls, chain, to_blocks=True)
+
+
+def _runs_blocks(calls: list[_Call], children: dict[int | None, list[int]], index: int, chain: list[int]) -> bool:
+    """Whether call `index`, the only call of its module class in `chain`, runs repeated
+    blocks somewhere inside it (two or more calls of one class of module with children, in
+    one run)."""
+    kind = type(calls[index].module)
+    if sum(type(calls[i].module) is kind for i in chain) > 1:
+        return False
+    pending = [index]
+    while pending:
+        siblings = children.get(pending.pop(), [])
+        if not siblings:
+            continue
+        kinds = Counter(type(calls[i].module) for i in _longest_run(calls, siblings) if _has_children(calls[i]))
+        if kinds and max(kinds.values()) >= 2:
+            return True
+        pending.extend(siblings)
+    return False
+
+
+def _has_children(call: _Call) -> bool:
+    return next(iter(call.module.children()), None) is not None
 
 
 def _loss_from(provenance: _Provenance, output: Any, loss_fn: Callable[[Any], Any] | None) -> int | None:

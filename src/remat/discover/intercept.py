@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -27,6 +28,7 @@ __all__ = [
     "compiled_call",
     "compiled_stages",
     "intercept_stages",
+    "out_of_order",
     "refuse_compiled_state",
     "uncompiled",
 ]
@@ -44,6 +46,23 @@ _INTERCEPT = "_call_impl"
 # A module compiled with ``module.compile()`` is called through its compiled call instead:
 # set aside while the module is intercepted, it makes the real call.
 _COMPILED = "_compiled_call_impl"
+
+
+def out_of_order(chain: Chain, index: int, expected: int, while_doing: str = "") -> UnsupportedModel:
+    """The error for stage `index` called when stage `expected` was: the forward varies,
+    or the model runs its own modules again in its backward (its own checkpointing)."""
+    called = f"stage {index} ({chain.names[index]!r}) was called when stage {expected} was expected{while_doing}"
+    if torch._C._current_graph_task_id() != -1:
+        return UnsupportedModel(
+            f"{called}, during the backward: the model runs its own modules again in its backward "
+            "(its own activation checkpointing: Hugging Face's gradient_checkpointing_enable(), "
+            "torch.utils.checkpoint, or reversible layers). Turn that off (for Hugging Face, "
+            "model.gradient_checkpointing_disable()) and let remat do the recomputing"
+        )
+    return UnsupportedModel(
+        f"{called}; remat needs the chain's stages to run once each, in order, in every forward "
+        "(use remat.mark for models whose forward varies)"
+    )
 
 
 def call_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

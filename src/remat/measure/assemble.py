@@ -221,6 +221,24 @@ class ChainMeasurement:
             out.append(GlueConstant(nbytes, keepers, stage, profile.saves_input[stage], kept_before, saved))
         return tuple(out)
 
+    def _later_takers(self, index: int, until: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """The later planned stages, up to stage call `until`, that take part of what stage
+        call `index` takes (NOTE [side inputs kept by later stages] in
+        ``remat.plan.lifetimes``); those of them that save some; the bytes taken."""
+        group_of = self.group_of()
+        held = self.stages[index].input_storages
+        takers: dict[int, bool] = {}
+        taken: dict[int, int] = {}
+        for later in range(index + 1, until + 1):
+            stage = self.stages[later]
+            part = {key: nbytes for key, nbytes in stage.taken_storages.items() if key in held}
+            if part and group_of[later] != group_of[index]:
+                group = group_of[later]
+                takers[group] = takers.get(group, False) or not part.keys().isdisjoint(stage.saved_storages)
+                taken.update(part)
+        savers = tuple(group for group, saves in takers.items() if saves)
+        return tuple(takers), savers, sum(taken.values())
+
     def held_inputs(self) -> tuple[HeldInput, ...]:
         """What the model holds beyond a planned stage: its input (see ``input_held_until``),
         and what it made and keeps for later (``held_outputs``)."""
@@ -234,7 +252,9 @@ class ChainMeasurement:
             if index == self.groups[start][0]:
                 profile = self.profile
                 kept_before = start > 0 and profile.saves_output[start - 1]
-                out.append(HeldInput(start, end, nbytes, True, profile.saves_input[start], kept_before))
+                takers, savers, later_bytes = self._later_takers(index, until)
+                held = HeldInput(start, end, nbytes, True, profile.saves_input[start], kept_before)
+                out.append(held._replace(later_takers=takers, later_bytes=later_bytes, later_savers=savers))
             else:
                 out.append(HeldInput(start, end, nbytes, False))
         for index, until, nbytes, saved in self.held_outputs:
@@ -262,6 +282,8 @@ class TrackedStep:
             :meth:`remat.memory.MemoryTracker.cast_allocations`).
         loss_event: the event at which the loss was computed, before its backward (None:
             the loss function ran the backward itself).
+        loss_allocations: the allocations of the loss (a training loop holds it through
+            its backward).
     """
 
     watch: StageWatch
@@ -274,6 +296,7 @@ class TrackedStep:
     state_allocations: set[int] = field(default_factory=set)
     cast_allocations: set[int] = field(default_factory=set)
     loss_event: int | None = None
+    loss_allocations: set[int] = field(default_factory=set)
 
 
 class _GroupCost(NamedTuple):
@@ -431,6 +454,10 @@ def _suffix(step: TrackedStep) -> _Suffix:
         held = tracker.surviving_allocations(last_forward_end, last_backward[1])
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         kept_bytes = sum_except(held, excluded | recomputed(step, held))
+        # a loss the chain's last stage computes (a loss module planned as a stage) is held
+        # by the training loop through the whole backward
+        returned = watch.stages[-1].output_storages
+        kept_bytes += sum(returned[key] for key in step.loss_allocations if key in returned)
     # What the chain made that no stage saved (an autocast stage saves its cast) but the
     # model's code still held when the last stage returned (NOTE [inputs the model holds]:
     # a stage's input, an output kept in a variable to the end of the forward) is gone for
@@ -524,7 +551,7 @@ def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], sto
     """Transient bytes of a group's backward, on top of what is live and its input's gradient."""
     windows = [m.backward_window for m in members]
     last_window, first_window = windows[-1], windows[0]
-    if last_window is None or first_window is None or None in windows:
+    if last_window is None or first_window is None:
         return 0
     start_event, stop_event = last_window[0], first_window[1]
     # Frugal mode: from the end of the recompute that precedes it, when the group ends a

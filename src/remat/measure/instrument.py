@@ -26,8 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat.discover.chain import Chain, StageLinks
 from remat.discover.glue import GlueRecorder, StageInputs
-from remat.discover.intercept import call_original
-from remat.errors import UnsupportedModel
+from remat.discover.intercept import call_original, out_of_order
 from remat.memory import MemoryTracker
 
 __all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "Work", "tensors_in", "work_between", "work_mark"]
@@ -98,6 +97,8 @@ class StageMeasurement:
             earlier stage took as its input or its glue made (NOTE [constants an earlier
             stage takes] in remat.discover.glue).
         earlier_made: those of ``earlier_inputs`` that the glue made.
+        taken_storages: allocation id -> bytes of every tensor the call takes (its
+            ``input_storages``, and side inputs such as a mask made once for every block).
     """
 
     name: str
@@ -120,6 +121,7 @@ class StageMeasurement:
     glue_constants: frozenset[int] = frozenset()
     earlier_inputs: dict[int, int] = field(default_factory=dict)
     earlier_made: set[int] = field(default_factory=set)
+    taken_storages: dict[int, int] = field(default_factory=dict)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -236,11 +238,7 @@ class StageWatch:
         it (NOTE [glue between stages] in remat.execute). The last stage ends when it returns.
         """
         if index != self.next_stage:
-            raise UnsupportedModel(
-                f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} "
-                "was expected; remat needs the chain's stages to run once each, in order, in every "
-                "forward. Use remat.mark for models whose forward varies"
-            )
+            raise out_of_order(self.chain, index, self.next_stage)
         self.next_stage += 1
         inputs = tensors_in((args, kwargs))
         if index > 0:
@@ -251,7 +249,8 @@ class StageWatch:
         stage.input_requires_grad = tuple(t.requires_grad for t in inputs)
         tracker = self.tracker
         if tracker is not None:
-            self._link(index, tracker.allocations_of(inputs))
+            stage.taken_storages = tracker.allocations_of(inputs)
+            self._link(index, stage.taken_storages)
         self.current = index
         if self.synchronize is not None:
             self.synchronize()

@@ -307,8 +307,29 @@ def _sized_measurement(
     # now, not held through the timing pass
     del fake, fake_args, fake_kwargs
     sized = assemble(chain, tracked)
+    # The timing pass rehearsed on fake tensors: what each group will need, the suffix, and
+    # what the model's own code holds between stages (an input it keeps until its block
+    # returns). The budget must hold that, and the pass itself (its peak with no backward
+    # timed, and the copies it runs on): both are known before a budget is refused, so that
+    # the minimum named is the one planned within.
+    rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, run_loss=run_loss, policies=policies)
+    sized = dataclasses.replace(sized, input_held_until=rehearsal.input_held_until, held_outputs=rehearsal.held_outputs)
+    times = known_times(sized) if known_times is not None else None
+    floor = 0
+    if times is None:
+        # the real pass runs on copies of the inputs the model changes in place (on aliases
+        # of the others), and holds a copy of the model's buffers to restore them after it:
+        # the rehearsal counted neither
+        leaves = tree_flatten((args, kwargs))[0]
+        copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed) + preserved_state_bytes(model)
+        # the pass runs every group's forward, timed or not, and times the backward of those
+        # that fit in the budget: its peak with no backward timed is the least budget planned
+        # (the first step must fit it too)
+        untimed = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
+        floor = max(untimed.group_peak_bytes, default=0) + copies
     if before_timing is not None:
-        before_timing(sized, ())  # a budget no schedule fits is refused before anything real runs
+        # a budget no schedule fits is refused before anything real runs
+        before_timing(dataclasses.replace(sized, timing_pass_bytes=floor), ())
     # NOTE [suffix on real tensors]
     # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps its
     # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
@@ -320,27 +341,15 @@ def _sized_measurement(
     # now, not during the timing pass.
     gc.collect()
     sized = _with_fixed_bytes(sized, loss_extra)
-    times = known_times(sized) if known_times is not None else None
     if times is not None:
         return with_times(sized, times)
+    floor += loss_extra
     _phase(
         3,
         f"timing the stages, one of {len(sized.groups)} groups at a time"
         if estimated_times is None
         else "rehearsing the timing pass on fake tensors; times estimated from the sizes",
     )
-    # The timing pass rehearsed on fake tensors: what each group will need, and the suffix.
-    rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, run_loss=run_loss, policies=policies)
-    # the real pass runs on copies of the inputs the model changes in place (on aliases
-    # of the others), and holds a copy of the model's buffers to restore them after it:
-    # the rehearsal counted neither
-    leaves = tree_flatten((args, kwargs))[0]
-    copies = sum(leaves[p].numel() * leaves[p].element_size() for p in changed) + preserved_state_bytes(model)
-    # the pass runs every group's forward, timed or not, and times the backward of those
-    # that fit in the budget: its peak with no backward timed is the least budget planned
-    # (the first step must fit it too)
-    untimed = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
-    floor = max(untimed.group_peak_bytes, default=0) + copies + loss_extra
     if estimated_times is not None:
         estimated = with_times(sized, estimated_times(sized))
         metadata = {**estimated.profile.metadata, "times": estimated_times.describe()}
@@ -480,6 +489,7 @@ def _tracked_step(
         state_allocations=state_allocations,
         cast_allocations=tracker.cast_allocations(),
         loss_event=loss_events[0] if loss_events else None,
+        loss_allocations=loss_storages,
     )
 
 

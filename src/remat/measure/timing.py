@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.discover.chain import Chain
-from remat.discover.intercept import call_original, intercept_stages
+from remat.discover.intercept import call_original, intercept_stages, out_of_order
 from remat.errors import UnsupportedModel
 from remat.manual.recompute import recompute
 from remat.measure.instrument import StageMeasurement, tensors_in
@@ -142,6 +142,7 @@ class _GroupTimer:
         self.gradient_event: int | None = None
         self.gradient_time = 0.0
         self.tracking = False
+        self._graph_seen = -1  # NOTE [a group's own graph]
 
     def _now(self) -> float:
         if self.synchronize is not None:
@@ -151,11 +152,7 @@ class _GroupTimer:
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         entered = self._now()
         if index != self.next_stage:
-            raise UnsupportedModel(
-                f"stage {index} ({self.chain.names[index]!r}) was called when stage {self.next_stage} was "
-                "expected while timing the stages; remat needs the chain's stages to run once each, in "
-                "order, in every forward"
-            )
+            raise out_of_order(self.chain, index, self.next_stage, " while timing the stages")
         self.next_stage += 1
         if self._returned is not None:
             # NOTE [glue time]: the model's code since the stage before returned is part of
@@ -215,11 +212,12 @@ class _GroupTimer:
         """Runs the backward of the group ending at `index`; returns its output, detached, and its seconds."""
         backward_s = 0.0
         outputs = [t for t in tensors_in(out) if t.requires_grad]
-        if outputs:
+        leaves, self._graph_seen = _window_leaves(outputs, self._graph_seen)
+        if outputs and (leaves is None or leaves):
             started = self._now()
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs], inputs=leaves)
             backward_s = self._now() - started
-        del outputs
+        del outputs, leaves
         if self.policies and index in self.first and not self.stages[index].modifies_input:
             self._time_options(index, module, args, kwargs)
         torch.set_grad_enabled(self._grad_mode)
@@ -284,6 +282,43 @@ class _GroupTimer:
                 forward_s = sum(f for f, _ in times[first:stop])
                 times[stop - 1] = (times[stop - 1][0], BACKWARD_PER_FORWARD * forward_s)
         return times
+
+
+# NOTE [a group's own graph]
+# The model's code between two stages of a group runs with grad, and it may make a value
+# that later code takes again, not as a stage's input (a RegNet block's residual, made
+# after one block's last stage, is taken by the shortcut after the next block's stages).
+# That value carries the earlier group's graph, whose backward has already run: a later
+# group's backward would run into it (an error once its saved tensors are freed; time
+# and gradients charged twice before). Autograd numbers its nodes in the order they are
+# made, so a group's backward walks its graph from its outputs and stops at the nodes
+# an earlier group's graph holds (numbered at most the highest seen there); when it
+# stopped at one, the backward runs for the leaves found within the group only.
+def _window_leaves(outputs: list[torch.Tensor], seen: int) -> tuple[list[torch.Tensor] | None, int]:
+    """The leaves the group's own graph reaches, or None when it reaches no earlier graph;
+    and the highest node number of the graphs walked so far."""
+    leaves: dict[int, torch.Tensor] = {}
+    crossed = False
+    highest = seen
+    pending: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    visited: dict[int, Any] = {}  # (holding each node: an id is not reused meanwhile)
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf
+            leaves[id(variable)] = variable
+            continue
+        number = node._sequence_nr()
+        if number <= seen:
+            crossed = True
+            continue
+        highest = max(highest, number)
+        pending.extend(edge for edge, _ in node.next_functions)
+    leaves.update((id(t), t) for t in outputs if t.grad_fn is None)  # an output that is a leaf
+    return (list(leaves.values()) if crossed else None), highest
 
 
 def _cut_inputs(

@@ -60,6 +60,10 @@ class HeldInput(NamedTuple):
         kept_by_stage: whether the stage saves it (its input, or what it made) for its
             backward.
         kept_by_previous: whether the stage before saves its output for its backward.
+        later_takers: the later planned stages, up to ``until``, that take part of it as
+            it is (NOTE [side inputs kept by later stages]).
+        later_bytes: the bytes of what they take of it.
+        later_savers: those of ``later_takers`` that save some of it for their backward.
     """
 
     stage: int
@@ -68,6 +72,9 @@ class HeldInput(NamedTuple):
     is_stage_input: bool
     kept_by_stage: bool = False
     kept_by_previous: bool = False
+    later_takers: tuple[int, ...] = ()
+    later_bytes: int = 0
+    later_savers: tuple[int, ...] = ()
 
 
 class GlueConstant(NamedTuple):
@@ -264,6 +271,7 @@ class _Alive:
         # the holders of each tensor counted (a stage's input the model holds may be what a
         # glue keeps or saves too: counted once, while any of them holds it)
         self.holders: dict[Hashable, set[Hashable]] = {}
+        self.side = _SideInputs(self)
 
     def forward_starts(self, kind: OperationKind, stage: int) -> None:
         if self.in_backward:
@@ -282,6 +290,7 @@ class _Alive:
 
     def forward_ends(self, kind: OperationKind, stage: int) -> None:
         if self.in_backward:
+            self.side.forward_ends(kind, stage)
             return
         self.first_kinds[stage] = kind
         for tensor, holder, nbytes in self.model_held.pop(stage, ()):
@@ -296,6 +305,7 @@ class _Alive:
                 tensor = ("input", held.stage, held.nbytes) if held.is_stage_input else ("held", index)
                 self._hold(tensor, ("model", index), held.nbytes)
                 self.model_held.setdefault(held.until, []).append((tensor, ("model", index), held.nbytes))
+        self.side.forward_ends(kind, stage)
 
     def _hold(self, tensor: Hashable, holder: Hashable, nbytes: int) -> None:
         holders = self.holders.setdefault(tensor, set())
@@ -319,6 +329,7 @@ class _Alive:
 
     def backward_ends(self, stage: int) -> None:
         self.replayed = 0
+        self.side.backward_ends(stage)
         if stage == self.last:
             self.bytes += self.lifetimes.loss_only_bytes
         if self.lifetimes.leftover_bytes:
@@ -331,6 +342,76 @@ class _Alive:
             self.cast_alive.discard(stage)
             self.stored.discard(stage)
             self.bytes -= self.casts[stage]
+
+
+# NOTE [side inputs kept by later stages]
+# What the model makes once and gives several stages (an attention mask, an ALiBi bias,
+# rotary tables) is counted with its first taker (HeldInput), held by the model through the
+# last of them. Unless the schedule keeps the first taker's input (which outlives the later
+# takers' backwards), a later taker keeps its part too: a stored one that saves it, until
+# its backward; a checkpoint, which keeps every tensor its region's replay takes, until its
+# backward. In the first forward those holds count once the model's own hold ends. A replay
+# of the first taker makes the tensor again (the glue before it runs again): that one is
+# counted until the replay's backward, and with the later takers of the replay that keep
+# it; a replay that starts at a later taker's checkpoint takes the tensor that checkpoint
+# holds.
+class _SideInputs:
+    """The side inputs of ``Lifetimes.held_inputs`` that later takers keep, along a schedule."""
+
+    def __init__(self, alive: _Alive) -> None:
+        self.alive = alive
+        self.held = [(index, held) for index, held in enumerate(alive.lifetimes.held_inputs) if held.later_takers]
+        self.source: dict[int, Hashable] = {}  # held index -> the tensor the takers now get
+        self.holds: dict[tuple[int, int], Hashable] = {}  # (held index, taker) -> tensor it keeps
+        self.pending: dict[int, list[int]] = {}  # first forward: takers holding once the model lets go
+        self.replays = 0
+
+    def _keeps(self, kind: OperationKind, taker: int, held: HeldInput) -> bool:
+        saves = kind is OperationKind.FORWARD_STORE and taker in held.later_savers
+        return saves or kind is OperationKind.FORWARD_CHECKPOINT
+
+    def forward_ends(self, kind: OperationKind, stage: int) -> None:
+        alive = self.alive
+        for index, held in self.held:
+            if alive.in_backward:
+                self._replayed(index, held, kind, stage)
+                continue
+            if stage in held.later_takers and self._keeps(kind, stage, held):
+                self.pending.setdefault(index, []).append(stage)
+            if stage == held.until and not _schedule_keeps(held, alive.first_kinds):
+                for taker in self.pending.pop(index, ()):
+                    self._hold(index, held, taker, ("first", index))
+
+    def _replayed(self, index: int, held: HeldInput, kind: OperationKind, stage: int) -> None:
+        if stage == held.stage:
+            kept = kind is OperationKind.FORWARD_CHECKPOINT or (
+                kind is OperationKind.FORWARD_STORE and held.kept_by_stage
+            )
+            if kept:
+                self.source.pop(index, None)
+                return
+            self.replays += 1
+            tensor = ("replayed", index, self.replays)
+            self.source[index] = tensor
+            self.alive._hold(tensor, ("made", index), held.later_bytes)
+        elif stage in held.later_takers and self._keeps(kind, stage, held):
+            if (index, stage) in self.holds:  # the replay starts at this checkpoint
+                self.source[index] = self.holds[index, stage]
+            elif index in self.source:
+                self._hold(index, held, stage, self.source[index])
+
+    def _hold(self, index: int, held: HeldInput, taker: int, tensor: Hashable) -> None:
+        self.holds[index, taker] = tensor
+        self.alive._hold(tensor, ("taker", index, taker), held.later_bytes)
+
+    def backward_ends(self, stage: int) -> None:
+        for index, held in self.held:
+            tensor = self.holds.pop((index, stage), None)
+            if tensor is not None:
+                self.alive._release(tensor, ("taker", index, stage), held.later_bytes)
+            made = self.source.pop(index, None)
+            if made is not None and made[0] == "replayed":  # type: ignore[index]
+                self.alive._release(made, ("made", index), held.later_bytes)
 
 
 def _constant_tensor(index: int, constant: GlueConstant) -> Hashable:

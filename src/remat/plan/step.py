@@ -115,7 +115,11 @@ class BudgetSplit:
         object.__setattr__(self, "cast_bytes", tuple(int(c) for c in self.cast_bytes))
         object.__setattr__(self, "cached_cast_bytes", tuple(int(c) for c in self.cached_cast_bytes))
         object.__setattr__(self, "leftover_bytes", tuple(int(c) for c in self.leftover_bytes))
-        object.__setattr__(self, "held_inputs", tuple(HeldInput(*h) for h in self.held_inputs))
+        held_inputs = tuple(HeldInput(*h) for h in self.held_inputs)
+        held_inputs = tuple(
+            h._replace(later_takers=tuple(h.later_takers), later_savers=tuple(h.later_savers)) for h in held_inputs
+        )
+        object.__setattr__(self, "held_inputs", held_inputs)
         object.__setattr__(self, "leftover_freed", tuple((int(g), int(n)) for g, n in self.leftover_freed))
         constants = tuple(GlueConstant(*c) for c in self.glue_constants)  # lists when read back from JSON
         object.__setattr__(self, "glue_constants", tuple(c._replace(keepers=tuple(c.keepers)) for c in constants))
