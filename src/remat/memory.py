@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from remat.storages import storage_key, unwrapped
+from remat.storages import buffered_loss_bytes, storage_key, unwrapped
 
 __all__ = [
     "AllocationRecord",
@@ -148,12 +148,10 @@ class MemoryTracker(TorchDispatchMode):
             loss.backward()
         print(tracker.peak_bytes)
 
-    Figures exclude parameter gradients: any storage that is the ``.grad`` of a leaf
-    tensor seen by an operator during the run (or of a tensor given in ``exclude_grads_of``)
-    when the run ends, and any gradient handed to such a leaf's accumulation, is left out
-    of every figure, from its allocation on. (For a weight used twice in one graph, autograd
-    sums the partial gradients before handing them over: the first partial gradient, kept
-    until the second arrives, is activation-time memory and is counted.)
+    Figures exclude parameter gradients: a storage that is the ``.grad`` of a leaf seen by
+    an operator (or given in ``exclude_grads_of``) when the run ends, or that a leaf's
+    accumulation takes or makes, from its allocation on. (A weight used twice in one graph:
+    its first partial gradient, kept until the second arrives, is counted.)
 
     Args:
         exclude_grads_of: extra tensors (e.g. ``model.parameters()``) whose ``.grad``
@@ -161,8 +159,7 @@ class MemoryTracker(TorchDispatchMode):
         device: count only storages on this device type (``"cpu"``, ``"cuda"``); ``None``
             counts all devices together.
         count_fake: count the storages of fake tensors (``torch._subclasses.fake_tensor``)
-            too, as if they were real: how remat sizes a step before running it. By default
-            they are left out: they hold no memory.
+            too, as if they were real: how remat sizes a step before running it.
         count_flops: also add up the floating-point operations of the operators that
             ``torch.utils.flop_counter`` knows (matrix products, convolutions, attention)
             in :attr:`flops`, and count the operators run in :attr:`operations`: how remat
@@ -246,6 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         cast = _is_autocast_cast(func, args)
         device_type = self._device_type
         count_fake = self._count_fake
+        buffered = buffered_loss_bytes(func, args, out) if count_fake else 0  # (a fake CPU loss)
         for tensor in unwrapped(tree_leaves(out)):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
                 continue
@@ -258,7 +256,7 @@ class MemoryTracker(TorchDispatchMode):
             except (RuntimeError, NotImplementedError):
                 continue
             key = storage._cdata
-            nbytes = int(storage.nbytes())
+            nbytes = max(int(storage.nbytes()), buffered)
             with self._lock:
                 allocation_id = self._live_by_key.get(key)
                 if allocation_id is None:

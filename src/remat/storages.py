@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["PLAIN_TYPES", "is_wrapper", "storage_key", "unwrapped"]
+__all__ = ["BUFFERED_LOSSES", "PLAIN_TYPES", "buffered_loss_bytes", "is_wrapper", "storage_key", "unwrapped"]
 
 #: Tensor types that wrap nothing (checked first: the tracker sees every operator's outputs).
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
@@ -56,3 +56,28 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return int(tensor.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):
         return None
+
+
+# NOTE [losses that keep their buffer]
+# On the CPU, mse_loss, smooth_l1_loss, soft_margin_loss and binary_cross_entropy reduce
+# their elementwise losses in place and return the scalar as a view of that buffer: the
+# loss holds its input's size of memory until it dies. Their fake counterparts return four
+# bytes, so the tracker counts the buffer for a fake one on the CPU (a loss module planned
+# as a stage is sized right; after the chain, the loss probe on real tensors finds it too).
+BUFFERED_LOSSES = frozenset(
+    {
+        torch.ops.aten.mse_loss.default,
+        torch.ops.aten.smooth_l1_loss.default,
+        torch.ops.aten.soft_margin_loss.default,
+        torch.ops.aten.binary_cross_entropy.default,
+    }
+)
+
+
+def buffered_loss_bytes(func: Any, args: Any, out: Any) -> int:
+    """The bytes of the buffer behind the output of `func` (its input's size) when it is a
+    fake CPU loss of ``BUFFERED_LOSSES``, else 0."""
+    if func not in BUFFERED_LOSSES or not isinstance(out, FakeTensor) or out.device.type != "cpu":
+        return 0
+    first = args[0]
+    return int(first.numel() * first.element_size()) if isinstance(first, torch.Tensor) else 0

@@ -332,7 +332,8 @@ def _sized_measurement(
         before_timing(dataclasses.replace(sized, timing_pass_bytes=floor), ())
     # NOTE [suffix on real tensors]
     # A kernel can hold more memory than its fake counterpart says (CPU mse_loss keeps its
-    # whole elementwise buffer behind the scalar loss). The loss is probed on real tensors
+    # whole elementwise buffer behind the scalar loss: the sizing now knows that one, NOTE
+    # [losses that keep their buffer] in remat.storages). The loss is probed on real tensors
     # shaped like the model's output before anything else runs; what it needs beyond its
     # fake run is held through the whole step (the safe side: it may be transient).
     _phase(2, "the loss on real tensors")

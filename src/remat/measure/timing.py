@@ -126,7 +126,7 @@ class _GroupTimer:
         # With a tracker, the last group is not cut from what follows: its backward runs
         # from the real loss, and the suffix (what runs after the chain: a head, the loss)
         # is tracked on real tensors, as the sized step tracked it on fake ones. A kernel
-        # can hold more than its fake counterpart says (CPU mse_loss keeps its whole
+        # can hold more than its fake counterpart says (as CPU mse_loss keeps its whole
         # elementwise buffer behind the scalar loss), and the suffix is short.
         # the suffix tracker is entered as the last group starts, in the real pass and in its
         # rehearsal alike; the rehearsal also tracks every group (`everything`)
