@@ -234,7 +234,7 @@ def discover_chain(
         call.eligible = call.eligible and call_counts[id(call.module)] == 1 and on_loss_path
     _expand_passes(calls)
     best = _join_runs(calls, _runs(calls))
-    best = _deepen(calls, best) if nested else _deepen_to_blocks(calls, best)
+    best = _deepen(calls, best, to_blocks=not nested)
     stages = [stage for i in best for stage in calls[i].stages]
     if len(stages) < 2:
         raise UnsupportedModel(
@@ -290,11 +290,6 @@ def _deepen(calls: list[_Call], chain: list[int], *, to_blocks: bool = False) ->
 # chain that is the only one of its kind and runs repeated blocks somewhere inside it (a
 # run with two or more calls of one class of module that has submodules) is split into its
 # children, down to the blocks, as nested chains split every stage (NOTE [nested chains]).
-def _deepen_to_blocks(calls: list[_Call], chain: list[int]) -> list[int]:
-    """`chain` with each stage that runs repeated blocks inside it split down to them."""
-    return _deepen(calls, chain, to_blocks=True)
-
-
 def _runs_blocks(calls: list[_Call], children: dict[int | None, list[int]], index: int, chain: list[int]) -> bool:
     """Whether call `index`, the only call of its module class in `chain`, runs repeated
     blocks somewhere inside it (two or more calls of one class of module with children, in

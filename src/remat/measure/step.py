@@ -149,7 +149,8 @@ def measure_chain(
             there (a budget below the feasible minimum). It is called first with no needs,
             before anything runs on the device, then again before the timing pass.
         known_times: with `sized`, times for the measurement of bytes, if known (scaled
-            from another shape: no timing pass, nor its rehearsal), else None.
+            from another shape: no timing pass; it is still rehearsed on fake tensors, for
+            what the model holds across stages), else None.
         estimated_times: with `sized`, gives times for the measurement of bytes in place
             of the timing pass (the profile's ``metadata["times"]`` says so). The pass is
             still rehearsed on fake tensors, for what the model holds across stages, but

@@ -240,7 +240,7 @@ class _ReplayHeld:
                     self.saved.append((stage, hold.nbytes))
                 else:
                     self.bytes -= hold.nbytes
-            kept = not hold.made and (kind is OperationKind.FORWARD_CHECKPOINT or stored and hold.kept_by_stage)
+            kept = not hold.made and _replay_keeps_input(kind, hold.kept_by_stage)
             if hold.stage == stage and index not in self.until and not kept:
                 self.until[index] = hold.glue_stage
                 self.bytes += hold.nbytes
@@ -364,6 +364,7 @@ class _SideInputs:
         self.source: dict[int, Hashable] = {}  # held index -> the tensor the takers now get
         self.holds: dict[tuple[int, int], Hashable] = {}  # (held index, taker) -> tensor it keeps
         self.pending: dict[int, list[int]] = {}  # first forward: takers holding once the model lets go
+        self.made: dict[int, Hashable] = {}  # held index -> the tensor the current replay made
         self.replays = 0
 
     def _keeps(self, kind: OperationKind, taker: int, held: HeldInput) -> bool:
@@ -384,15 +385,12 @@ class _SideInputs:
 
     def _replayed(self, index: int, held: HeldInput, kind: OperationKind, stage: int) -> None:
         if stage == held.stage:
-            kept = kind is OperationKind.FORWARD_CHECKPOINT or (
-                kind is OperationKind.FORWARD_STORE and held.kept_by_stage
-            )
-            if kept:
+            if _replay_keeps_input(kind, held.kept_by_stage):
                 self.source.pop(index, None)
                 return
             self.replays += 1
             tensor = ("replayed", index, self.replays)
-            self.source[index] = tensor
+            self.source[index] = self.made[index] = tensor
             self.alive._hold(tensor, ("made", index), held.later_bytes)
         elif stage in held.later_takers and self._keeps(kind, stage, held):
             if (index, stage) in self.holds:  # the replay starts at this checkpoint
@@ -409,9 +407,16 @@ class _SideInputs:
             tensor = self.holds.pop((index, stage), None)
             if tensor is not None:
                 self.alive._release(tensor, ("taker", index, stage), held.later_bytes)
-            made = self.source.pop(index, None)
-            if made is not None and made[0] == "replayed":  # type: ignore[index]
+            self.source.pop(index, None)
+            made = self.made.pop(index, None)
+            if made is not None:
                 self.alive._release(made, ("made", index), held.later_bytes)
+
+
+def _replay_keeps_input(kind: OperationKind, kept_by_stage: bool) -> bool:
+    """Whether a replay's forward of a stage keeps its input: it checkpoints it, or stores
+    the stage, which saves it."""
+    return kind is OperationKind.FORWARD_CHECKPOINT or kind is OperationKind.FORWARD_STORE and kept_by_stage
 
 
 def _constant_tensor(index: int, constant: GlueConstant) -> Hashable:
