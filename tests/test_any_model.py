@@ -420,6 +420,46 @@ def test_a_stage_order_that_changes_between_calls_is_refused() -> None:
     compare_training(plain, wrapped, (x.detach(),), lambda output: output.sum())
 
 
+class LayerDropped(nn.Module):
+    """Skips the blocks in `dropped` (as layerdrop does at random in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+        self.dropped: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            if index not in self.dropped:
+                x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_stage_skipped_in_one_forward_is_refused_with_what_to_do(nested: bool) -> None:
+    # NOTE [skipped stages]
+    torch.manual_seed(0)
+    model = LayerDropped()
+    x = torch.randn(4, 8, requires_grad=True)
+    wrapped = remat.Checkpointable(model, "min", nested=nested)
+    wrapped(x).sum().backward()
+    assert max(wrapped.plan.forward_counts) > 1  # a plan that recomputes: its stages are intercepted
+
+    model.dropped = {1}
+    skipped = (
+        r"stage 4 \('blocks\.2\.0'\) was called when stage 2 was expected: 'blocks\.1\.0', 'blocks\.1\.1' did not run"
+    )
+    with pytest.raises(remat.UnsupportedModel, match=skipped + r".*layerdrop=0\.0.*remat\.mark"):
+        wrapped(x)
+    model.dropped = {3}
+    with pytest.raises(
+        remat.UnsupportedModel, match=r"ran 6 of the chain's 8 stages: 'blocks\.3\.0', 'blocks\.3\.1' did not run\."
+    ):
+        wrapped(x)
+    model.dropped = set()  # nothing was left half done: the next step is exact
+    compare_training(copy.deepcopy(model), wrapped, (x.detach(),), lambda output: output.sum())
+
+
 def test_a_plan_that_recomputes_nothing_runs_the_models_own_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [nothing to recompute]: no stage is intercepted, so a changed order is the
     # plain step it would be without remat (there is no replay to go wrong)

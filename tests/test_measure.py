@@ -244,6 +244,69 @@ class _ResidualLayer(nn.Module):
         return torch.relu(self.layer(x) + self.shortcut(x))
 
 
+class _RoutedBlock(nn.Module):
+    """A mixture-of-experts-shaped block: the model keeps its router's logits (not its
+    output) for an auxiliary loss, as transformers' output recorders do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.mlp = nn.Linear(32, 32)
+        self.logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        if self.logits is None:  # the first call's (the timing pass runs a short stage again)
+            self.logits = logits
+        return torch.tanh(self.mlp(x)) * logits.softmax(-1)[:, :1]
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_RoutedBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits = []
+        for block in self.blocks:
+            x = block(x)
+            logits.append(block.logits)
+            block.logits = None
+        return x, logits
+
+
+def _routed_loss(output: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
+    out, logits = output
+    return out.square().sum() + 0.01 * sum(t.square().sum() for t in logits)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_the_loss_backward_of_the_timing_pass_stops_at_the_graphs_of_the_groups(nested: bool) -> None:
+    """NOTE [a group's own graph]: the loss takes tensors each group made besides its output
+    (router logits), whose graphs the groups' own backwards have run already."""
+    import warnings
+
+    import remat
+
+    torch.manual_seed(0)
+    model = _Routed()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    _routed_loss(reference(x)).backward()
+    wrapper = remat.Checkpointable(model, "min", nested=nested, loss_fn=_routed_loss)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # sized, not measured with a plain step
+            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
+                _routed_loss(wrapper(x)).backward()
+        assert wrapper.plan is not None
+        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
+    assert max(wrapper.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
 def test_a_group_backward_stops_at_the_graph_of_the_group_before() -> None:
     """NOTE [a group's own graph]: a layer's input is made in the group before (the model's
     code after that group's last stage), and its shortcut takes it in a later group."""
@@ -261,6 +324,47 @@ def test_a_group_backward_stops_at_the_graph_of_the_group_before() -> None:
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the sized measuring step does not give up on it
+            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
+                wrapper(x).square().sum().backward()
+        assert wrapper.plan is not None
+        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
+    assert max(wrapper.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+class _Experts(nn.Module):
+    """Expert products as transformers' mixtures of experts run them: one grouped product
+    over the tokens of each expert (here a fixed share of the tokens each)."""
+
+    def __init__(self, experts: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.weight.shape[0]
+        share = x.shape[0] // experts
+        offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=x.device) * share
+        return torch.tanh(torch._grouped_mm(x, self.weight, offs=offsets))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is newer than this torch")
+def test_a_float32_grouped_product_is_sized_on_fake_tensors() -> None:
+    """NOTE [grouped products on fake tensors]: torch's fake kernel takes bfloat16 only."""
+    import warnings
+
+    import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), *(_Experts() for _ in range(4)), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    reference(x).square().sum().backward()
+    wrapper = remat.Checkpointable(model, "min", loss_fn=lambda out: out.square().sum())
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # sized, not measured with a plain step
             with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
                 wrapper(x).square().sum().backward()
         assert wrapper.plan is not None

@@ -46,10 +46,11 @@ from remat.discover.intercept import (
     call_stage,
     compiled_stages,
     intercept_stages,
+    missing_stages,
     out_of_order,
     refuse_compiled_state,
 )
-from remat.errors import RematError, UnsupportedModel
+from remat.errors import RematError
 from remat.manual._frames import active_mode
 from remat.manual._output_hooks import hook_chain_output
 from remat.manual._recording import RegionRecording
@@ -487,10 +488,7 @@ class ChainExecutor:
         finally:
             run.abort()
         if run.next_stage != len(self.chain):
-            raise UnsupportedModel(
-                f"the forward ran {run.next_stage} of the chain's {len(self.chain)} stages; remat "
-                "needs every stage to run once per forward"
-            )
+            raise missing_stages(self.chain, run.next_stage)
         return out
 
 

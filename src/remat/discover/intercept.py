@@ -49,8 +49,9 @@ _COMPILED = "_compiled_call_impl"
 
 
 def out_of_order(chain: Chain, index: int, expected: int, while_doing: str = "") -> UnsupportedModel:
-    """The error for stage `index` called when stage `expected` was: the forward varies,
-    or the model runs its own modules again in its backward (its own checkpointing)."""
+    """The error for stage `index` called when stage `expected` was: the forward varies
+    (it skipped stages), or the model runs its own modules again in its backward (its own
+    checkpointing)."""
     called = f"stage {index} ({chain.names[index]!r}) was called when stage {expected} was expected{while_doing}"
     if torch._C._current_graph_task_id() != -1:
         return UnsupportedModel(
@@ -59,9 +60,37 @@ def out_of_order(chain: Chain, index: int, expected: int, while_doing: str = "")
             "torch.utils.checkpoint, or reversible layers). Turn that off (for Hugging Face, "
             "model.gradient_checkpointing_disable()) and let remat do the recomputing"
         )
+    if index > expected:
+        return _skipped(chain, expected, index, called, " before it")
     return UnsupportedModel(
         f"{called}; remat needs the chain's stages to run once each, in order, in every forward "
         "(use remat.mark for models whose forward varies)"
+    )
+
+
+def missing_stages(chain: Chain, ran: int, while_doing: str = "") -> UnsupportedModel:
+    """The error for a forward that ended after calling the chain's first `ran` stages."""
+    what = f"the forward ran {ran} of the chain's {len(chain)} stages{while_doing}"
+    return _skipped(chain, ran, len(chain), what, "")
+
+
+# NOTE [skipped stages]
+# A model that skips layers at random while training (stochastic depth: Hugging Face's
+# layerdrop, on by default in wav2vec2 and HuBERT) calls a different chain of stages at
+# each step. A plan is made for one chain, and its recomputed regions replay the stages
+# they hold: the skip is refused with what to do, never run under a plan made for
+# another chain.
+def _skipped(chain: Chain, first: int, stop: int, what: str, when: str) -> UnsupportedModel:
+    names = ", ".join(repr(name) for name in chain.names[first : min(stop, first + 3)])
+    more = f" and {stop - first - 3} more" if stop - first > 3 else ""
+    return UnsupportedModel(
+        f"{what}: {names}{more} did not run{when}. The model skips stages in this forward "
+        "(layers dropped at random, as Hugging Face's layerdrop does in training, or a forward "
+        "that changes with its input or its state), and remat's automatic mode plans a forward "
+        "that runs every stage once, in order. Turn the skipping off while training with remat "
+        "(Hugging Face: build the model with layerdrop=0.0, or encoder_layerdrop=0.0 and "
+        "decoder_layerdrop=0.0), or mark the blocks to recompute with remat.mark, which a "
+        "skipped block does not disturb"
     )
 
 

@@ -33,6 +33,30 @@ class FakeRunFailed(Exception):
     """The model could not run on fake tensors (the cause is chained)."""
 
 
+# NOTE [grouped products on fake tensors]
+# torch's fake kernel of ``aten._grouped_mm`` (a mixture of experts' expert products in
+# transformers) carries the checks of the CUDA kernel: bfloat16 inputs and output only.
+# The CPU kernel also takes other floating-point types (a float32 model), so a step the
+# device runs would fail on fake tensors alone. The fake mode sizes such a product on
+# bfloat16 copies of its inputs, then gives the output the inputs' type: the same shape,
+# and the strides of a fresh tensor, as the fake kernel makes them.
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+class _FakeMode(FakeTensorMode):
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and kwargs.get("out_dtype") is None and len(args) >= 2:
+            first, second = args[0], args[1]
+            dtype = first.dtype
+            if dtype != torch.bfloat16 and dtype.is_floating_point and second.dtype == dtype:
+                run = super().dispatch
+                to_copy = torch.ops.aten._to_copy.default
+                inputs = [run(to_copy, types, (t,), {"dtype": torch.bfloat16}) for t in (first, second)]
+                return run(to_copy, types, (run(func, types, (*inputs, *args[2:]), kwargs),), {"dtype": dtype})
+        return super().dispatch(func, types, args, kwargs)
+
+
 class _FakeModel:
     """The fake mode of one run, and what it converted."""
 
@@ -121,7 +145,7 @@ def on_fake_tensors(model: nn.Module, device: torch.device) -> Iterator[_FakeMod
     as it was (or removed). A failure inside the block is raised as
     :class:`FakeRunFailed`, with the cause chained.
     """
-    fake = _FakeModel(FakeTensorMode(allow_non_fake_inputs=True), device)
+    fake = _FakeModel(_FakeMode(allow_non_fake_inputs=True), device)
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     # Modules compiled with module.compile() run their own forward here: compiled code

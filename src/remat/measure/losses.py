@@ -57,12 +57,16 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 def _loss_and_backward(
-    loss_fn: Callable[[Any], Any], output: list[Any], on_loss: Callable[[Any], None] | None = None
+    loss_fn: Callable[[Any], Any],
+    output: list[Any],
+    on_loss: Callable[[Any], None] | None = None,
+    leaves: Callable[[torch.Tensor], list[torch.Tensor] | None] | None = None,
 ) -> None:
     """Computes the loss, drops the output (as a training loop does), then runs backward.
 
     `output` is a one-element list so that this function holds the only reference;
-    `on_loss` is called with the loss once it is computed, before its backward.
+    `on_loss` is called with the loss once it is computed, before its backward; `leaves`
+    gives the leaves the backward runs for (None from it: all of them).
     """
     loss = loss_fn(output.pop())
     if on_loss is not None:
@@ -77,7 +81,9 @@ def _loss_and_backward(
     # cache of weight casts: measured so, the casts the backward still needs are those the
     # stages saved (the executor warns about a backward inside the region).
     torch.clear_autocast_cache()
-    loss.backward()
+    inputs = leaves(loss) if leaves is not None else None
+    if inputs is None or inputs:
+        loss.backward(inputs=inputs)
 
 
 def _check_no_cache(output: Any) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from remat.discover.chain import Chain
-from remat.discover.intercept import call_original, intercept_stages
+from remat.discover.intercept import call_original, intercept_stages, missing_stages
 from remat.errors import RematError
 from remat.manual import _selective
 from remat.manual._tensors import storage_key
@@ -276,7 +276,7 @@ def store_options(
         with fake.mode, torch.no_grad(), intercept_stages(chain, probe):
             model(*fake_args, **fake_kwargs)
     if len(probe.calls) != len(chain):
-        raise RematError(f"the forward ran {len(probe.calls)} of the chain's {len(chain)} stages while sizing options")
+        raise missing_stages(chain, len(probe.calls), " while sizing options")
     held = max((sum(nbytes for nbytes, _ in s.saved_storages.values()) for s in measurement.stages), default=0)
     cost = (
         calibrated_cost_model(device, dominant_dtype(list(model.parameters())), max_bytes=max(held, 2**16))

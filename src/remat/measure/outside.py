@@ -354,8 +354,10 @@ def escaped_bytes(chain: Chain, step: TrackedStep) -> int:
             start, stop = stage.forward_window
             if start <= record.allocated_event < stop:
                 escaped[key] = record.nbytes
-                # module state is replayed: no side effect
-                if key not in step.state_allocations:
+                # module state is replayed, and the model's output is what the forward is
+                # for (a mixture of experts' router logits, returned for its loss): no side
+                # effect
+                if key not in step.state_allocations and key not in step.output_allocations:
                     side_effects[stage.name] = side_effects.get(stage.name, 0) + record.nbytes
                 break
     if side_effects:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
-from remat.discover.intercept import intercept_stages
+from remat.discover.intercept import intercept_stages, missing_stages
 from remat.errors import UnsupportedModel
 from remat.manual._state import learning_state
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
@@ -474,10 +474,7 @@ def _tracked_step(
 
         _loss_and_backward(loss_fn, holder, on_loss)
     if watch.next_stage != len(chain):
-        raise UnsupportedModel(
-            f"the forward ran {watch.next_stage} of the chain's {len(chain)} stages; remat needs "
-            "every stage to run once per forward"
-        )
+        raise missing_stages(chain, watch.next_stage)
     return TrackedStep(
         watch=watch,
         tracker=tracker,

@@ -35,8 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.discover.chain import Chain
-from remat.discover.intercept import call_original, intercept_stages, out_of_order
-from remat.errors import UnsupportedModel
+from remat.discover.intercept import call_original, intercept_stages, missing_stages, out_of_order
 from remat.manual.recompute import recompute
 from remat.measure.instrument import StageMeasurement, tensors_in
 from remat.memory import MemoryTracker
@@ -287,9 +286,10 @@ class _GroupTimer:
 # NOTE [a group's own graph]
 # The model's code between two stages of a group runs with grad, and it may make a value
 # that later code takes again, not as a stage's input (a RegNet block's residual, made
-# after one block's last stage, is taken by the shortcut after the next block's stages).
-# That value carries the earlier group's graph, whose backward has already run: a later
-# group's backward would run into it (an error once its saved tensors are freed; time
+# after one block's last stage, is taken by the shortcut after the next block's stages;
+# a mixture of experts' router logits, kept by the model for its auxiliary loss, are taken
+# by the loss). That value carries the earlier group's graph, whose backward has already
+# run: a later group's backward, or the loss's, would run into it (an error once its saved tensors are freed; time
 # and gradients charged twice before). Autograd numbers its nodes in the order they are
 # made, so a group's backward walks its graph from its outputs and stops at the nodes
 # an earlier group's graph holds (numbered at most the highest seen there); when it
@@ -370,7 +370,7 @@ def time_groups(
     kwargs: dict[str, Any],
     device: torch.device,
     backward_groups: frozenset[int] | None = None,
-    run_loss: Callable[[list[Any]], None] | None = None,
+    run_loss: Callable[..., None] | None = None,
     *,
     track_all: bool = False,
     rehearsal: bool = False,
@@ -389,7 +389,8 @@ def time_groups(
         backward_groups: the groups whose backward is timed (None: all); the others run
             their forward without grad, and their backward is estimated.
         run_loss: takes the model's output from the one-element list it is given,
-            computes the loss and runs its backward (None: the suffix is not measured).
+            computes the loss and runs its backward, for the leaves its keyword ``leaves``
+            gives (None: the suffix is not measured).
         track_all: track the whole pass, not only the suffix: the peak of each group (a
             rehearsal on fake tensors gives what the real pass will need).
         rehearsal: a pass on fake tensors of ``device``: nothing to synchronise (its
@@ -411,12 +412,11 @@ def time_groups(
             with intercept_stages(chain, timer):
                 holder = [model(*args, **kwargs)]
             if timer.next_stage != len(chain):
-                raise UnsupportedModel(
-                    f"the forward ran {timer.next_stage} of the chain's {len(chain)} stages while timing them; "
-                    "remat needs every stage to run once per forward"
-                )
+                raise missing_stages(chain, timer.next_stage, " while timing them")
             if timer.tracking and run_loss is not None:
-                run_loss(holder)  # drops the output once the loss is computed, as a training loop does
+                # drops the output once the loss is computed, as a training loop does; its
+                # backward stops at the graphs of the groups before (NOTE [a group's own graph])
+                run_loss(holder, leaves=lambda loss: _window_leaves([loss], timer._graph_seen)[0])
             holder.clear()
             ended = timer._now()
         finally:
