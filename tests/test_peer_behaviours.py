@@ -408,6 +408,29 @@ def test_without_preserved_rng_state(use_reentrant: bool) -> None:
 
 
 @BOTH
+def test_host_random_numbers_where_torch_differs(use_reentrant: bool) -> None:
+    # NOTE [host random numbers]: torch's checkpoint draws again from NumPy's generator
+    import numpy as np
+    from torch.utils.checkpoint import checkpoint
+
+    linear = nn.Linear(4, 4)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(linear(x) * float(np.random.randn()))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    np.random.seed(0)
+    expected = run(lambda: block(x), [x, *linear.parameters()])
+    np.random.seed(0)
+    assert_same(
+        expected, run(lambda: remat.recompute(block, x, use_reentrant=use_reentrant), [x, *linear.parameters()])
+    )
+    np.random.seed(0)
+    theirs = run(lambda: checkpoint(block, x, use_reentrant=use_reentrant), [x, *linear.parameters()])
+    assert not all(torch.equal(a, b) for a, b in zip(expected.grads, theirs.grads, strict=True))
+
+
+@BOTH
 def test_none_argument(use_reentrant: bool) -> None:
     def block(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return a.tanh() if b is None else a + b

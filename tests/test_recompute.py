@@ -7,11 +7,13 @@ operations on the very same values, so anything short of identical is a defect.
 from __future__ import annotations
 
 import copy
+import random
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -348,6 +350,55 @@ def test_without_preserved_rng_state_dropout_masks_differ() -> None:
     torch.manual_seed(3)
     remat.recompute(model, x, preserve_rng_state=False).sum().backward()
     assert not torch.equal(model[0].weight.grad, expected)
+
+
+class HostRandom(nn.Module):
+    """Scales its product by numbers drawn from NumPy's and Python's global generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(np.random.randn()) + random.random()
+        return torch.tanh(self.linear(x) * scale)
+
+
+def _host_random_step(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The input's gradient, and the generators' next draws after the step."""
+    np.random.seed(0)
+    random.seed(1)
+    x = x.detach().requires_grad_(True)
+    step(x).sum().backward()
+    assert x.grad is not None
+    return x.grad, (np.random.rand(), random.random())
+
+
+def test_python_and_numpy_draws_are_replayed(use_reentrant: bool) -> None:
+    # NOTE [host random numbers]: the saved tanh output is made from the drawn scale
+    block = HostRandom()
+    x = torch.randn(4, 8)
+    expected, after = _host_random_step(block, x)
+    grad, ours_after = _host_random_step(lambda t: remat.recompute(block, t, use_reentrant=use_reentrant), x)
+    assert torch.equal(grad, expected)
+    assert ours_after == after  # the recompute left the generators where the plain step did
+    unpreserved, _ = _host_random_step(
+        lambda t: remat.recompute(block, t, use_reentrant=use_reentrant, preserve_rng_state=False), x
+    )
+    assert not torch.equal(unpreserved, expected)  # the counter-test: the replay is what makes it exact
+
+
+def test_python_and_numpy_draws_are_replayed_by_a_plan() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(HostRandom() for _ in range(4)))
+    x = torch.randn(4, 8)
+    expected, after = _host_random_step(model, x)
+    wrapped = remat.Checkpointable(copy.deepcopy(model), "min")
+    for _ in range(2):  # the measuring step, then the planned one
+        grad, ours_after = _host_random_step(wrapped, x)
+        assert torch.equal(grad, expected)
+        assert ours_after == after
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
 
 
 # ----------------------------------------------------------------------------- grad APIs

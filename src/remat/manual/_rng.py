@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ForwardState", "capture_forward_state", "replay_forward_state"]
+__all__ = ["ForwardState", "capture_forward_state", "preserved_host_rng", "replay_forward_state"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -30,6 +32,45 @@ class ForwardState:
     cpu_rng: torch.Tensor | None
     device_rng: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     autocast: dict[str, tuple[bool, torch.dtype, bool]] = field(default_factory=dict)
+    host_rng: tuple[Any, Any] | None = None  # NOTE [host random numbers]
+
+
+# NOTE [host random numbers]
+# A forward may draw from Python's or NumPy's global generator (a random scale, a mask
+# made with numpy.random, a layer chosen with random.random()): its recompute would draw
+# the next numbers instead, and the tensors it saves, made from them, would differ from
+# the first forward's: silently wrong gradients (torch.utils.checkpoint preserves torch's
+# generators only). Their states are captured with torch's and set again for the
+# recompute, then put back as they were, so the draws of the training loop go on as
+# without recompute. NumPy's state is captured only when NumPy is imported already; a
+# numpy.random.Generator the model owns is its own state, out of reach.
+def _host_rng() -> tuple[Any, Any]:
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _set_host_rng(state: tuple[Any, Any]) -> None:
+    python, numpy_state = state
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _host_rng_set_to(state: tuple[Any, Any] | None) -> Iterator[None]:
+    before = _host_rng()
+    if state is not None:
+        _set_host_rng(state)
+    try:
+        yield
+    finally:
+        _set_host_rng(before)
+
+
+def preserved_host_rng() -> contextlib.AbstractContextManager[None]:
+    """Python's and NumPy's generators are put back as they were when the body ends."""
+    return _host_rng_set_to(None)
 
 
 def _device_module(device: torch.device) -> Any:
@@ -43,9 +84,11 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
     by the function may draw from it even when no input lives there.
     """
     cpu_rng = None
+    host_rng = None
     device_rng: dict[torch.device, torch.Tensor] = {}
     if preserve_rng_state:
         cpu_rng = torch.get_rng_state()
+        host_rng = _host_rng()
         devices = _devices_of(values)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             current = torch.device("cuda", torch.cuda.current_device())
@@ -62,7 +105,7 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
         )
-    return ForwardState(cpu_rng, device_rng, autocast)
+    return ForwardState(cpu_rng, device_rng, autocast, host_rng)
 
 
 @contextlib.contextmanager
@@ -75,6 +118,8 @@ def replay_forward_state(state: ForwardState) -> Iterator[None]:
             torch.set_rng_state(state.cpu_rng)
             for device, rng in state.device_rng.items():
                 _device_module(device).set_rng_state(rng, device.index)
+        if state.host_rng is not None:
+            stack.enter_context(_host_rng_set_to(state.host_rng))
         for device_type, (enabled, dtype, cache) in state.autocast.items():
             if device_type == "cuda" and not torch.cuda.is_available():
                 continue

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.manual import _selective, _state
+from remat.manual._rng import preserved_host_rng
 from remat.manual._tensors import storage_key
 from remat.manual.policies import PolicyLike
 from remat.units import format_bytes
@@ -359,7 +360,7 @@ def _restored_state(function: Any, args: Any, kwargs: Any) -> Iterator[None]:
         | {p.device.index for m in modules for p in m.parameters() if p.device.type == "cuda"}
     )
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), preserved_host_rng():
             yield
     finally:
         with torch.no_grad():

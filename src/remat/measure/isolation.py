@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat.manual._rng import preserved_host_rng
 from remat.manual._state import is_state_attribute, rehearsing
 from remat.measure.parameters import alias_parameters
 from remat.sharded import gathered_units
@@ -57,7 +58,7 @@ def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
     try:
-        with torch.random.fork_rng(devices=cuda), rehearsing():
+        with torch.random.fork_rng(devices=cuda), preserved_host_rng(), rehearsing():
             for p, _ in grads:
                 p.grad = None
             yield
