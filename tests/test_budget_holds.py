@@ -765,3 +765,43 @@ def test_the_backward_of_a_group_ending_in_an_in_place_stage_is_sized(budget: An
     x = torch.randn(8, 32, 64)
     torch.manual_seed(0)
     fits_its_prediction(_InPlaceDropoutHead().train(), budget, (x,), lambda out: out.square().mean())
+
+
+@pytest.mark.parametrize("name", ["mpt", "t5"])
+def test_the_measuring_step_fits_the_least_budget(name: str) -> None:
+    """NOTE [a mix of timed groups]: MPT's timing pass timed the backward of some groups and
+    not of others, and that mix peaked above the pass with every backward timed and the one
+    with none. NOTE [the least budget's timing pass]: a T5 v1.1's least budget came out lower
+    once its stages were timed than the budget its timing pass had run within."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "mpt":
+        config = transformers.MptConfig(
+            d_model=64, n_heads=4, n_layers=3, expansion_ratio=2, max_seq_len=64, vocab_size=128
+        )
+        model = transformers.MptForCausalLM(config)
+        tokens = torch.randint(0, 128, (2, 64))
+    else:
+        config = transformers.T5Config(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=128,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
+            eos_token_id=1,
+        )  # fmt: skip
+        model = transformers.T5ForConditionalGeneration(config)
+        tokens = torch.randint(0, 128, (2, 32))
+    model.train()
+    kwargs = {"input_ids": tokens, "labels": tokens, "use_cache": False}
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    reference(**kwargs).loss.backward()
+    wrapped = remat.Checkpointable(model, "min", output_kept=False, nested=True)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as tracker:
+            torch.manual_seed(5)
+            wrapped(**kwargs).loss.backward()
+        assert wrapped.plan is not None and wrapped.plan.budget_bytes is not None
+        assert tracker.peak_bytes <= wrapped.plan.budget_bytes, step
+    assert max(wrapped.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)

@@ -342,10 +342,7 @@ class Checkpointable(ModelStandIn):
         self, key: Hashable, sized: ChainMeasurement, needs: tuple[int, ...], training: bool
     ) -> frozenset[int] | None:
         """The groups whose backward the timing pass can run within the budget (None: all).
-
-        For a training call, raises BudgetTooSmall, before anything runs, for a budget no
-        schedule fits in.
-        """
+        For a training call, raises BudgetTooSmall, before anything runs, for a budget no schedule fits in."""
         if self.mem_limit is None:
             return None  # the free device memory: no plan fits where the timing pass does not
         plannings = self._plannings(key, sized)
@@ -356,6 +353,8 @@ class Checkpointable(ModelStandIn):
             self._check_feasible(key, plannings, total)
         if not needs:
             return None  # the first call, on the sizes alone
+        if self.mem_limit == MINIMUM:  # NOTE [the least budget's timing pass] in remat.measure.step
+            total = min(total, sized.timing_pass_bytes)
         timed = frozenset(g for g, need in enumerate(needs) if need <= total)
         if len(timed) < len(sized.groups):
             logger.info("remat: %d of %d planned stages do not fit in the budget with their backward; their "

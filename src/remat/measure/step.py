@@ -328,6 +328,12 @@ def _sized_measurement(
         # (the first step must fit it too)
         untimed = _rehearsal(model, chain, sized, args, kwargs, device, devices, frozenset())
         floor = max(untimed.group_peak_bytes, default=0) + copies
+        # NOTE [the least budget's timing pass]
+        # The least budget ("min") depends on the stages' times (the least-memory plans it
+        # weighs are the fastest ones), and it is resolved again once they are timed: it
+        # may come out lower than before. The pass of a step planned at "min" keeps to
+        # this floor, which every least budget is at least (remat.plan.share), so that the
+        # measuring step fits the budget the plan ends up with.
     if before_timing is not None:
         # a budget no schedule fits is refused before anything real runs
         before_timing(dataclasses.replace(sized, timing_pass_bytes=floor), ())
@@ -363,7 +369,19 @@ def _sized_measurement(
             timing_pass_bytes=floor,
         )
     needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
+    sized = dataclasses.replace(sized, timing_pass_bytes=floor)
     backward_groups = before_timing(sized, needs) if before_timing is not None else None
+    if before_timing is not None and backward_groups is not None and 0 < len(backward_groups) < len(needs):
+        # NOTE [a mix of timed groups]
+        # A group whose backward is not timed runs its forward after groups whose backward
+        # was: what those leave alive (an output the model keeps, that their graph held) is
+        # neither in the pass with every backward timed nor in the one with none. The mix
+        # is rehearsed too; a mix whose peak does not fit times no backward (the floor fits).
+        mixed = _rehearsal(
+            model, chain, sized, args, kwargs, device, devices, backward_groups, run_loss=run_loss, policies=policies
+        )
+        peak = max(mixed.group_peak_bytes, default=0) + copies + loss_extra
+        backward_groups = before_timing(sized, tuple(max(need, peak) for need in needs))
     # NOTE [a cold device]: a GPU's first call of each kernel and shape (loading the kernel,
     # building cuDNN's plan) takes up to a hundred times its later calls; on a GPU the pass
     # runs twice, and the second one's times are kept.
