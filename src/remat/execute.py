@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -56,6 +57,7 @@ from remat.manual._output_hooks import hook_chain_output
 from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._state import hold_hooks
+from remat.manual._tensors import graph_retained
 from remat.manual.offload import StageOffloads
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
@@ -184,8 +186,10 @@ class _Run:
         self.next_stage = 0
         self.recording: RegionRecording | None = None
         self.states: dict[int, ForwardState] = {}
-        #: the glue recorded after each recomputed stage (NOTE [glue between stages])
+        #: the glue recorded after each recomputed stage (NOTE [glue between stages]), until
+        #: its last replay (NOTE [glue released after its last replay])
         self.glues: dict[int, Glue] = {}
+        self.replays_left = dict(executor.replays)
         # a recomputed stage whose glue is running: its discarding context, the recorder
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
@@ -331,9 +335,9 @@ class _Run:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
             else:
                 out = call_stage(module, args, kwargs)
-            glue = self.glues.get(stage)
-            if glue is None:  # the chain's last stage: nothing follows it
+            if stage == len(self.executor.chain) - 1:  # the chain's last stage: nothing follows it
                 return (out,), {}
+            glue = self._glue_for_replay(stage)
             values = _tensors((args, kwargs)) + _tensors(out)
             del args, kwargs, out
             if self.earlier is None:
@@ -341,6 +345,27 @@ class _Run:
             replayed = glue.replay(values, self.earlier.input, self.earlier.keeper(stage))
             self.earlier.glue_replayed(stage)
             return replayed
+
+    # NOTE [glue released after its last replay]
+    # What a stage's glue keeps for its replays (the tensors it takes as they are: a block's
+    # input that its query and value projections, run as glue, take beside its key's stage)
+    # is needed until the schedule's last replay of that stage, which comes before the
+    # stage's backward. The plan counts it until then (remat.plan.lifetimes); kept to the
+    # end of the step, it outlived its count through the backward of every stage before
+    # (a CvT's nested plans went 5% over). A retained graph may be replayed again: then
+    # everything is kept.
+    def _glue_for_replay(self, stage: int) -> Glue:
+        glue = self.glues.get(stage)
+        if glue is None:
+            raise RematError(
+                f"stage {stage} ({self.executor.chain.names[stage]!r}) was replayed more often than its schedule "
+                "plans: its glue was released after its last planned replay"
+            )
+        left = self.replays_left.get(stage, 0) - 1
+        self.replays_left[stage] = left
+        if left <= 0 and not graph_retained():
+            del self.glues[stage]
+        return glue
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -420,6 +445,9 @@ class ChainExecutor:
         self.operations = tuple(ops) if len(ops) == len(schedule) else tuple(operations(tuple(schedule)))  # type: ignore[arg-type]
         self.preserve_rng_state = preserve_rng_state
         self.observer = observer
+        # how often the backward replays each stage call (NOTE [glue released after its last replay])
+        loss = next((i for i, op in enumerate(self.operations) if op.kind is OperationKind.LOSS), len(self.operations))
+        self.replays = Counter(op.stage for op in self.operations[loss:] if op.kind.is_forward and op.stage is not None)
         with _room_for(len(chain)):  # the levels nest at most as deep as the chain is long
             level = _read_schedule(self.operations, len(chain))
         missing = sorted({op.option for op in self.operations if op.option is not None} - set(self.policies))
