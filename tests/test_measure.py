@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -244,6 +246,40 @@ class _ResidualLayer(nn.Module):
         return torch.relu(self.layer(x) + self.shortcut(x))
 
 
+def _trains_within_the_least_budget(
+    model: nn.Module,
+    x: torch.Tensor,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    nested: bool = False,
+    refused: type[Warning] = RuntimeWarning,
+) -> None:
+    """Two steps at "min", each within the budget, warnings of `refused` raised (the sized
+    measuring step, not a plain one), a plan that recomputes, gradients as plain autograd's."""
+    import warnings
+
+    import remat
+
+    reference = copy.deepcopy(model)
+    loss_fn(reference(x)).backward()
+    wrapper = remat.Checkpointable(model, "min", nested=nested, loss_fn=loss_fn)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", refused)
+            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
+                loss_fn(wrapper(x)).backward()
+        assert wrapper.plan is not None
+        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
+    assert max(wrapper.plan.forward_counts) > 1
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+def _squares(out: torch.Tensor) -> torch.Tensor:
+    return out.square().sum()
+
+
 class _RoutedBlock(nn.Module):
     """A mixture-of-experts-shaped block: the model keeps its router's logits (not its
     output) for an auxiliary loss, as transformers' output recorders do."""
@@ -284,53 +320,17 @@ def _routed_loss(output: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tenso
 def test_the_loss_backward_of_the_timing_pass_stops_at_the_graphs_of_the_groups(nested: bool) -> None:
     """NOTE [a group's own graph]: the loss takes tensors each group made besides its output
     (router logits), whose graphs the groups' own backwards have run already."""
-    import warnings
-
-    import remat
-
     torch.manual_seed(0)
-    model = _Routed()
-    reference = copy.deepcopy(model)
-    x = torch.randn(16, 32)
-    _routed_loss(reference(x)).backward()
-    wrapper = remat.Checkpointable(model, "min", nested=nested, loss_fn=_routed_loss)
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # sized, not measured with a plain step
-            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
-                _routed_loss(wrapper(x)).backward()
-        assert wrapper.plan is not None
-        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
-    assert max(wrapper.plan.forward_counts) > 1
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours.grad, theirs.grad)
+    _trains_within_the_least_budget(_Routed(), torch.randn(16, 32), _routed_loss, nested=nested)
 
 
 def test_a_group_backward_stops_at_the_graph_of_the_group_before() -> None:
     """NOTE [a group's own graph]: a layer's input is made in the group before (the model's
     code after that group's last stage), and its shortcut takes it in a later group."""
-    import warnings
-
-    import remat
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), *(_ResidualLayer() for _ in range(3)), nn.Linear(32, 4))
-    reference = copy.deepcopy(model)
-    x = torch.randn(16, 32)
-    reference(x).square().sum().backward()
-    wrapper = remat.Checkpointable(model, "min", nested=True, loss_fn=lambda out: out.square().sum())
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the sized measuring step does not give up on it
-            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
-                wrapper(x).square().sum().backward()
-        assert wrapper.plan is not None
-        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
-    assert max(wrapper.plan.forward_counts) > 1
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours.grad, theirs.grad)
+    # (every warning an error: the sized measuring step does not give up on it)
+    _trains_within_the_least_budget(model, torch.randn(16, 32), _squares, nested=True, refused=Warning)
 
 
 class _Experts(nn.Module):
@@ -351,24 +351,6 @@ class _Experts(nn.Module):
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is newer than this torch")
 def test_a_float32_grouped_product_is_sized_on_fake_tensors() -> None:
     """NOTE [grouped products on fake tensors]: torch's fake kernel takes bfloat16 only."""
-    import warnings
-
-    import remat
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), *(_Experts() for _ in range(4)), nn.Linear(32, 4))
-    reference = copy.deepcopy(model)
-    x = torch.randn(64, 32)
-    reference(x).square().sum().backward()
-    wrapper = remat.Checkpointable(model, "min", loss_fn=lambda out: out.square().sum())
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # sized, not measured with a plain step
-            with MemoryTracker(exclude_grads_of=model.parameters()) as tracker:
-                wrapper(x).square().sum().backward()
-        assert wrapper.plan is not None
-        assert tracker.peak_bytes <= wrapper.plan.budget_bytes, step
-    assert max(wrapper.plan.forward_counts) > 1
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours.grad, theirs.grad)
+    _trains_within_the_least_budget(model, torch.randn(64, 32), _squares)
