@@ -813,3 +813,107 @@ def test_every_step_fits_the_least_nested_budget(name: str) -> None:
     assert max(wrapped.plan.forward_counts) > 1
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours.grad, theirs.grad)
+
+
+class _TanhResidual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _Shuffle(nn.Module):
+    """A masked autoencoder's patch shuffle: its order is returned with the hidden states."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(torch.rand(x.shape[:2]), dim=1)
+        return torch.tanh(self.fc(x)), order
+
+
+class _ShuffledAutoencoder(nn.Module):
+    """ViT-MAE's layout: the order drawn by the first stage is the model's output too, and
+    the code before the decoder takes it as it is (to undo the shuffle)."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.shuffle = _Shuffle(width)
+        self.encoder = nn.ModuleList(_TanhResidual(width) for _ in range(depth))
+        self.decoder = nn.ModuleList(_TanhResidual(width) for _ in range(depth))
+        self.head = nn.Linear(width, 8 * width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, order = self.shuffle(x)
+        for block in self.encoder:
+            hidden = block(hidden)
+        hidden = torch.gather(hidden, 1, order.unsqueeze(-1).repeat(1, 1, hidden.shape[-1]))
+        for block in self.decoder:
+            hidden = block(hidden)
+        return self.head(hidden), order
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_what_the_model_returns_and_a_glue_keeps_is_held_through_the_loss(nested: bool) -> None:
+    """NOTE [returned and kept for a replay]: the order is part of the output, which the loop
+    drops at the loss, so a plain step frees it there; the glue before the decoder keeps it
+    for its replay, through the loss's backward, where the least budget peaks (it went
+    over by the order's 512 bytes)."""
+    torch.manual_seed(0)
+    model = _ShuffledAutoencoder().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16, 32)
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return out[0].square().mean()
+
+    torch.manual_seed(5)
+    loss_fn(reference(x)).backward()
+    wrapped = remat.Checkpointable(model, "min", loss_fn=loss_fn, output_kept=False, nested=nested)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as tracker:
+            torch.manual_seed(5)
+            loss_fn(wrapped(x)).backward()
+        assert wrapped.plan is not None and wrapped.plan.budget_bytes is not None
+        assert tracker.peak_bytes <= wrapped.plan.budget_bytes
+    assert tracker.peak_bytes == wrapped.plan.predicted_peak_bytes
+    assert wrapped.plan.forward_counts[0] == 2  # the shuffle is recomputed: its glue keeps the order
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("fraction", [0.34, 0.36])
+def test_gradients_waiting_for_a_region_own_backward_are_counted(fraction: float) -> None:
+    """NOTE [gradients a region's own backward takes]: LeViT's subsampling attention takes
+    the keys and values from the stage that ends with the queries' subsample; their
+    gradients wait, through that stage's replay, for its backward. Uncounted, the steps
+    went over the prediction by 4.5% at 0.34 and over the budget at 0.36."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LevitConfig(
+        image_size=64, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], num_labels=10,
+    )  # fmt: skip
+    model = transformers.LevitForImageClassification(config).train()
+    kwargs = {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.randint(0, 10, (2,))}
+    reference = copy.deepcopy(model)
+    reference(**kwargs).loss.backward()
+    wrapped = remat.Checkpointable(model, fraction, output_kept=False, nested=True)
+    peaks = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as tracker:
+            wrapped(**kwargs).loss.backward()
+        peaks.append(tracker.peak_bytes)
+    plan = wrapped.plan
+    assert plan is not None and plan.budget_bytes is not None
+    assert max(peaks) <= plan.budget_bytes
+    assert peaks[1] <= plan.predicted_peak_bytes
+    assert any(plan.budget.waiting_gradient_bytes)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)

@@ -431,6 +431,14 @@ def _take_backward_windows(step: TrackedStep) -> None:
             stage.backward_work = work_between(step.tracker, watch.grad_ready_work[index], stop)
 
 
+# NOTE [returned and kept for a replay]
+# What a stage makes and the model returns is counted as escaped, held through the step
+# (remat.measure.outside.escaped_bytes). A loop that drops the output at the loss frees it
+# in the suffix of a plain step, which the suffix's peak then counts as gone. When the glue
+# after a later stage takes it as it is (ViT-MAE's order of the patches, which the code
+# before the decoder takes to undo its shuffle), the executor keeps it for that stage's
+# replays, through the loss's backward: it is counted there, as it is at the forward's end.
+# (A plan that stores that stage frees it at the loss: predicted that much high.)
 def _suffix(step: TrackedStep) -> _Suffix:
     """Bytes the suffix keeps through the chain's backward, gradient bytes of the chain
     output, its peak, how much of that gradient is the suffix's transient, and how much
@@ -473,7 +481,12 @@ def _suffix(step: TrackedStep) -> _Suffix:
     # step, but the executor keeps it while a stage whose glue takes it may be replayed:
     # through the loss, for a region that starts the chain. It is counted like the rest.
     replayed_constants = {key for stage in watch.stages for key in stage.glue_constants}
-    made = tracker.allocation_freed_events((set(tracker.allocations_since(chain_start)) | replayed_constants) - counted)
+    # So does what the model returns and a glue takes as it is (NOTE [returned and kept
+    # for a replay]): counted as escaped, through the step, it must not die in the suffix.
+    returned_and_kept = replayed_constants & (step.output_allocations - saved - step.cast_allocations)
+    made = tracker.allocation_freed_events(
+        (set(tracker.allocations_since(chain_start)) | replayed_constants) - (counted - returned_and_kept)
+    )
     records = tracker.allocation_records(made)
     uncounted = sum(
         records[key].nbytes

@@ -68,7 +68,9 @@ def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
 # replay of the span that ends with the stage. Inside a span of several stages (stages
 # whose glue takes what an earlier one made share one), the span's replay hides the first
 # use and nothing is counted: frugal mode's sizes are bounds on the safe side elsewhere,
-# and tests/test_waiting_gradients.py checks its plans against their peaks too.
+# and tests/test_waiting_gradients.py checks its plans against their peaks too. What waits
+# for the region's own backward is counted too (NOTE [gradients a region's own backward
+# takes]); each boundary gets the larger of the two.
 def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple[int, ...]:
     """Per planned boundary (``n + 1``), what waits for the replay of a region ending there."""
     watch, tracker = step.watch, step.tracker
@@ -84,6 +86,7 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
     replay_starts = {stop: start for start, stop in watch.recompute_windows}
     out = [0] * (len(groups) + 1)
     earliest: int | None = None
+    left_over: set[int] | None = None
     group_starts = {first: group for group, (first, _) in enumerate(groups)}
     for index in range(len(stages) - 1):
         used = first_use[index]
@@ -111,7 +114,54 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
             room = stages[groups[group - 1][0]].gradient_bytes_in
             waiting = window.before_bytes - window.after_bytes
             out[group] = max(0, waiting, window.peak_bytes - window.after_bytes - room)
+        if group is not None and replayed_until is None:
+            if left_over is None:
+                left_over = _left_over(step)
+            waiting = _waiting_for_own_backward(step, groups[group - 1], first_use, left_over)
+            out[group] = max(out[group], waiting)
     return tuple(out)
+
+
+def _left_over(step: TrackedStep) -> set[int]:
+    """What a stage's backward made that outlives it, and the gradients of the stages'
+    inputs other than their own backward's: held outside the chain (held_outside_chain)."""
+    watch, tracker = step.watch, step.tracker
+    windows = [stage.backward_window for stage in watch.stages if stage.backward_window is not None]
+    return set(watch.gradient_allocations).union(*(tracker.surviving_allocations(*window) for window in windows))
+
+
+# NOTE [gradients a region's own backward takes]
+# A stage may hand what it makes to later code besides its output (LeViT's subsampling
+# attention: the stage that ends with the queries' subsample also computes the keys and
+# values, which the attention after the query projection takes). The gradients of those
+# come in the later backward and wait for the stage's own backward, as do the gradients
+# its own backward makes before it needs anything the stage saved (the subsample's
+# slicing saves nothing). Recomputed, that stage's backward starts with the replay of its
+# region, and they are alive through it, where the simulator counts the gradient of the
+# region's output only. The plain step shows them: what the backward made that is alive
+# when the first of the region's saved tensors is used, and freed by the region's
+# backward, beyond that gradient.
+def _waiting_for_own_backward(
+    step: TrackedStep, group: tuple[int, int], first_use: list[int | None], left_over: set[int]
+) -> int:
+    """What waits for the replay of a region ending with `group`, besides its output's
+    gradient (see the NOTE)."""
+    watch, tracker = step.watch, step.tracker
+    first, stop = group
+    uses = [used for used in first_use[first:stop] if used is not None]
+    ended = watch.stages[first].backward_window
+    if not uses or ended is None or step.loss_event is None:
+        return 0
+    used = min(uses)
+    made = tracker.surviving_allocations(step.loss_event, used)  # (parameter gradients left out)
+    freed = tracker.allocation_freed_events(made)
+    # (the gradient of the region's output is counted below, as the simulator plans it)
+    left_over = left_over - watch.input_gradient_allocations.get(stop, set())
+    alive = {
+        key: made[key] for key, (_, at) in freed.items() if at is not None and at <= ended[1] and key not in left_over
+    }
+    # the gradient of the region's output (all its parts: a bias handed on) is the simulator's
+    return max(0, sum_except(alive, recomputed(step, alive)) - watch.stages[stop].gradient_bytes_in)
 
 
 def held_outside_chain(
