@@ -24,10 +24,25 @@ __all__ = [
     "BasicBlock",
     "Bottleneck",
     "ResNet",
+    "TanhResidual",
     "ViT",
     "resnet",
     "vgg",
 ]
+
+
+# ----------------------------------------------------------------------------- a small block
+
+
+class TanhResidual(nn.Module):
+    """``x + tanh(linear(x))``: a residual block of one layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.linear(x))
 
 
 # ----------------------------------------------------------------------------- ResNet

@@ -202,20 +202,11 @@ def test_the_longest_chain_counts_the_stages_of_nested_sequentials() -> None:
     assert chain.names == expected + ["layer2.0", "layer3.0", "layer4.0", "avgpool", "fc"]
 
 
-class _Layer(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.linear(x))
-
-
 class _Encoder(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         self.embed = nn.Linear(width, width)
-        self.layers = nn.ModuleList(_Layer(width) for _ in range(depth))
+        self.layers = nn.ModuleList(reference.TanhResidual(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         x = self.embed(x)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import reference_models
 import remat
 from remat.models import CATALOGUE
 from remat.plan import Plan
@@ -815,15 +816,6 @@ def test_every_step_fits_the_least_nested_budget(name: str) -> None:
         assert torch.equal(ours.grad, theirs.grad)
 
 
-class _TanhResidual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
 class _Shuffle(nn.Module):
     """A masked autoencoder's patch shuffle: its order is returned with the hidden states."""
 
@@ -843,8 +835,8 @@ class _ShuffledAutoencoder(nn.Module):
     def __init__(self, width: int = 32, depth: int = 4) -> None:
         super().__init__()
         self.shuffle = _Shuffle(width)
-        self.encoder = nn.ModuleList(_TanhResidual(width) for _ in range(depth))
-        self.decoder = nn.ModuleList(_TanhResidual(width) for _ in range(depth))
+        self.encoder = nn.ModuleList(reference_models.TanhResidual(width) for _ in range(depth))
+        self.decoder = nn.ModuleList(reference_models.TanhResidual(width) for _ in range(depth))
         self.head = nn.Linear(width, 8 * width)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

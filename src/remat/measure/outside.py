@@ -155,12 +155,12 @@ def _waiting_for_own_backward(
     used = min(uses)
     made = tracker.surviving_allocations(step.loss_event, used)  # (parameter gradients left out)
     freed = tracker.allocation_freed_events(made)
-    # (the gradient of the region's output is counted below, as the simulator plans it)
+    # the gradient of the region's output (all its parts: a bias handed on) is the
+    # simulator's: taken off below, as it plans it
     left_over = left_over - watch.input_gradient_allocations.get(stop, set())
     alive = {
         key: made[key] for key, (_, at) in freed.items() if at is not None and at <= ended[1] and key not in left_over
     }
-    # the gradient of the region's output (all its parts: a bias handed on) is the simulator's
     return max(0, sum_except(alive, recomputed(step, alive)) - watch.stages[stop].gradient_bytes_in)
 
 

@@ -97,23 +97,14 @@ class Planning(NamedTuple):
         minimum = self.solver.minimum_bytes(self.profile)
         least = min(total for _, _, total in self.near_minimum())
         # the solver's least peak does not count the gradients waiting for a replay (NOTE
-        # [gradients waiting for a replay]): storing everything may need less
+        # [gradients waiting for a replay]): storing everything, or the schedule that counts
+        # them (NOTE [least memory with waiting gradients]), may need less
         if not any(self.outside.waiting_gradient_bytes):
             return least
         roomiest = self._roomiest_share(minimum)
         if roomiest is not None:
             least = min(least, self.total_holding(self.solver(self.profile, roomiest).simulation))
         return min(least, self.total_holding(self.waiting_aware().simulation))
-
-    def waiting_aware(self) -> Schedule:
-        """The least-memory schedule of a profile whose gradients at each boundary count
-        what waits there for a replay (NOTE [least memory with waiting gradients]),
-        simulated on the profile itself."""
-        waiting = self.outside.waiting_gradient_bytes
-        gradients = tuple(g + w for g, w in zip(self.profile.gradient_bytes, waiting, strict=True))
-        aware = dataclasses.replace(self.profile, gradient_bytes=gradients)
-        planned = self.solver(aware, self.solver.minimum_bytes(aware))
-        return Schedule.from_plan(self.profile, planned.items, solver_name=planned.solver_name)
 
     # NOTE [least memory with waiting gradients]
     # The solver does not count the gradients that wait for a replay (NOTE [gradients
@@ -125,6 +116,16 @@ class Planning(NamedTuple):
     # with each boundary's gradient counting what waits there (alive through the
     # backwards too, so an upper bound), and its least-memory schedule, predicted on the
     # real profile, is one more candidate for the least budget.
+    def waiting_aware(self) -> Schedule:
+        """The least-memory schedule of a profile whose gradients at each boundary count
+        what waits there for a replay (NOTE [least memory with waiting gradients]),
+        simulated on the profile itself."""
+        waiting = self.outside.waiting_gradient_bytes
+        gradients = tuple(g + w for g, w in zip(self.profile.gradient_bytes, waiting, strict=True))
+        aware = dataclasses.replace(self.profile, gradient_bytes=gradients)
+        planned = self.solver(aware, self.solver.minimum_bytes(aware))
+        return Schedule.from_plan(self.profile, planned.items, solver_name=planned.solver_name)
+
     def near_minimum(self) -> list[tuple[int, Schedule, int]]:
         """``(share, schedule, whole-step budget it needs)`` of the chain's shares that
         :meth:`minimum_total_bytes` compares: the solver's least, then larger ones until a
