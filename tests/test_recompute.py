@@ -401,6 +401,116 @@ def test_python_and_numpy_draws_are_replayed_by_a_plan() -> None:
     assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
 
 
+class _NumpyGaussian(nn.Module):
+    """Scales by one draw of NumPy's legacy standard normal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) * float(np.random.standard_normal()))
+
+
+def _step_with_draws_between(
+    step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, prime: Callable[[], None], draws: bool = True
+) -> tuple[torch.Tensor, Any]:
+    """Like _host_random_step, with `prime` before the forward and (`draws`) draws between forward and backward."""
+    np.random.seed(3)
+    random.seed(4)
+    prime()
+    x = x.detach().requires_grad_(True)
+    loss = step(x).sum()
+    between = (np.random.rand(), random.random(), np.random.standard_normal()) if draws else ()
+    loss.backward()
+    assert x.grad is not None
+    return x.grad, (between, np.random.rand(), np.random.standard_normal(), random.random())
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["nothing_between", "draws_between"])
+@pytest.mark.parametrize("prime", ["none", "cached_gaussian"])
+def test_host_draws_are_replayed_whatever_the_loop_draws_before_backward(
+    use_reentrant: bool, prime: str, draws: bool
+) -> None:
+    # NOTE [replaying host generators cheaply]. "cached_gaussian": NumPy's legacy normal
+    # draws two at a time and caches the second, so the block's draw takes the cached one
+    # without moving the generator's words; the replay must bring the cache back.
+    def primer() -> None:
+        if prime == "cached_gaussian":
+            np.random.standard_normal(3)
+
+    block = _NumpyGaussian()
+    x = torch.randn(4, 8)
+    expected, after = _step_with_draws_between(block, x, primer, draws)
+    grad, ours_after = _step_with_draws_between(
+        lambda t: remat.recompute(block, t, use_reentrant=use_reentrant), x, primer, draws
+    )
+    assert torch.equal(grad, expected)
+    assert ours_after == after
+    unpreserved, _ = _step_with_draws_between(
+        lambda t: remat.recompute(block, t, use_reentrant=use_reentrant, preserve_rng_state=False), x, primer, draws
+    )
+    assert not torch.equal(unpreserved, expected)
+
+
+def test_a_replay_sets_the_host_generators_only_when_they_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [replaying host generators cheaply]: setting NumPy's state costs more than a
+    # small block; a replay of a block that drew nothing, with nothing drawn since, sets none.
+    sets: list[int] = []
+    set_state = np.random.set_state
+
+    def counted(state: Any, *args: Any, **kwargs: Any) -> Any:
+        sets.append(1)
+        return set_state(state, *args, **kwargs)
+
+    monkeypatch.setattr(np.random, "set_state", counted)
+    np.random.seed(0)  # no Gaussian cached: the block's draw moves the words
+    quiet = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    remat.recompute(quiet, x).sum().backward()
+    assert sets == []
+    remat.recompute(_NumpyGaussian(), x).sum().backward()
+    assert len(sets) == 2  # the captured state for the replay, then the loop's back
+
+
+def test_host_draws_are_replayed_when_the_generators_state_cannot_be_read_directly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The bytes read from NumPy's generator are checked against get_state() at every
+    # capture: a layout other than the one expected falls back to comparing full states.
+    from remat.manual import _rng
+
+    monkeypatch.setattr(_rng, "_numpy_words", lambda numpy: b"\0" * _rng._MT19937_STATE_BYTES)
+    assert _rng._host_rng().words is None
+    block = HostRandom()
+    x = torch.randn(4, 8)
+    expected, after = _step_with_draws_between(block, x, lambda: None)
+    grad, ours_after = _step_with_draws_between(lambda t: remat.recompute(block, t), x, lambda: None)
+    assert torch.equal(grad, expected)
+    assert ours_after == after
+
+
+def test_host_draws_are_replayed_from_a_global_generator_other_than_mt19937() -> None:
+    from remat.manual import _rng
+
+    previous = np.random.get_bit_generator()
+
+    def pcg64() -> None:  # np.random.seed() reseeds MT19937 only
+        np.random.set_bit_generator(np.random.PCG64(7))
+
+    try:
+        pcg64()
+        assert _rng._host_rng().words is None
+        block = _NumpyGaussian()
+        x = torch.randn(4, 8)
+        expected, after = _step_with_draws_between(block, x, pcg64)
+        grad, ours_after = _step_with_draws_between(lambda t: remat.recompute(block, t), x, pcg64)
+        assert torch.equal(grad, expected)
+        assert ours_after == after
+    finally:
+        np.random.set_bit_generator(previous)
+
+
 # ----------------------------------------------------------------------------- grad APIs
 def test_autograd_grad_and_backward_inputs_in_hook_mode() -> None:
     model = mlp_with_dropout()
