@@ -473,25 +473,48 @@ def test_a_replay_sets_the_host_generators_only_when_they_moved(monkeypatch: pyt
     assert len(sets) == 2  # the captured state for the replay, then the loop's back
 
 
-def test_host_draws_are_replayed_when_the_generators_state_cannot_be_read_directly(
+def test_host_generator_states_read_directly_are_their_public_states() -> None:
+    # NOTE [reading host generators directly]: on CPython with NumPy's default generator,
+    # the states are read as bytes, equal to what the public APIs give, and set back exactly.
+    from remat.manual import _host_generators as host
+
+    np.random.seed(11)
+    random.seed(12)
+    np.random.standard_normal()  # a Gaussian cached
+    state = host.capture()
+    assert isinstance(state.python, host._Raw) and isinstance(state.numpy, host._Raw)
+    assert state.python == host._raw_of_python(random.getstate())
+    assert state.numpy == host._raw_of_numpy(np, np.random.get_state(legacy=False))
+    expected = (np.random.standard_normal(), np.random.rand(), random.random(), random.gauss(0, 1))
+    assert not host.stands_at(state)
+    host.restore(state)
+    assert host.stands_at(state)
+    assert (np.random.standard_normal(), np.random.rand(), random.random(), random.gauss(0, 1)) == expected
+
+
+def test_host_draws_are_replayed_when_the_generators_are_read_through_their_apis(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The bytes read from NumPy's generator are checked against get_state() at every
-    # capture: a layout other than the one expected falls back to comparing full states.
-    from remat.manual import _rng
+    # Where the states cannot be read directly (another layout, another interpreter), the
+    # public APIs capture and compare them.
+    from remat.manual import _host_generators as host
 
-    monkeypatch.setattr(_rng, "_numpy_words", lambda numpy: b"\0" * _rng._MT19937_STATE_BYTES)
-    assert _rng._host_rng().words is None
+    monkeypatch.setattr(host, "_python_offset", None)
+    monkeypatch.setattr(host, "_numpy_offsets", None)
+    state = host.capture()
+    assert isinstance(state.python, tuple) and isinstance(state.numpy, dict)
     block = HostRandom()
     x = torch.randn(4, 8)
-    expected, after = _step_with_draws_between(block, x, lambda: None)
-    grad, ours_after = _step_with_draws_between(lambda t: remat.recompute(block, t), x, lambda: None)
-    assert torch.equal(grad, expected)
-    assert ours_after == after
+    for prime in (lambda: None, lambda: np.random.standard_normal(3)):
+        for draws in (False, True):
+            expected, after = _step_with_draws_between(block, x, prime, draws)
+            grad, ours_after = _step_with_draws_between(lambda t: remat.recompute(block, t), x, prime, draws)
+            assert torch.equal(grad, expected)
+            assert ours_after == after
 
 
 def test_host_draws_are_replayed_from_a_global_generator_other_than_mt19937() -> None:
-    from remat.manual import _rng
+    from remat.manual import _host_generators as host
 
     previous = np.random.get_bit_generator()
 
@@ -500,7 +523,7 @@ def test_host_draws_are_replayed_from_a_global_generator_other_than_mt19937() ->
 
     try:
         pcg64()
-        assert _rng._host_rng().words is None
+        assert isinstance(host.capture().numpy, dict)  # through NumPy's API
         block = _NumpyGaussian()
         x = torch.randn(4, 8)
         expected, after = _step_with_draws_between(block, x, pcg64)
