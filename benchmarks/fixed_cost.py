@@ -1,6 +1,7 @@
 """What remat costs when it recomputes nothing, and when it runs the schedule torch's checkpoint runs.
 
-Two questions, on the workloads of ``benchmarks/planner.py`` (``gpt2``, ``resnet``, ``mlp``):
+Two questions, on the workloads of ``benchmarks/planner.py`` (``gpt2``, ``resnet``, ``mlp``) and
+on ``small``, a chain of 100 small blocks whose step is mostly the cost of each call:
 
 1. **A budget of 100%.** ``remat.Checkpointable(model, 1.0)`` plans no recompute, so it
    runs the model's own forward (NOTE [nothing to recompute] in ``remat/execute.py``);
@@ -36,6 +37,32 @@ import remat
 
 sys.path.insert(0, str(Path(__file__).parent))
 from planner import WORKLOADS, Workload  # noqa: E402
+
+
+class _SmallBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(x))
+
+
+def small_workload() -> Workload:
+    """100 blocks of Linear(64, 64) + GELU on a batch of 8: what each recomputed call costs."""
+    torch.manual_seed(0)
+    return Workload(
+        "small",
+        "100 blocks of Linear(64, 64) + GELU, batch 8, loss = sum: the cost of each call",
+        nn.Sequential(*(_SmallBlock(64) for _ in range(100))).train(),
+        (torch.randn(8, 64, requires_grad=True),),
+        {},
+        lambda output: output.sum(),
+        lambda model: list(model),
+    )
+
+
+ALL_WORKLOADS = {**WORKLOADS, "small": small_workload}
 
 
 class _TorchCheckpointed(nn.Module):
@@ -75,7 +102,7 @@ def strategies(workload: Workload) -> dict[str, nn.Module]:
 
 
 def run_workload(name: str, steps: int) -> dict[str, Any]:
-    workload = WORKLOADS[name]()
+    workload = ALL_WORKLOADS[name]()
     modules = strategies(workload)
     names = list(modules)
     samples: dict[str, list[float]] = {label: [] for label in names}
@@ -104,6 +131,10 @@ def run_workload(name: str, steps: int) -> dict[str, Any]:
             "remat.mark / plain": medians["remat.mark per block"] / medians["plain"],
             "torch checkpoint / plain": medians["torch checkpoint per block"] / medians["plain"],
         },
+        "extra_per_block_us": {
+            label: (medians[label] - medians["plain"]) / len(workload.blocks(workload.model)) * 1e6
+            for label in ("remat.mark per block", "torch checkpoint per block")
+        },
     }
     print(json.dumps(result["ratios"]), flush=True)
     return result
@@ -116,22 +147,23 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
         f"torch {torch.__version__}, {platform.machine()}, 1 thread, median of {steps} interleaved rounds.",
         "",
         "| workload | blocks | plain | remat 1.0 | remat.mark per block | torch checkpoint per block "
-        "| remat 1.0 / plain | mark / torch checkpoint |",
-        "|---|---|---|---|---|---|---|---|",
+        "| remat 1.0 / plain | mark / torch checkpoint | extra per block: mark / torch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        m, q = r["median_step_s"], r["ratios"]
+        m, q, e = r["median_step_s"], r["ratios"], r["extra_per_block_us"]
         lines.append(
             f"| {r['workload']} | {r['blocks']} | {m['plain'] * 1e3:.1f} ms | {m['remat 1.0'] * 1e3:.1f} ms "
             f"| {m['remat.mark per block'] * 1e3:.1f} ms | {m['torch checkpoint per block'] * 1e3:.1f} ms "
-            f"| x{q['remat 1.0 / plain']:.3f} | x{q['remat.mark / torch checkpoint']:.3f} |"
+            f"| x{q['remat 1.0 / plain']:.3f} | x{q['remat.mark / torch checkpoint']:.3f} "
+            f"| {e['remat.mark per block']:.0f} / {e['torch checkpoint per block']:.0f} us |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt2", "resnet"], choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=list(ALL_WORKLOADS), choices=list(ALL_WORKLOADS))
     parser.add_argument("--steps", type=int, default=21)
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
