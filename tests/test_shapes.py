@@ -18,7 +18,7 @@ from remat.measure import measure_chain
 from remat.measure.assemble import ChainMeasurement, with_times
 from remat.measure.scale import SCALING_RANGE, ShapeTimings, scaled_times, work_ratio
 from remat.models import CATALOGUE
-from remat.plan.key import shape_family, signature
+from remat.plan.key import _modules_and_parameters, shape_family, signature
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -70,6 +70,37 @@ def test_shape_families_leave_out_sizes_only() -> None:
     assert shape_family(signature(model, (torch.randn(2, 4),), {})) != shape_family(a)  # fewer dimensions
     model[0].requires_grad_(False)
     assert shape_family(signature(model, (torch.randn(2, 8, 4),), {})) != shape_family(a)
+
+
+class _Shared(nn.Module):
+    """Modules and parameters reached twice, a None child and a None parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(3, 3)
+        self.a = shared
+        self.b = nn.Sequential(shared, nn.ReLU(), nn.Linear(3, 3))
+        self.c = nn.Linear(3, 3)
+        self.c.weight = self.b[2].weight
+        self.d: nn.Module | None = None
+        self.register_parameter("p", None)
+        self.q = nn.Parameter(torch.ones(1))
+
+
+def test_the_key_sees_the_modules_and_parameters_torch_lists() -> None:
+    model = _Shared()
+    modules, parameters = _modules_and_parameters(model)
+    assert [id(m) for m in modules] == [id(m) for m in model.modules()]
+    assert [id(p) for p in parameters] == [id(p) for p in model.parameters()]
+    key = signature(model, (torch.randn(2, 3),), {})
+    model.b[2].weight.requires_grad_(False)  # shared with c
+    frozen = signature(model, (torch.randn(2, 3),), {})
+    assert frozen != key
+    del model.b[1]  # a module without parameters
+    smaller = signature(model, (torch.randn(2, 3),), {})
+    assert smaller != frozen
+    model.b[0].train(False)  # the shared one
+    assert signature(model, (torch.randn(2, 3),), {}) != smaller
 
 
 def test_a_scaled_shape_whose_forward_is_off_is_timed_at_its_next_step() -> None:

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,16 +91,32 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
     whether that turned off a cache the model's config turns on (Hugging Face's gradient
     checkpointing does the same). It is passed even when the config says False: some
     models build a cache for a sub-stack whose own config says True (T5's decoder)."""
-    if "use_cache" in kwargs:
-        return kwargs, False
-    try:
-        accepted = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return kwargs, False
-    if not accepted:
+    if "use_cache" in kwargs or not _takes_use_cache(model.forward):
         return kwargs, False
     config = getattr(model, "config", None)
     return {**kwargs, "use_cache": False}, getattr(config, "use_cache", False) is True
+
+
+# whether a forward function takes ``use_cache``: asked at every training call, and
+# inspect.signature costs tens of microseconds
+_TAKES_USE_CACHE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_use_cache(forward: Any) -> bool:
+    function = getattr(forward, "__func__", forward)  # a bound method's function
+    try:
+        return _TAKES_USE_CACHE[function]
+    except (KeyError, TypeError):  # not asked yet, or not weakly referable
+        pass
+    try:
+        takes = "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        takes = False
+    try:
+        _TAKES_USE_CACHE[function] = takes
+    except TypeError:  # not weakly referable: asked again next time
+        pass
+    return takes
 
 
 class ModelStandIn(nn.Module):

@@ -42,10 +42,11 @@ def what_changed(previous: Hashable | None, key: Hashable) -> str:
 
 def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     leaves, spec = tree_flatten((args, kwargs))
+    modules, parameters = _modules_and_parameters(model)
     parts: list[Any] = [
         str(spec),
-        tuple((p.requires_grad, p.dtype, p.device) for p in model.parameters()),
-        tuple(m.training for m in model.modules()),
+        tuple((p.requires_grad, p.dtype, p.device) for p in parameters),
+        tuple(m.training for m in modules),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
             for device in ("cpu", "cuda")
@@ -62,6 +63,33 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         else:
             parts.append(repr(leaf))
     return tuple(parts)
+
+
+def _modules_and_parameters(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """``list(model.modules())`` and ``list(model.parameters())``, in their order, in one walk.
+
+    The key is computed at every call of the model: nn.Module's own generators walk the
+    tree once for each and build every name on the way, which on a model of a hundred
+    small blocks cost more than the rest of a call that recomputes nothing.
+    """
+    modules: list[nn.Module] = []
+    parameters: list[nn.Parameter] = []
+    seen_modules: set[nn.Module] = set()
+    seen_parameters: set[int] = set()  # ids: a tensor's own hash is a Python call
+
+    def visit(module: nn.Module) -> None:  # as deep as nn.Module.modules() goes
+        seen_modules.add(module)
+        modules.append(module)
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen_parameters:
+                seen_parameters.add(id(parameter))
+                parameters.append(parameter)
+        for child in module._modules.values():
+            if child is not None and child not in seen_modules:
+                visit(child)
+
+    visit(model)
+    return modules, parameters
 
 
 def _attention_kernels() -> tuple[bool, ...]:
