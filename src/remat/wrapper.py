@@ -7,7 +7,6 @@ import contextlib
 import functools
 import inspect
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -98,25 +97,33 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
 
 
 # whether a forward function takes ``use_cache``: asked at every training call, and
-# inspect.signature costs tens of microseconds
-_TAKES_USE_CACHE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+# inspect.signature costs tens of microseconds. A plain dict: forward functions are few
+# and live as long as their classes. Under torch.compile's tracing it is asked directly,
+# as a cache the traced code reads or fills would cost a recompile.
+_TAKES_USE_CACHE: dict[Any, bool] = {}
 
 
 def _takes_use_cache(forward: Any) -> bool:
+    if torch.compiler.is_compiling():
+        return _signature_takes_use_cache(forward)
     function = getattr(forward, "__func__", forward)  # a bound method's function
     try:
         return _TAKES_USE_CACHE[function]
-    except (KeyError, TypeError):  # not asked yet, or not weakly referable
+    except (KeyError, TypeError):  # not asked yet, or not hashable
         pass
-    try:
-        takes = "use_cache" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):  # no signature to read
-        takes = False
+    takes = _signature_takes_use_cache(forward)
     try:
         _TAKES_USE_CACHE[function] = takes
-    except TypeError:  # not weakly referable: asked again next time
+    except TypeError:  # not hashable: asked again next time
         pass
     return takes
+
+
+def _signature_takes_use_cache(forward: Any) -> bool:
+    try:
+        return "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 class ModelStandIn(nn.Module):

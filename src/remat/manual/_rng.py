@@ -113,15 +113,31 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
 
 
 @contextlib.contextmanager
+def _torch_rng_set_to(state: ForwardState) -> Iterator[None]:
+    """torch's CPU generator and those of `state`'s devices set to it, and put back after.
+
+    Every device type of the capture is put back (torch.random.fork_rng forks one type).
+    """
+    assert state.cpu_rng is not None
+    before_cpu = torch.get_rng_state()
+    before = {device: _device_module(device).get_rng_state(device.index) for device in state.device_rng}
+    torch.set_rng_state(state.cpu_rng)
+    for device, rng in state.device_rng.items():
+        _device_module(device).set_rng_state(rng, device.index)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before_cpu)
+        for device, rng in before.items():
+            _device_module(device).set_rng_state(rng, device.index)
+
+
+@contextlib.contextmanager
 def replay_forward_state(state: ForwardState) -> Iterator[None]:
     """Runs the body with the captured RNG and autocast state; restores the RNG after."""
     with contextlib.ExitStack() as stack:
         if state.cpu_rng is not None:
-            cuda_devices = [d.index for d in state.device_rng if d.type == "cuda"]
-            stack.enter_context(torch.random.fork_rng(devices=cuda_devices, enabled=True))
-            torch.set_rng_state(state.cpu_rng)
-            for device, rng in state.device_rng.items():
-                _device_module(device).set_rng_state(rng, device.index)
+            stack.enter_context(_torch_rng_set_to(state))
         if state.host_rng is not None:
             stack.enter_context(_host_rng_set_to(state.host_rng))
         for device_type, (enabled, dtype, cache) in state.autocast.items():
