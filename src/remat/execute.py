@@ -238,11 +238,14 @@ class _Run:
         if kind is _CHECKPOINT:
             assert step.body is not None
             observer = executor.observer(RegionSpan(step.start, step.stop)) if executor.observer else None
+            # A model's forward replays each stage, with its glue, from the state captured
+            # above (NOTE [random state of replayed stages]): the region's own capture, at
+            # the same moment as its first stage's, would only be set and put back around them.
             self.recording = RegionRecording(
                 _Replay(self, step.body),
                 (args, kwargs),
                 {},
-                preserve_rng_state=executor.preserve_rng_state,
+                preserve_rng_state=executor.preserve_rng_state and executor.chain.whole_model,
                 observer=observer,
             )
         recording = self.recording
