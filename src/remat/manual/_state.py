@@ -139,24 +139,20 @@ class StateLog:
         return _open(_Scope(self, replaying=False, first_call=self.calls))
 
 
-_NOT_STATE = frozenset(("training", "forward"))
-
-
 def is_state_attribute(name: str) -> bool:
     """Whether an entry of a module's ``__dict__`` is the module's own state.
 
     nn.Module's own dictionaries (parameters, buffers, hooks) and private names, the
     training mode and an instance-level ``forward`` (a marking) are not.
     """
-    return not name.startswith("_") and name not in _NOT_STATE
+    return not name.startswith("_") and name not in ("training", "forward")
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, tuple[Any, int | None]]:
-    # is_state_attribute, inlined: this runs at every module call of a recomputed block
     return {
         name: (value, value._version if isinstance(value, torch.Tensor) else None)
         for name, value in module.__dict__.items()
-        if isinstance(value, _PLAIN_ATTRIBUTE_TYPES) and name[:1] != "_" and name not in _NOT_STATE
+        if is_state_attribute(name) and isinstance(value, _PLAIN_ATTRIBUTE_TYPES)
     }
 
 
