@@ -499,8 +499,8 @@ def test_host_draws_are_replayed_when_the_generators_are_read_through_their_apis
     # public APIs capture and compare them.
     from remat.manual import _host_generators as host
 
-    monkeypatch.setattr(host, "_python_offset", None)
-    monkeypatch.setattr(host, "_numpy_offsets", None)
+    monkeypatch.setattr(host, "_python_offset", lambda: None)
+    monkeypatch.setattr(host, "_numpy_offsets", lambda numpy: None)
     state = host.capture()
     assert isinstance(state.python, tuple) and isinstance(state.numpy, dict)
     block = HostRandom()

@@ -7,6 +7,7 @@ See NOTE [host random numbers] in ``_rng.py`` for why they are replayed, and NOT
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import struct
 import sys
@@ -60,12 +61,9 @@ class _Raw(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- Python
-_UNCALIBRATED: Any = object()
-_python_offset: Any = _UNCALIBRATED  # offset of the index (words follow) in random.Random, or None
-
-
-def _python_offset_found() -> int | None:
-    """Where random.Random keeps its index and words, found on probes (None: not found)."""
+@functools.cache
+def _python_offset() -> int | None:
+    """Where random.Random keeps its index (its words follow), found on probes once (None: not found)."""
     if sys.implementation.name != "cpython":
         return None
     found: set[int] = set()
@@ -106,13 +104,11 @@ def _raw_of_python(state: Any) -> _Raw:
 
 
 def _python_state() -> Any:
-    global _python_offset
-    if _python_offset is _UNCALIBRATED:
-        _python_offset = _python_offset_found()
+    offset = _python_offset()
     instance = _python_instance()
-    if _python_offset is None or type(instance) is not random.Random:
+    if offset is None or type(instance) is not random.Random:
         return random.getstate()
-    return _read_python(instance, _python_offset)
+    return _read_python(instance, offset)
 
 
 def _set_python(state: Any) -> None:
@@ -124,11 +120,10 @@ def _set_python(state: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- NumPy
-_numpy_offsets: Any = _UNCALIBRATED  # offsets of the cached Gaussian's flag and value in RandomState, or None
-
-
-def _numpy_offsets_found(numpy: Any) -> tuple[int, int] | None:
-    """Where a legacy RandomState keeps its cached Gaussian, found on probes (None: not found)."""
+@functools.cache
+def _numpy_offsets(numpy: Any) -> tuple[int, int] | None:
+    """Where a legacy RandomState keeps its cached Gaussian (flag, value), found on probes
+    once (None: not found)."""
     if sys.implementation.name != "cpython" or not hasattr(numpy.random, "get_bit_generator"):
         return None
     found: set[tuple[int, int]] = set()
@@ -186,12 +181,10 @@ def _raw_of_numpy(numpy: Any, state: dict[str, Any]) -> _Raw | None:
 
 
 def _numpy_state(numpy: Any) -> Any:
-    global _numpy_offsets
-    if _numpy_offsets is _UNCALIBRATED:
-        _numpy_offsets = _numpy_offsets_found(numpy)
+    offsets = _numpy_offsets(numpy)
     instance = numpy.random.get_state.__self__
-    if _numpy_offsets is not None and type(instance) is numpy.random.RandomState:
-        read = _read_numpy(numpy, instance, _numpy_offsets)
+    if offsets is not None and type(instance) is numpy.random.RandomState:
+        read = _read_numpy(numpy, instance, offsets)
         if read is not None:
             return read
     return numpy.random.get_state(legacy=False)  # a dict, for any bit generator
