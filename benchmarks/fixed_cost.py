@@ -36,16 +36,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 
 sys.path.insert(0, str(Path(__file__).parent))
-from planner import WORKLOADS, Workload  # noqa: E402
-
-
-class _SmallBlock(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(self.linear(x))
+from planner import WORKLOADS, MlpBlock, Workload, mlp_blocks  # noqa: E402
 
 
 def small_workload() -> Workload:
@@ -54,11 +45,11 @@ def small_workload() -> Workload:
     return Workload(
         "small",
         "100 blocks of Linear(64, 64) + GELU, batch 8, loss = sum: the cost of each call",
-        nn.Sequential(*(_SmallBlock(64) for _ in range(100))).train(),
+        nn.Sequential(*(MlpBlock(64, 64, normalized=False) for _ in range(100))).train(),
         (torch.randn(8, 64, requires_grad=True),),
         {},
         lambda output: output.sum(),
-        lambda model: list(model),
+        mlp_blocks,
     )
 
 
