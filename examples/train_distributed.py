@@ -16,6 +16,7 @@ gradients left out) against the activation budget, and the step time.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 import zlib
@@ -105,6 +106,10 @@ def main() -> None:
         if not (same_plan and same_weights):
             raise SystemExit(f"rank {rank}: the ranks disagree after step {step}")
     dist.barrier()  # every rank done before the group goes
+    # and the DDP freed while the interpreter runs: it sits in reference cycles, and gloo can
+    # abort a process that frees it at shutdown
+    del ddp, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

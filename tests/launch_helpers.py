@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -95,5 +96,6 @@ def worker_main(scenarios: Callable[[int], Iterator[tuple[str, Any]]]) -> int:
     except Exception:  # pragma: no cover - reported through the output file
         results["__crash__"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    gc.collect()  # NOTE [freeing the group's users before the group]
     dist.destroy_process_group()
     return 0

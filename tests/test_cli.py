@@ -508,3 +508,37 @@ def test_tables_fit_the_terminal_without_cutting_figures(
         lines = out.splitlines()
         assert lines and max(len(line) for line in lines) <= columns
         assert "…" not in out  # no figure or header cut short
+
+
+def test_the_torchrun_group_frees_what_uses_it_before_it_is_destroyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [freeing the group's users before the group]: an object in a reference cycle made
+    # within the block (as a DistributedDataParallel is) is freed before the group is destroyed
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from remat.cli.launch import torchrun_group
+
+    class User:
+        pass
+
+    seen_at_destroy: list[bool] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the block's own collection may free the cycle
+    try:
+        with torchrun_group("cpu") as rank:
+            user = User()
+            user.itself = user  # type: ignore[attr-defined]
+            alive = weakref.ref(user)
+            monkeypatch.setattr(dist, "destroy_process_group", lambda: seen_at_destroy.append(alive() is not None))
+            del user
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert rank == 1
+    assert seen_at_destroy == [False]

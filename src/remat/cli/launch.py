@@ -10,6 +10,7 @@ writes the results.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 
@@ -47,4 +48,9 @@ def torchrun_group(device: str) -> Iterator[int | None]:
     try:
         yield dist.get_rank()
     finally:
+        # NOTE [freeing the group's users before the group]: a DistributedDataParallel lives in
+        # reference cycles, so it would outlast the block and be freed (with the gloo work it
+        # holds) while the interpreter shuts down, where gloo sometimes aborts the process
+        # ("terminate called without an active exception") after a run that succeeded
+        gc.collect()
         dist.destroy_process_group()
