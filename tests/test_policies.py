@@ -424,6 +424,102 @@ def test_the_peak_matches_torch_selective_checkpointing_at_equal_policy(case: st
     assert peaks["remat"] == peaks["torch"]
 
 
+# NOTE [keeping only what the recompute reads]
+class WrittenOutGelu(nn.Module):
+    """A GELU written out (as GPT-2's), then a softmax: most outputs are read only by kept ones."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+        return y.softmax(-1)
+
+
+def _peak_and_step(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> tuple[int, Any]:
+    torch.manual_seed(0)
+    with remat.MemoryTracker() as tracker:
+        result = run_step(run, leaves)
+    return tracker.peak_bytes, result
+
+
+def test_outputs_the_recompute_never_reads_are_let_go_and_not_run_again() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    block, x = WrittenOutGelu(), torch.randn(64, 256, requires_grad=True)
+    policy = policies.recompute_ops("softmax")
+
+    def same_decisions(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE if op.is_view else CheckpointPolicy[policy(op, *args, **kwargs).name]
+
+    def torch_selective() -> torch.Tensor:
+        contexts = lambda: create_selective_checkpoint_contexts(same_decisions)  # noqa: E731
+        return checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+
+    plain_peak, plain = _peak_and_step(lambda: block(x), [x])
+    remat_peak, got = _peak_and_step(lambda: remat.recompute(block, x, policy=policy), [x])
+    torch_peak, theirs = _peak_and_step(torch_selective, [x])
+    assert_same(plain, got)
+    assert_same(plain, theirs)
+    # torch keeps every output the policy names, more than plain autograd saves; remat keeps
+    # those autograd saves and the softmax's input, which its recompute reads
+    activation = x.numel() * x.element_size()
+    assert torch_peak > plain_peak + activation
+    assert remat_peak == plain_peak + activation
+    again = got[2].counts["recompute"]
+    assert again["_softmax"] == 1 and again["pow"] == 0 and again["tanh"] == 0 and again["mul"] == 0
+
+
+class Stashing(nn.Module):
+    """Keeps an intermediate on itself; the caller changes it in place after the forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * 2  # read only by the kept product below
+        self.stash = a * 3  # held outside remat: its operation may run again, and read `a`
+        return self.stash + x.sin()
+
+
+def test_an_output_held_outside_remat_is_kept_and_what_it_reads_too() -> None:
+    block, x = Stashing(), torch.randn(8, 8, requires_grad=True)
+    policy = policies.recompute_ops("sin")
+
+    def forward(recomputed: bool) -> torch.Tensor:
+        out = remat.recompute(block, x, policy=policy) if recomputed else block(x)
+        block.stash.add_(1)  # changed in place: the recompute makes it again from `a`
+        return out
+
+    plain = run_step(lambda: forward(False), [x])
+    got = run_step(lambda: forward(True), [x])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["mul"] == 1  # the product alone, from the kept `a`
+
+
+def test_a_skipped_random_operation_leaves_the_generator_where_the_forward_did() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        coins = torch.bernoulli(torch.full_like(x, 0.5))  # kept, read only by the kept sum: skipped
+        s = (x + coins).softmax(-1)  # recomputed: reads the sum
+        return s * torch.normal(s, 1.0)  # recomputed: must draw the numbers of the first forward
+
+    x = torch.randn(6, 6, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    got = run_step(lambda: remat.recompute(block, x, policy=policies.recompute_ops("softmax", "normal")), [x])
+    assert_same(plain, got)
+    again = got[2].counts["recompute"]
+    assert again["bernoulli"] == 0 and again["normal"] == 1
+
+
+def test_a_recompute_that_reads_a_skipped_output_is_refused() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        cube = x.pow(3)  # read only by the kept sum in the first forward: skipped
+        total = cube + x
+        if remat.is_recomputing():
+            with torch.no_grad():
+                cube.max()  # code that reads it in the recompute only
+        return total.softmax(-1)
+
+    x = torch.randn(4, 4, requires_grad=True)
+    out = remat.recompute(block, x, policy=policies.recompute_ops("softmax"))
+    with pytest.raises(remat.NondeterministicRecompute, match="keeping only what the recompute reads"):
+        out.sum().backward()
+
+
 # ----------------------------------------------------------------------------- explain and residuals
 def test_explain_lists_each_operation_with_what_becomes_of_its_output() -> None:
     model, x = mlp_case()

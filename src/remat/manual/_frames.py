@@ -353,16 +353,16 @@ def _pack(tensor: torch.Tensor) -> Any:
     context = _STACK.top()
     if context is None:  # pragma: no cover - hooks are pushed with a context
         return tensor
-    frame = context.frame
-    root = frame.root
+    frame, root = context.frame, context.frame.root
     if context.mode == "discard":
         if root.observer is not None:
             root.observer.on_discarded(tensor)
+        if root.cache is not None:  # NOTE [keeping only what the recompute reads]
+            root.cache.saved(tensor)
         explaining = _selective.explain_observer()
         if explaining is not None:
             explaining.on_saved(tensor, discarded=True)
-        index = len(root.handles)
-        handle = _Handle(root, index)
+        handle = _Handle(root, len(root.handles))
         root.handles.append(weakref.ref(handle))
         root.metas.append(TensorMeta.of(tensor))
         root.owners.append(_ROOT_OWNER)

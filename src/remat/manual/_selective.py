@@ -31,6 +31,9 @@ Exactness.
   recomputed, draw the same numbers as in the first forward.
 * A kept output is returned as a fresh alias each time, so each recompute's graph is its
   own.
+* A kept output that nothing in the recompute reads is let go when the block's first
+  forward ends, and its operation is skipped (NOTE [keeping only what the recompute reads]
+  in :mod:`remat.manual._kept`).
 """
 
 from __future__ import annotations
@@ -44,136 +47,20 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from remat.errors import NondeterministicRecompute
-from remat.manual._host import _HostCopy, from_host, to_host
+from remat.manual._kept import OpCache, _Kept
 from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
-from remat.memory import note_kept_for_backward
 
 __all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
-
-
-class _Kept:
-    """One kept operation output.
-
-    Kept as aliases made below autograd, which have version counters of their own: an
-    in-place change of the original during the block's first forward is seen by the mode
-    (:meth:`OpCache.changed`). When that forward ends, the outputs still referenced
-    (returned by the block, or stored) are aliased again above autograd, sharing their
-    version counters, so that a change made after the block returned is seen too; the
-    others are gone, and nothing can change them any more.
-    """
-
-    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions", "offloaded")
-
-    def __init__(self, op: Any, out: Any, rng_after: dict[str, Any] | None, offload: bool = False) -> None:
-        self.op = op
-        self.rng_after = rng_after
-        self.offloaded = offload
-        if offload:  # a copy of what the operation returned: later changes of the output do not reach it
-            self.value = tree_map(lambda t: to_host(t) if isinstance(t, torch.Tensor) else t, out)
-            self.originals: list[weakref.ref[torch.Tensor]] = []
-            self.watchers: list[torch.Tensor] = []
-            self.versions: tuple[int, ...] | None = ()
-            return
-        self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-        # every tensor of the first forward sharing its storage (the outputs, their views)
-        self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        # once sealed: aliases sharing the version counters of those still alive, and their versions
-        self.watchers = []
-        self.versions = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors it holds on the device (none when offloaded)."""
-        if self.offloaded:
-            return []
-        return [t for t in tree_leaves(self.value) if isinstance(t, torch.Tensor)]
-
-    def seal(self) -> None:
-        """Its block's first forward ended: watch the tensors still alive so that later changes show."""
-        if self.versions is not None:
-            return
-        alive = [t for t in (ref() for ref in self.originals) if t is not None]
-        self.originals = []
-        self.watchers = [t.detach() for t in alive]  # above autograd: the same version counter
-        self.versions = tuple(t._version for t in self.watchers)
-
-    def intact(self) -> bool:
-        return self.versions is None or tuple(t._version for t in self.watchers) == self.versions
-
-    def served(self) -> Any:
-        if self.offloaded:
-            return tree_map(lambda t: from_host(t) if isinstance(t, _HostCopy) else t, self.value)
-        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.value)
-
-
-class OpCache:
-    """The outputs a root frame's policies kept: ``entries[block][index]``."""
-
-    __slots__ = ("entries", "storages", "ops", "__weakref__")
-
-    def __init__(self) -> None:
-        self.entries: dict[int, dict[int, _Kept]] = {}
-        self.ops: dict[int, list[Any]] = {}  # each policy block's numbered operations, in order
-        # while the first forward runs: storage -> the entries holding it
-        self.storages: dict[int, list[tuple[int, int]]] | None = {}
-
-    def keep(self, block: int, index: int, kept: _Kept) -> None:
-        self.entries.setdefault(block, {})[index] = kept
-        for t in kept.tensors():  # measured as kept for backward, as a saved tensor is
-            note_kept_for_backward(t)
-        if self.storages is not None:
-            for t in kept.tensors():
-                if t.layout == torch.strided:
-                    self.storages.setdefault(storage_key(t), []).append((block, index))
-
-    def changed(self, tensor: torch.Tensor) -> None:
-        """`tensor` is changed in place during the first forward: entries holding its storage go."""
-        if self.storages and tensor.layout == torch.strided:
-            for block, index in self.storages.pop(storage_key(tensor), ()):
-                self.drop(block, index)
-
-    def sharing(self, out: Any) -> None:
-        """The outputs of an operation of the first forward: those sharing a kept storage are watched too."""
-        if not self.storages:
-            return
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                for block, index in self.storages.get(storage_key(t), ()):
-                    kept = self.get(block, index)
-                    if kept is not None and kept.versions is None:
-                        kept.originals.append(weakref.ref(t))
-
-    def get(self, block: int, index: int) -> _Kept | None:
-        entries = self.entries.get(block)
-        return None if entries is None else entries.get(index)
-
-    def drop(self, block: int, index: int) -> None:
-        entries = self.entries.get(block)
-        if entries is not None:
-            entries.pop(index, None)
-
-    def release(self, block: int | None) -> None:
-        """Drops what policy block `block` kept (its frame will not run again)."""
-        if block is not None:
-            self.entries.pop(block, None)
-
-    def seal(self, block: int | None = None) -> None:
-        """The first forward of policy block `block` ended, or with None, the root's (see :class:`_Kept`)."""
-        if block is None:
-            self.storages = None
-        for key, entries in self.entries.items():
-            if block is None or key == block:
-                for kept in entries.values():
-                    kept.seal()
 
 
 class _Scope:
     """One policy block running: recording (`policy` set) or replaying; `block` None numbers nothing."""
 
-    __slots__ = ("cache", "block", "policy", "next_index", "made", "replay_rng", "consume")
+    __slots__ = ("cache", "block", "policy", "next_index", "made", "replay_rng", "consume", "placeholders")
 
     def __init__(
         self, cache: OpCache | None, block: int | None, policy: Policy | None, replay_rng: bool, consume: bool = False
@@ -184,8 +71,23 @@ class _Scope:
         self.next_index = 0
         self.replay_rng = replay_rng
         self.consume = consume  # the block's last run: an entry is let go once handed over
+        # while replaying: the placeholders of skipped operations, which nothing may read, by storage
+        self.placeholders: dict[int, weakref.ref[torch.Tensor]] = {}
         # tensors made by operations not kept, for remat.tag: id -> (ref, index, op, outputs, rng)
         self.made: dict[int, tuple[Any, ...]] | None = {} if policy is not None and policy.names else None
+
+    def check_reads(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Raises if `func` would read the placeholder of a skipped operation."""
+        for t in tree_leaves((args, kwargs)):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            placeholder = self.placeholders.get(storage_key(t))
+            if placeholder is not None and placeholder() is not None:  # (a storage freed may come back at the same key)
+                raise NondeterministicRecompute(
+                    f"the recompute ran {func} on the output of an operation that its first forward "
+                    "did not read again (NOTE [keeping only what the recompute reads]); the block must "
+                    "run the same operations when it is recomputed"
+                )
 
 
 class _Local(threading.local):
@@ -316,6 +218,24 @@ def _kind(op: Any) -> str:
     return kind
 
 
+# op -> whether it only makes a view (reads nothing of its input's data)
+_VIEWS: dict[Any, bool] = {}
+
+
+def _is_view(op: Any) -> bool:
+    view = _VIEWS.get(op)
+    if view is None:
+        schema = getattr(op, "_schema", None)
+        view = (
+            schema is not None
+            and bool(schema.returns)
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        )
+        _VIEWS[op] = view
+    return view
+
+
 def unnumbered(op: Any) -> bool:
     """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
     return _kind(op) == "unnumbered"
@@ -372,6 +292,13 @@ class _Mode(TorchDispatchMode):
             or (not torch.is_grad_enabled() and not is_collective(func))
             or func is _TO_COPY  # a cast autocast may take from its cache in one run and not the other
         ):
+            if not _is_view(func):  # it runs in the recompute too (NOTE [keeping only what the recompute reads])
+                if scope is not None and scope.placeholders:
+                    scope.check_reads(func, args, kwargs)
+                for recording in _LOCAL.scopes:
+                    cache = recording.cache
+                    if recording.policy is not None and cache is not None and cache.storages is not None:
+                        cache.read(args, kwargs)
             out = self._run(func, args, kwargs, None, None)
             if scope is not None and scope.policy is not None and scope.cache is not None:
                 scope.cache.sharing(out)
@@ -401,17 +328,25 @@ class _Mode(TorchDispatchMode):
                 out = kept.served()
             if scope.consume:
                 cache.drop(scope.block, index)
-            if _LOCAL.explain is not None:
+            if kept.skipped:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        scope.placeholders[storage_key(t)] = weakref.ref(t)
+            elif _LOCAL.explain is not None:
                 _LOCAL.explain.on_served(func, out, (id(cache), scope.block, index))
             return out
         if kept is not None:
             cache.drop(scope.block, index)  # changed in place after the block returned
+        if scope.placeholders:
+            scope.check_reads(func, args, kwargs)
         return self._run(func, args, kwargs, (id(cache), scope.block, index), None)
 
     def _record(self, scope: _Scope, cache: OpCache, index: int, func: Any, args: Any, kwargs: Any) -> Any:
         policy = scope.policy
         assert policy is not None and scope.block is not None
         decision = Decision.of(policy.decide(OpCall(func, args, kwargs, _LOCAL.function)), policy)
+        if not decision.saves:
+            cache.read(args, kwargs)  # it runs again in the recompute
         out = self._run(func, args, kwargs, (id(cache), scope.block, index), decision)
         cache.ops.setdefault(scope.block, []).append(func)
         cache.sharing(out)
@@ -419,7 +354,12 @@ class _Mode(TorchDispatchMode):
         if decision.saves:
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
                 with internal():
-                    kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads)
+                    inputs = frozenset(
+                        storage_key(t)
+                        for t in tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                    )
+                    kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
                 if _LOCAL.explain is not None:
                     _LOCAL.explain.on_kept(cache, (scope.block, index))

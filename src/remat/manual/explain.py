@@ -266,7 +266,9 @@ class _Observer(TorchDispatchMode):
     def end_forward(self) -> None:
         for cache in self.caches:
             for block, entries in cache.entries.items():
-                for index in entries:
+                for index, kept in entries.items():
+                    if kept.skipped:  # let go: nothing read it (NOTE [keeping only what the recompute reads])
+                        continue
                     row = self.by_key.get((id(cache), block, index))
                     if row is not None:
                         self.ops[row].status = "kept"

@@ -1,0 +1,274 @@
+"""The outputs policy blocks keep: held, handed over, or let go when nothing reads them.
+
+NOTE [keeping only what the recompute reads]
+A policy keeps an operation's output so that the recompute need not run the operation.
+Many outputs it keeps are read by nothing in the recompute: ``x ** 3`` in a GELU written
+out, whose product with a constant is kept too and whose backward saves ``x``, not the
+cube. Held until the block's backward, such an output costs memory and saves nothing
+(torch's selective checkpointing holds it all the same: a policy naming the few operations
+to recompute could take more memory than no recompute at all). So when a policy block's
+first forward ends, each kept output is let go, and its operation is not run by the
+recompute either (it is *skipped*: the recompute gets an uninitialised tensor of the same
+shape, strides, type and device in its place), when all of these hold:
+
+* autograd saved none of its tensors (storage-wise: views included) during the first
+  forward of the root; the recompute saves the same ones;
+* no operation that runs in the recompute read it: an operation the policy does not keep,
+  an in-place or ``out=`` one, one run without grad, one returning no tensor (``item()``);
+  a view only makes another name for the same storage, and reads nothing;
+* nothing outside remat holds it: the storage's reference count is that of remat's own
+  aliases (the block's outputs, a tensor the block stored, a view of either, a tensor an
+  autograd function holds all count), so no later code can read or change it;
+* the operations that could still run again instead of being served are known: a kept
+  output changed in place runs again and reads its inputs, so the inputs of kept
+  operations dropped during the forward, and of those still held outside remat, count as
+  read. (An output kept through :func:`tag` has no recorded inputs; when one of those may
+  run again, nothing of the block is let go.)
+
+A skipped random operation sets the generator to the state after it, as a kept one does.
+Not let go: offloaded outputs (in host memory) and outputs of tensor subclasses. While a
+recompute runs, an operation that would read a skipped placeholder raises
+:class:`~remat.errors.NondeterministicRecompute` instead of computing from it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from remat.manual._host import _HostCopy, from_host, to_host
+from remat.manual._tensors import storage_key
+from remat.memory import note_kept_for_backward
+
+__all__ = ["OpCache"]
+
+
+class _Kept:
+    """One kept operation output.
+
+    Kept as aliases made below autograd, which have version counters of their own: an
+    in-place change of the original during the block's first forward is seen by the mode
+    (:meth:`OpCache.changed`). When that forward ends, the outputs still referenced
+    (returned by the block, or stored) are aliased again above autograd, sharing their
+    version counters, so that a change made after the block returned is seen too; the
+    others are gone, and nothing can change them any more.
+    """
+
+    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions", "offloaded", "inputs", "skipped")
+
+    def __init__(
+        self,
+        op: Any,
+        out: Any,
+        rng_after: dict[str, Any] | None,
+        offload: bool = False,
+        inputs: frozenset[int] | None = None,
+    ) -> None:
+        self.op = op
+        self.rng_after = rng_after
+        self.offloaded = offload
+        # the storages the operation read (None: not known); NOTE [keeping only what the recompute reads]
+        self.inputs = inputs
+        self.skipped = False
+        if offload:  # a copy of what the operation returned: later changes of the output do not reach it
+            self.value = tree_map(lambda t: to_host(t) if isinstance(t, torch.Tensor) else t, out)
+            self.originals: list[weakref.ref[torch.Tensor]] = []
+            self.watchers: list[torch.Tensor] = []
+            self.versions: tuple[int, ...] | None = ()
+            return
+        self.value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+        # every tensor of the first forward sharing its storage (the outputs, their views)
+        self.originals = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # once sealed: aliases sharing the version counters of those still alive, and their versions
+        self.watchers = []
+        self.versions = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds on the device (none when offloaded)."""
+        if self.offloaded:
+            return []
+        return [t for t in tree_leaves(self.value) if isinstance(t, torch.Tensor)]
+
+    def seal(self) -> None:
+        """Its block's first forward ended: watch the tensors still alive so that later changes show."""
+        if self.versions is not None:
+            return
+        alive = [t for t in (ref() for ref in self.originals) if t is not None]
+        self.originals = []
+        self.watchers = [t.detach() for t in alive]  # above autograd: the same version counter
+        self.versions = tuple(t._version for t in self.watchers)
+
+    def intact(self) -> bool:
+        return self.versions is None or tuple(t._version for t in self.watchers) == self.versions
+
+    def skip(self) -> None:
+        """Nothing reads the output in the recompute: let it go, keep only its layout."""
+        self.value = tree_map(lambda t: _Layout(t) if isinstance(t, torch.Tensor) else t, self.value)
+        self.originals = []
+        self.skipped = True
+
+    def served(self) -> Any:
+        if self.skipped:
+            return tree_map(lambda t: t.placeholder() if isinstance(t, _Layout) else t, self.value)
+        if self.offloaded:
+            return tree_map(lambda t: from_host(t) if isinstance(t, _HostCopy) else t, self.value)
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.value)
+
+
+class _Layout:
+    """The shape, strides, type and device of a skipped output."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.size, self.stride = tuple(tensor.shape), tuple(tensor.stride())
+        self.dtype, self.device = tensor.dtype, tensor.device
+
+    def placeholder(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+def _storage_uses(key: int) -> int:
+    """How many tensors (and other owners) hold the storage `key` (see :func:`storage_key`),
+    less what holds any storage once looked up (its Python object: see :data:`_LOOKED_UP`)."""
+    return int(torch._C._storage_Use_Count(key)) - _LOOKED_UP
+
+
+def _looked_up_uses() -> int:
+    probe = torch.empty(1)
+    return int(torch._C._storage_Use_Count(storage_key(probe))) - 1
+
+
+#: References a storage has once :func:`storage_key` has looked it up, beyond its tensors'
+_LOOKED_UP = _looked_up_uses()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return tensor.layout == torch.strided and (
+        type(tensor) is torch.Tensor or isinstance(tensor, torch._subclasses.fake_tensor.FakeTensor)
+    )
+
+
+class OpCache:
+    """The outputs a root frame's policies kept: ``entries[block][index]``."""
+
+    __slots__ = ("entries", "storages", "ops", "reads", "autograd_saved", "at_risk", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entries: dict[int, dict[int, _Kept]] = {}
+        self.ops: dict[int, list[Any]] = {}  # each policy block's numbered operations, in order
+        # while the first forward runs: storage -> the entries holding it
+        self.storages: dict[int, list[tuple[int, int]]] | None = {}
+        # NOTE [keeping only what the recompute reads], while the first forward runs: the
+        # storages read by operations the recompute runs, and those autograd saved
+        self.reads: set[int] = set()
+        self.autograd_saved: set[int] = set()
+        self.at_risk = False  # a kept output of unknown inputs was dropped: it reads anything
+
+    def keep(self, block: int, index: int, kept: _Kept) -> None:
+        self.entries.setdefault(block, {})[index] = kept
+        if self.storages is not None:
+            for t in kept.tensors():
+                if t.layout == torch.strided:
+                    self.storages.setdefault(storage_key(t), []).append((block, index))
+
+    def changed(self, tensor: torch.Tensor) -> None:
+        """`tensor` is changed in place during the first forward: entries holding its storage go."""
+        if self.storages and tensor.layout == torch.strided:
+            for block, index in self.storages.pop(storage_key(tensor), ()):
+                kept = self.get(block, index)
+                if kept is not None:  # its operation runs again, and reads its inputs
+                    self._reads_of(kept)
+                self.drop(block, index)
+
+    def _reads_of(self, kept: _Kept) -> None:
+        if kept.inputs is None:
+            self.at_risk = True
+        else:
+            self.reads |= kept.inputs
+
+    def read(self, args: Any, kwargs: Any) -> None:
+        """An operation the recompute runs too reads these arguments."""
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.reads.add(storage_key(t))
+
+    def saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saved `tensor` during the root's first forward."""
+        if self.storages is not None and tensor.layout == torch.strided:
+            self.autograd_saved.add(storage_key(tensor))
+
+    def sharing(self, out: Any) -> None:
+        """The outputs of an operation of the first forward: those sharing a kept storage are watched too."""
+        if not self.storages:
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                for block, index in self.storages.get(storage_key(t), ()):
+                    kept = self.get(block, index)
+                    if kept is not None and kept.versions is None:
+                        kept.originals.append(weakref.ref(t))
+
+    def get(self, block: int, index: int) -> _Kept | None:
+        entries = self.entries.get(block)
+        return None if entries is None else entries.get(index)
+
+    def drop(self, block: int, index: int) -> None:
+        entries = self.entries.get(block)
+        if entries is not None:
+            entries.pop(index, None)
+
+    def release(self, block: int | None) -> None:
+        """Drops what policy block `block` kept (its frame will not run again)."""
+        if block is not None:
+            self.entries.pop(block, None)
+
+    def seal(self, block: int | None = None) -> None:
+        """The first forward of policy block `block` ended, or with None, the root's (see :class:`_Kept`)."""
+        fresh = [
+            kept
+            for key, entries in self.entries.items()
+            if block is None or key == block
+            for kept in entries.values()
+            if kept.versions is None and not kept.skipped
+        ]
+        if fresh and self.storages is not None and not torch.compiler.is_compiling():
+            self._let_go(fresh)
+        for kept in fresh:
+            if not kept.skipped:
+                for t in kept.tensors():  # measured as kept for backward, as a saved tensor is
+                    note_kept_for_backward(t)
+                kept.seal()
+        if block is None:
+            self.storages = None
+            self.reads, self.autograd_saved = set(), set()
+
+    def _let_go(self, fresh: list[_Kept]) -> None:
+        """NOTE [keeping only what the recompute reads]: skips the outputs nothing reads."""
+        held: dict[int, int] = {}  # storage -> how many of remat's own aliases hold it
+        for entries in self.entries.values():
+            for kept in entries.values():
+                for t in kept.tensors():
+                    if t.layout == torch.strided:
+                        key = storage_key(t)
+                        held[key] = held.get(key, 0) + 1
+        candidates = []
+        for kept in fresh:
+            tensors = kept.tensors()
+            keys = [storage_key(t) for t in tensors]
+            if kept.offloaded or not tensors or not all(_plain(t) for t in tensors):
+                outside = True
+            else:
+                outside = any(_storage_uses(key) > held[key] for key in keys)
+            if outside:  # it may be changed in place later, and its operation run again
+                self._reads_of(kept)
+            else:
+                candidates.append((kept, keys))
+        if self.at_risk:
+            return
+        for kept, keys in candidates:
+            if not any(key in self.reads or key in self.autograd_saved for key in keys):
+                kept.skip()
