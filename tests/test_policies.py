@@ -8,6 +8,7 @@ compared with plain autograd with ``torch.equal``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
@@ -18,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, reject, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -491,6 +494,20 @@ def test_an_output_held_outside_remat_is_kept_and_what_it_reads_too() -> None:
     assert got[2].counts["recompute"]["mul"] == 1  # the product alone, from the kept `a`
 
 
+def test_what_an_output_changed_in_the_forward_is_made_from_is_kept() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        a = x * 0.5  # read only by the kept product below...
+        b = a * 1.5
+        b.add_(x)  # ...which is changed in place, so the recompute makes it again from `a`
+        return b.softmax(-1)
+
+    x = torch.randn(6, 6, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    got = run_step(lambda: remat.recompute(block, x, policy=policies.recompute_ops("softmax")), [x])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["mul"] == 1 and got[2].counts["recompute"]["add_"] == 1
+
+
 def test_a_skipped_random_operation_leaves_the_generator_where_the_forward_did() -> None:
     def block(x: torch.Tensor) -> torch.Tensor:
         coins = torch.bernoulli(torch.full_like(x, 0.5))  # kept, read only by the kept sum: skipped
@@ -503,6 +520,24 @@ def test_a_skipped_random_operation_leaves_the_generator_where_the_forward_did()
     assert_same(plain, got)
     again = got[2].counts["recompute"]
     assert again["bernoulli"] == 0 and again["normal"] == 1
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_storage_references_count_the_tensors_that_share_it(fake: bool) -> None:
+    # what lets remat tell that nothing outside it holds a kept output
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.manual._kept import _storage_uses
+    from remat.manual._tensors import storage_key
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        base = torch.randn(4, 4)
+        key = storage_key(base)
+        assert _storage_uses(key) == 1
+        views = [base.detach(), base[1:], base.t()]
+        assert _storage_uses(key) == 4
+        del views
+        assert _storage_uses(key) == 1
 
 
 def test_a_recompute_that_reads_a_skipped_output_is_refused() -> None:
@@ -790,3 +825,74 @@ def test_save_collectives_keeps_the_functional_collectives_only() -> None:
     assert policy(functional.all_gather_into_tensor.default) is remat.policies.Decision.MUST_SAVE
     assert policy(functional.wait_tensor.default) is remat.policies.Decision.PREFER_RECOMPUTE
     assert policy(torch.ops.aten.mm.default) is remat.policies.Decision.PREFER_RECOMPUTE
+
+
+# ----------------------------------------------------------------------------- random blocks, random decisions
+_STEPS = ("mul", "add", "sin", "tanh", "pow", "softmax", "matmul", "scale", "sigmoid", "transpose", "add_", "stash")
+
+
+def _random_block(steps: list[tuple[str, int, int]], holder: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A block of `steps`, each an operation on one or two earlier values (by position)."""
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        values = [x]
+        for name, i, j in steps:
+            a, b = values[i % len(values)], values[j % len(values)]
+            if name == "mul":
+                out = a * b
+            elif name == "add":
+                out = a + b
+            elif name == "pow":
+                out = a.pow(3)
+            elif name == "softmax":
+                out = a.softmax(-1)
+            elif name == "matmul":
+                out = a @ w
+            elif name == "scale":
+                out = a * 0.5
+            elif name == "transpose":
+                out = a.t()
+            elif name == "add_":
+                out = a * 1.5
+                out.add_(b)  # changed in place after it was made
+            elif name == "stash":
+                out = a * 2
+                holder["stash"] = out  # held outside the block
+            else:
+                out = getattr(torch, name)(a)
+            values.append(out)
+        return sum(v.sum(0) for v in values[-3:])
+
+    return block
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    steps=st.lists(st.tuples(st.sampled_from(_STEPS), st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=12),
+    keep=st.lists(st.booleans(), min_size=40, max_size=40),
+    change_stash=st.booleans(),
+)
+def test_random_blocks_under_random_decisions_give_plain_gradients(
+    steps: list[tuple[str, int, int]], keep: list[bool], change_stash: bool
+) -> None:
+    # NOTE [keeping only what the recompute reads]: whatever is kept, let go or skipped,
+    # the gradients are those of plain autograd, and no recompute reads a placeholder
+    x, w = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+
+    def decisions() -> Callable[..., bool]:
+        count = iter(range(10**6))
+        return lambda op, *args, **kwargs: keep[next(count) % len(keep)]
+
+    def forward(recomputed: bool) -> torch.Tensor:
+        holder: dict[str, torch.Tensor] = {}
+        block = _random_block(steps, holder)
+        out = remat.recompute(block, x, w, policy=decisions()) if recomputed else block(x, w)
+        if change_stash and "stash" in holder:
+            holder["stash"].mul_(3)
+        return out
+
+    try:
+        plain = run_step(lambda: forward(False), [x, w])
+    except RuntimeError:  # the in-place change broke plain autograd itself
+        reject()
+    assert_same(plain, run_step(lambda: forward(True), [x, w]))

@@ -119,27 +119,39 @@ class _Kept:
 
 
 class _Layout:
-    """The shape, strides, type and device of a skipped output."""
+    """The shape, strides, offset, type and device of a skipped output."""
 
-    __slots__ = ("size", "stride", "dtype", "device")
+    __slots__ = ("size", "stride", "offset", "dtype", "device")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.size, self.stride = tuple(tensor.shape), tuple(tensor.stride())
+        self.size, self.stride, self.offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
         self.dtype, self.device = tensor.dtype, tensor.device
 
     def placeholder(self) -> torch.Tensor:
-        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        """An uninitialised tensor of this layout (in a storage as long as its view needs)."""
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(self.size, self.stride, strict=True))
+        elements = self.offset + (extent if all(self.size) else 0)
+        base = torch.empty(elements, dtype=self.dtype, device=self.device)
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _storage_uses(key: int) -> int:
     """How many tensors (and other owners) hold the storage `key` (see :func:`storage_key`),
-    less what holds any storage once looked up (its Python object: see :data:`_LOOKED_UP`)."""
-    return int(torch._C._storage_Use_Count(key)) - _LOOKED_UP
+    less what holds any storage once looked up (its Python object: see :data:`_LOOKED_UP`).
+    Where torch cannot tell, a number larger than any: nothing is let go."""
+    if _USE_COUNT is None:
+        return 1 << 62
+    return int(_USE_COUNT(key)) - _LOOKED_UP
 
 
 def _looked_up_uses() -> int:
+    if _USE_COUNT is None:
+        return 0
     probe = torch.empty(1)
-    return int(torch._C._storage_Use_Count(storage_key(probe))) - 1
+    return int(_USE_COUNT(storage_key(probe))) - 1
 
 
 #: References a storage has once :func:`storage_key` has looked it up, beyond its tensors'
