@@ -34,6 +34,7 @@ recompute runs, an operation that would read a skipped placeholder raises
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from remat.manual._host import _HostCopy, from_host, to_host
 from remat.manual._tensors import storage_key
 from remat.memory import note_kept_for_backward
 
-__all__ = ["OpCache"]
+__all__ = ["OpCache", "strided_storage_keys"]
 
 
 class _Kept:
@@ -158,6 +159,13 @@ def _looked_up_uses() -> int:
 _LOOKED_UP = _looked_up_uses()
 
 
+def strided_storage_keys(tree: Any) -> Iterator[int]:
+    """The storages of the strided tensors in `tree` (see :func:`storage_key`)."""
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            yield storage_key(t)
+
+
 def _plain(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and (
         type(tensor) is torch.Tensor or isinstance(tensor, torch._subclasses.fake_tensor.FakeTensor)
@@ -204,9 +212,7 @@ class OpCache:
 
     def read(self, args: Any, kwargs: Any) -> None:
         """An operation the recompute runs too reads these arguments."""
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                self.reads.add(storage_key(t))
+        self.reads.update(strided_storage_keys((args, kwargs)))
 
     def saved(self, tensor: torch.Tensor) -> None:
         """Autograd saved `tensor` during the root's first forward."""

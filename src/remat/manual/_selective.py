@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.errors import NondeterministicRecompute
-from remat.manual._kept import OpCache, _Kept
+from remat.manual._kept import OpCache, _Kept, strided_storage_keys
 from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
 
@@ -78,10 +78,8 @@ class _Scope:
 
     def check_reads(self, func: Any, args: Any, kwargs: Any) -> None:
         """Raises if `func` would read the placeholder of a skipped operation."""
-        for t in tree_leaves((args, kwargs)):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
-            placeholder = self.placeholders.get(storage_key(t))
+        for key in strided_storage_keys((args, kwargs)):
+            placeholder = self.placeholders.get(key)
             if placeholder is not None and placeholder() is not None:  # (a storage freed may come back at the same key)
                 raise NondeterministicRecompute(
                     f"the recompute ran {func} on the output of an operation that its first forward "
@@ -218,24 +216,6 @@ def _kind(op: Any) -> str:
     return kind
 
 
-# op -> whether it only makes a view (reads nothing of its input's data)
-_VIEWS: dict[Any, bool] = {}
-
-
-def _is_view(op: Any) -> bool:
-    view = _VIEWS.get(op)
-    if view is None:
-        schema = getattr(op, "_schema", None)
-        view = (
-            schema is not None
-            and bool(schema.returns)
-            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-            and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        )
-        _VIEWS[op] = view
-    return view
-
-
 def unnumbered(op: Any) -> bool:
     """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
     return _kind(op) == "unnumbered"
@@ -292,7 +272,9 @@ class _Mode(TorchDispatchMode):
             or (not torch.is_grad_enabled() and not is_collective(func))
             or func is _TO_COPY  # a cast autocast may take from its cache in one run and not the other
         ):
-            if not _is_view(func):  # it runs in the recompute too (NOTE [keeping only what the recompute reads])
+            # a view reads nothing; anything else runs in the recompute too and reads its arguments
+            # (NOTE [keeping only what the recompute reads])
+            if not getattr(func, "is_view", False):
                 if scope is not None and scope.placeholders:
                     scope.check_reads(func, args, kwargs)
                 for recording in _LOCAL.scopes:
@@ -354,11 +336,7 @@ class _Mode(TorchDispatchMode):
         if decision.saves:
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
                 with internal():
-                    inputs = frozenset(
-                        storage_key(t)
-                        for t in tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor) and t.layout == torch.strided
-                    )
+                    inputs = frozenset(strided_storage_keys((args, kwargs)))
                     kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
                 if _LOCAL.explain is not None:
