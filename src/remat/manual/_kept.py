@@ -25,6 +25,10 @@ shape, strides, type and device in its place), when all of these hold:
   read. (An output kept through :func:`tag` has no recorded inputs; when one of those may
   run again, nothing of the block is let go.)
 
+Reads and saves are recorded as the kept entries they reach at that moment, not as storage
+addresses: a storage freed during the forward can come back at the same address as a later
+kept output, which an address would then count as read.
+
 A skipped random operation sets the generator to the state after it, as a kept one does.
 Not let go: offloaded outputs (in host memory) and outputs of tensor subclasses. While a
 recompute runs, an operation that would read a skipped placeholder raises
@@ -66,12 +70,12 @@ class _Kept:
         out: Any,
         rng_after: dict[str, Any] | None,
         offload: bool = False,
-        inputs: frozenset[int] | None = None,
+        inputs: frozenset[tuple[int, int]] | None = None,
     ) -> None:
         self.op = op
         self.rng_after = rng_after
         self.offloaded = offload
-        # the storages the operation read (None: not known); NOTE [keeping only what the recompute reads]
+        # the kept entries the operation read (None: not known); NOTE [keeping only what the recompute reads]
         self.inputs = inputs
         self.skipped = False
         if offload:  # a copy of what the operation returned: later changes of the output do not reach it
@@ -182,10 +186,10 @@ class OpCache:
         self.ops: dict[int, list[Any]] = {}  # each policy block's numbered operations, in order
         # while the first forward runs: storage -> the entries holding it
         self.storages: dict[int, list[tuple[int, int]]] | None = {}
-        # NOTE [keeping only what the recompute reads], while the first forward runs: the
-        # storages read by operations the recompute runs, and those autograd saved
-        self.reads: set[int] = set()
-        self.autograd_saved: set[int] = set()
+        # NOTE [keeping only what the recompute reads], while the first forward runs: the kept
+        # entries read by operations the recompute runs, and those autograd saved
+        self.reads: set[tuple[int, int]] = set()
+        self.autograd_saved: set[tuple[int, int]] = set()
         self.at_risk = False  # a kept output of unknown inputs was dropped: it reads anything
 
     def keep(self, block: int, index: int, kept: _Kept) -> None:
@@ -210,14 +214,22 @@ class OpCache:
         else:
             self.reads |= kept.inputs
 
+    def kept_in(self, tree: Any) -> frozenset[tuple[int, int]]:
+        """The entries holding a storage of the tensors in `tree`, now."""
+        if not self.storages:
+            return frozenset()
+        found: set[tuple[int, int]] = set()
+        for key in strided_storage_keys(tree):
+            found.update(self.storages.get(key, ()))
+        return frozenset(found)
+
     def read(self, args: Any, kwargs: Any) -> None:
         """An operation the recompute runs too reads these arguments."""
-        self.reads.update(strided_storage_keys((args, kwargs)))
+        self.reads |= self.kept_in((args, kwargs))
 
     def saved(self, tensor: torch.Tensor) -> None:
         """Autograd saved `tensor` during the root's first forward."""
-        if self.storages is not None and tensor.layout == torch.strided:
-            self.autograd_saved.add(storage_key(tensor))
+        self.autograd_saved |= self.kept_in(tensor)
 
     def sharing(self, out: Any) -> None:
         """The outputs of an operation of the first forward: those sharing a kept storage are watched too."""
@@ -247,15 +259,15 @@ class OpCache:
     def seal(self, block: int | None = None) -> None:
         """The first forward of policy block `block` ended, or with None, the root's (see :class:`_Kept`)."""
         fresh = [
-            kept
+            ((key, index), kept)
             for key, entries in self.entries.items()
             if block is None or key == block
-            for kept in entries.values()
+            for index, kept in entries.items()
             if kept.versions is None and not kept.skipped
         ]
         if fresh and self.storages is not None and not torch.compiler.is_compiling():
             self._let_go(fresh)
-        for kept in fresh:
+        for _, kept in fresh:
             if not kept.skipped:
                 for t in kept.tensors():  # measured as kept for backward, as a saved tensor is
                     note_kept_for_backward(t)
@@ -264,7 +276,7 @@ class OpCache:
             self.storages = None
             self.reads, self.autograd_saved = set(), set()
 
-    def _let_go(self, fresh: list[_Kept]) -> None:
+    def _let_go(self, fresh: list[tuple[tuple[int, int], _Kept]]) -> None:
         """NOTE [keeping only what the recompute reads]: skips the outputs nothing reads."""
         held: dict[int, int] = {}  # storage -> how many of remat's own aliases hold it
         for entries in self.entries.values():
@@ -274,19 +286,18 @@ class OpCache:
                         key = storage_key(t)
                         held[key] = held.get(key, 0) + 1
         candidates = []
-        for kept in fresh:
+        for entry, kept in fresh:
             tensors = kept.tensors()
-            keys = [storage_key(t) for t in tensors]
             if kept.offloaded or not tensors or not all(_plain(t) for t in tensors):
                 outside = True
             else:
-                outside = any(_storage_uses(key) > held[key] for key in keys)
+                outside = any(_storage_uses(key) > held[key] for key in map(storage_key, tensors))
             if outside:  # it may be changed in place later, and its operation run again
                 self._reads_of(kept)
             else:
-                candidates.append((kept, keys))
+                candidates.append((entry, kept))
         if self.at_risk:
             return
-        for kept, keys in candidates:
-            if not any(key in self.reads or key in self.autograd_saved for key in keys):
+        for entry, kept in candidates:
+            if entry not in self.reads and entry not in self.autograd_saved:
                 kept.skip()

@@ -336,7 +336,7 @@ class _Mode(TorchDispatchMode):
         if decision.saves:
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
                 with internal():
-                    inputs = frozenset(strided_storage_keys((args, kwargs)))
+                    inputs = cache.kept_in((args, kwargs))
                     kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
                 if _LOCAL.explain is not None:
