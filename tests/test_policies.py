@@ -504,6 +504,35 @@ def test_a_storage_freed_in_the_forward_does_not_count_as_read_when_its_address_
     assert_same(plain, run_step(lambda: forward(True)[0], [x]))
 
 
+def test_letting_go_looks_at_each_kept_output_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.manual import _kept
+
+    looked = Counter[str]()
+    tensors = _kept._Kept.tensors
+
+    def counted(self: Any) -> list[torch.Tensor]:
+        looked["tensors"] += 1
+        return tensors(self)
+
+    monkeypatch.setattr(_kept._Kept, "tensors", counted)
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * 1.5 + 0.1).softmax(-1)
+
+    def outer(x: torch.Tensor, n: int) -> torch.Tensor:
+        for _ in range(n):  # policy blocks under one root: each seals while the others are kept
+            x = remat.recompute(inner, x, policy=policies.recompute_ops("softmax"))
+        return x
+
+    def looks(n: int) -> int:
+        looked.clear()
+        x = torch.randn(4, 8, requires_grad=True)
+        remat.recompute(outer, x, n).sum().backward()
+        return looked["tensors"]
+
+    assert looks(40) < 2.5 * looks(20)  # linear in the blocks (each block's seal looked at all: x4)
+
+
 class Stashing(nn.Module):
     """Keeps an intermediate on itself; the caller changes it in place after the forward."""
 

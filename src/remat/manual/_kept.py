@@ -278,20 +278,13 @@ class OpCache:
 
     def _let_go(self, fresh: list[tuple[tuple[int, int], _Kept]]) -> None:
         """NOTE [keeping only what the recompute reads]: skips the outputs nothing reads."""
-        held: dict[int, int] = {}  # storage -> how many of remat's own aliases hold it
-        for entries in self.entries.values():
-            for kept in entries.values():
-                for t in kept.tensors():
-                    if t.layout == torch.strided:
-                        key = storage_key(t)
-                        held[key] = held.get(key, 0) + 1
         candidates = []
         for entry, kept in fresh:
             tensors = kept.tensors()
             if kept.offloaded or not tensors or not all(_plain(t) for t in tensors):
                 outside = True
             else:
-                outside = any(_storage_uses(key) > held[key] for key in map(storage_key, tensors))
+                outside = any(_storage_uses(key) > self._held(key) for key in map(storage_key, tensors))
             if outside:  # it may be changed in place later, and its operation run again
                 self._reads_of(kept)
             else:
@@ -301,3 +294,13 @@ class OpCache:
         for entry, kept in candidates:
             if entry not in self.reads and entry not in self.autograd_saved:
                 kept.skip()
+
+    def _held(self, key: int) -> int:
+        """How many of remat's own aliases hold storage `key` (the entries that kept it, still kept)."""
+        assert self.storages is not None
+        held = 0
+        for block, index in set(self.storages.get(key, ())):
+            kept = self.get(block, index)
+            if kept is not None:
+                held += sum(1 for t in kept.tensors() if t.layout == torch.strided and storage_key(t) == key)
+        return held
