@@ -195,8 +195,9 @@ def test_recompute_ops_recomputes_only_the_marked_operation() -> None:
     again = counter.counts["recompute"]
     assert again["gelu"] == 1
     assert again["addmm"] == 0 and again["native_layer_norm"] == 0 and again["mul"] == 0
-    # the dropout masks are made in place (bernoulli_ on an empty tensor): never kept, so made again
-    assert again["bernoulli_"] == 2
+    # the dropout masks, made in place (bernoulli_ on an empty tensor), are kept as filled
+    # (NOTE [outputs filled in place]): not drawn again
+    assert again["bernoulli_"] == 0 and again["empty_like"] == 0
 
 
 def test_a_torch_function_name_matches_every_operation_it_runs() -> None:
@@ -533,6 +534,70 @@ def test_letting_go_looks_at_each_kept_output_a_bounded_number_of_times(monkeypa
     assert looks(40) < 2.5 * looks(20)  # linear in the blocks (each block's seal looked at all: x4)
 
 
+class Dropped(nn.Module):
+    """A mask made in place (F.dropout on the CPU: empty_like, bernoulli_, div_), then a softmax."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x), 0.3, True).softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("policy", "drawn_again"),
+    [(policies.recompute_ops("softmax"), 0), (policies.recompute_ops("softmax", "bernoulli_"), 1)],
+)
+def test_a_mask_filled_in_place_is_kept_unless_the_policy_names_the_fill(policy: Any, drawn_again: int) -> None:
+    # NOTE [outputs filled in place]
+    block, x = Dropped(), torch.randn(16, 32, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    generator_after = torch.get_rng_state()
+    got = run_step(lambda: remat.recompute(block, x, policy=policy), [x])
+    assert_same(plain, got)
+    assert torch.equal(torch.get_rng_state(), generator_after)
+    again = got[2].counts["recompute"]
+    assert again["bernoulli_"] == drawn_again and again["div_"] == drawn_again and again["_softmax"] == 1
+
+
+def test_a_random_operation_run_again_after_a_kept_fill_draws_what_the_forward_drew() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        mask = torch.empty_like(x).bernoulli_(0.5)  # kept, filled: not drawn again
+        noise = torch.randn_like(x)  # drawn again, after the skipped fill
+        return (x * mask + x * noise).softmax(-1)
+
+    x = torch.randn(8, 8, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    got = run_step(lambda: remat.recompute(block, x, policy=policies.recompute_ops("randn_like", "softmax")), [x])
+    assert_same(plain, got)
+    again = got[2].counts["recompute"]
+    assert again["bernoulli_"] == 0 and again["randn_like"] == 1
+
+
+def test_what_a_fill_reads_is_kept_when_the_filled_output_runs_again() -> None:
+    def block(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        k = c * 3  # kept, and read only by the fill below
+        e = torch.empty_like(c).uniform_()
+        e.mul_(k)  # taken into the entry of e...
+        r = e + x  # ...which is read (a recomputed addition)...
+        e.mul_(2)  # ...then written: its entry goes, and its operations, the fills included, run again
+        return (r * e).softmax(-1)
+
+    x, c = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6)
+    plain = run_step(lambda: block(x, c), [x])
+    got = run_step(lambda: remat.recompute(block, x, c, policy=policies.recompute_ops("add", "softmax")), [x])
+    assert_same(plain, got)
+    assert got[2].counts["recompute"]["uniform_"] == 1
+
+
+def test_a_fill_that_changes_the_layout_is_not_taken_in() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        e = torch.empty_like(x).uniform_()  # taken in...
+        e.t_()  # ...but this one changes e's strides, which a served value would not have
+        return (e * x).softmax(-1)
+
+    x = torch.randn(6, 6, requires_grad=True)
+    plain = run_step(lambda: block(x), [x])
+    assert_same(plain, run_step(lambda: remat.recompute(block, x, policy=policies.recompute_ops("softmax")), [x]))
+
+
 class Stashing(nn.Module):
     """Keeps an intermediate on itself; the caller changes it in place after the forward."""
 
@@ -561,8 +626,9 @@ def test_what_an_output_changed_in_the_forward_is_made_from_is_kept() -> None:
     def block(x: torch.Tensor) -> torch.Tensor:
         a = x * 0.5  # read only by the kept product below...
         b = a * 1.5
+        c = b * 2  # (a read: a change of b from now on is not a fill, NOTE [outputs filled in place])
         b.add_(x)  # ...which is changed in place, so the recompute makes it again from `a`
-        return b.softmax(-1)
+        return (b + c).softmax(-1)
 
     x = torch.randn(6, 6, requires_grad=True)
     plain = run_step(lambda: block(x), [x])
@@ -891,7 +957,46 @@ def test_save_collectives_keeps_the_functional_collectives_only() -> None:
 
 
 # ----------------------------------------------------------------------------- random blocks, random decisions
-_STEPS = ("mul", "add", "sin", "tanh", "pow", "softmax", "matmul", "scale", "sigmoid", "transpose", "add_", "stash")
+_STEPS = (
+    "mul",
+    "add",
+    "sin",
+    "tanh",
+    "pow",
+    "softmax",
+    "matmul",
+    "scale",
+    "sigmoid",
+    "transpose",
+    "add_",
+    "stash",
+    "dropout",
+    "fill",
+    "fill_after_read",
+    "fill_through_view",
+)
+
+
+_FILLS = ("dropout", "fill", "fill_after_read", "fill_through_view")
+
+
+def _filled(name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Steps that fill a fresh tensor in place (NOTE [outputs filled in place])."""
+    if name == "dropout":
+        return F.dropout(a, 0.5, True)  # on the CPU: empty_like, bernoulli_, div_
+    if name == "fill":
+        out = torch.empty_like(a).uniform_()
+        out.mul_(b)  # a fill that reads another value
+        return out * a
+    if name == "fill_after_read":
+        out = torch.empty_like(a).normal_()
+        read = out * a
+        out.add_(b)  # written after a read: not taken in
+        return out + read
+    out = torch.empty_like(a).bernoulli_(0.5)
+    out.t().mul_(b)  # through views, of all of it and of a part
+    out[1:].add_(1)
+    return out * a
 
 
 def _random_block(steps: list[tuple[str, int, int]], holder: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -921,6 +1026,8 @@ def _random_block(steps: list[tuple[str, int, int]], holder: dict[str, torch.Ten
             elif name == "stash":
                 out = a * 2
                 holder["stash"] = out  # held outside the block
+            elif name in _FILLS:
+                out = _filled(name, a, b)
             else:
                 out = getattr(torch, name)(a)
             values.append(out)
@@ -958,4 +1065,6 @@ def test_random_blocks_under_random_decisions_give_plain_gradients(
         plain = run_step(lambda: forward(False), [x, w])
     except RuntimeError:  # the in-place change broke plain autograd itself
         reject()
+    generator_after = torch.get_rng_state()
     assert_same(plain, run_step(lambda: forward(True), [x, w]))
+    assert torch.equal(torch.get_rng_state(), generator_after)  # the draws go on as without recompute

@@ -25,6 +25,21 @@ shape, strides, type and device in its place), when all of these hold:
   read. (An output kept through :func:`tag` has no recorded inputs; when one of those may
   run again, nothing of the block is let go.)
 
+NOTE [outputs filled in place]
+A random mask is often made by filling a fresh tensor in place: ``F.dropout`` on the CPU is
+``empty_like``, ``bernoulli_``, ``div_``. In-place operations are never kept (and not
+numbered), so the entry of the fresh tensor would go at the first fill, and the recompute
+would draw the mask again. Instead, while a kept output has been read by nothing (no
+operation, kept or not, has read its storage and autograd has not saved it), an in-place
+operation of the same block that writes to it, and that the policy would keep, is
+taken into its entry: the entry then holds the filled value, and the recompute, served
+that value, skips the fills in order (a random one sets the generator to the state after
+it, as a kept random operation does). Since nothing saw the values in between, a fill of a
+part (through a view) is taken in as well: the value served is the storage's last one. The
+fills' other arguments are counted among the entry's inputs. A fill the policy names, one
+of another block, one that changes a tensor's shape or strides (``resize_``, ``t_``), or
+any write after a read, drops the entry as before.
+
 Reads and saves are recorded as the kept entries they reach at that moment, not as storage
 addresses: a storage freed during the forward can come back at the same address as a later
 kept output, which an address would then count as read.
@@ -62,7 +77,19 @@ class _Kept:
     others are gone, and nothing can change them any more.
     """
 
-    __slots__ = ("op", "value", "rng_after", "originals", "watchers", "versions", "offloaded", "inputs", "skipped")
+    __slots__ = (
+        "op",
+        "value",
+        "rng_after",
+        "originals",
+        "watchers",
+        "versions",
+        "offloaded",
+        "inputs",
+        "skipped",
+        "fills",
+        "fillable",
+    )
 
     def __init__(
         self,
@@ -78,6 +105,9 @@ class _Kept:
         # the kept entries the operation read (None: not known); NOTE [keeping only what the recompute reads]
         self.inputs = inputs
         self.skipped = False
+        # NOTE [outputs filled in place]: the in-place operations taken in (op, RNG state after)
+        self.fills: list[tuple[Any, dict[str, Any] | None]] = []
+        self.fillable = not offload and inputs is not None and isinstance(out, torch.Tensor)
         if offload:  # a copy of what the operation returned: later changes of the output do not reach it
             self.value = tree_map(lambda t: to_host(t) if isinstance(t, torch.Tensor) else t, out)
             self.originals: list[weakref.ref[torch.Tensor]] = []
@@ -225,11 +255,44 @@ class OpCache:
 
     def read(self, args: Any, kwargs: Any) -> None:
         """An operation the recompute runs too reads these arguments."""
-        self.reads |= self.kept_in((args, kwargs))
+        entries = self.kept_in((args, kwargs))
+        self.reads |= entries
+        self.closed(entries)
 
     def saved(self, tensor: torch.Tensor) -> None:
         """Autograd saved `tensor` during the root's first forward."""
-        self.autograd_saved |= self.kept_in(tensor)
+        entries = self.kept_in(tensor)
+        self.autograd_saved |= entries
+        self.closed(entries)
+
+    def closed(self, entries: frozenset[tuple[int, int]]) -> None:
+        """These entries were read: no in-place operation is taken into them any more."""
+        for block, index in entries:
+            kept = self.get(block, index)
+            if kept is not None:
+                kept.fillable = False
+
+    def fill_target(self, tensor: torch.Tensor, block: int) -> tuple[int, int] | None:
+        """The entry of policy block `block` that an in-place write of `tensor` (any part of the
+        entry's output) may be taken into (NOTE [outputs filled in place]), if there is one."""
+        if not self.storages or tensor.layout != torch.strided:
+            return None
+        live = {entry for entry in self.storages.get(storage_key(tensor), ()) if self.get(*entry) is not None}
+        if len(live) != 1:
+            return None
+        entry = next(iter(live))
+        kept = self.get(*entry)
+        assert kept is not None
+        if entry[0] != block or not kept.fillable or kept.versions is not None:
+            return None
+        return entry
+
+    def filled(self, entry: tuple[int, int], op: Any, rng_after: dict[str, Any] | None, others: Any) -> None:
+        """In-place operation `op` wrote all of `entry`'s output, reading `others` besides."""
+        kept = self.get(*entry)
+        assert kept is not None and kept.inputs is not None
+        kept.fills.append((op, rng_after))
+        kept.inputs = kept.inputs | (self.kept_in(others) - {entry})
 
     def sharing(self, out: Any) -> None:
         """The outputs of an operation of the first forward: those sharing a kept storage are watched too."""

@@ -38,6 +38,7 @@ Exactness.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -60,7 +61,7 @@ __all__ = ["OpCache", "internal", "recording", "replaying", "tag", "unnumbered"]
 class _Scope:
     """One policy block running: recording (`policy` set) or replaying; `block` None numbers nothing."""
 
-    __slots__ = ("cache", "block", "policy", "next_index", "made", "replay_rng", "consume", "placeholders")
+    __slots__ = ("cache", "block", "policy", "next_index", "made", "replay_rng", "consume", "placeholders", "fills")
 
     def __init__(
         self, cache: OpCache | None, block: int | None, policy: Policy | None, replay_rng: bool, consume: bool = False
@@ -73,6 +74,9 @@ class _Scope:
         self.consume = consume  # the block's last run: an entry is let go once handed over
         # while replaying: the placeholders of skipped operations, which nothing may read, by storage
         self.placeholders: dict[int, weakref.ref[torch.Tensor]] = {}
+        # while replaying: the in-place fills still to skip, by the storage of the output served
+        # (NOTE [outputs filled in place] in remat.manual._kept)
+        self.fills: dict[int, collections.deque[tuple[Any, dict[str, Any] | None]]] = {}
         # tensors made by operations not kept, for remat.tag: id -> (ref, index, op, outputs, rng)
         self.made: dict[int, tuple[Any, ...]] | None = {} if policy is not None and policy.names else None
 
@@ -201,6 +205,18 @@ def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     return found
 
 
+def _fills_self(op: Any, args: Any, written: list[torch.Tensor]) -> bool:
+    """Whether `op` is an in-place operation on its first argument alone, returning it, that
+    changes its values only (not its shape or strides)."""
+    if len(written) != 1 or not args or written[0] is not args[0] or torch.Tag.inplace_view in op.tags:
+        return False
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.arguments or len(schema.returns) != 1:
+        return False
+    first, returned = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and returned is not None and returned.before_set == first.before_set
+
+
 def _kind(op: Any) -> str:
     kind = _KINDS.get(op)
     if kind is None:
@@ -258,6 +274,9 @@ class _Mode(TorchDispatchMode):
         if _LOCAL.internal:
             return func(*args, **kwargs)
         written = _written(func, args, kwargs)
+        filled = self._filling(scope, func, args, kwargs, written) if written else None
+        if filled:
+            return filled[0]
         if written:
             for recording in _LOCAL.scopes:
                 if recording.policy is not None and recording.cache is not None and recording.cache.storages:
@@ -292,6 +311,57 @@ class _Mode(TorchDispatchMode):
             return self._record(scope, scope.cache, index, func, args, kwargs)
         return self._replay(scope, scope.cache, index, func, args, kwargs)
 
+    def _filling(
+        self, scope: _Scope | None, func: Any, args: Any, kwargs: Any, written: list[torch.Tensor]
+    ) -> tuple[Any] | None:
+        """An in-place write taken into a kept output's entry, or skipped as one (NOTE
+        [outputs filled in place]): its result in a tuple; None for any other write."""
+        if scope is None or scope.block is None or not _fills_self(func, args, written):
+            return None
+        if scope.policy is not None:
+            return self._fill(scope, func, args, kwargs)
+        return self._skip_fill(scope, func, args)
+
+    def _fill(self, scope: _Scope, func: Any, args: Any, kwargs: Any) -> tuple[Any] | None:
+        """NOTE [outputs filled in place]: an in-place write of a kept output, taken into its entry."""
+        cache, policy = scope.cache, scope.policy
+        assert cache is not None and policy is not None and scope.block is not None
+        if cache.storages is None or any(
+            other.cache is not cache for other in _LOCAL.scopes if other.policy is not None and other.cache is not None
+        ):
+            return None
+        entry = cache.fill_target(args[0], scope.block)
+        if entry is None:
+            return None
+        decision = Decision.of(policy.decide(OpCall(func, args, kwargs, _LOCAL.function)), policy)
+        if not decision.saves or decision.offloads:
+            return None
+        out = self._run(func, args, kwargs, None, None)
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        with internal():
+            cache.filled(entry, func, _rng_state(out) if random else None, (args[1:], kwargs))
+        return (out,)
+
+    def _skip_fill(self, scope: _Scope, func: Any, args: Any) -> tuple[Any] | None:
+        """A fill the first forward took into a kept output: not run again (its output is served filled)."""
+        if not scope.fills:
+            return None
+        key = storage_key(args[0])
+        pending = scope.fills.get(key)
+        if pending is None:
+            return None
+        op, rng_after = pending.popleft()
+        if not pending:
+            del scope.fills[key]
+        if op is not func:
+            raise NondeterministicRecompute(
+                f"the recompute ran {func} on a kept output that its first forward filled with {op}; "
+                "the block must run the same operations when it is recomputed"
+            )
+        if rng_after is not None and scope.replay_rng:
+            _set_rng_state(rng_after)
+        return (args[0],)
+
     def _replay(self, scope: _Scope, cache: OpCache, index: int, func: Any, args: Any, kwargs: Any) -> Any:
         assert scope.block is not None
         ran = cache.ops.get(scope.block)
@@ -310,6 +380,8 @@ class _Mode(TorchDispatchMode):
                 out = kept.served()
             if scope.consume:
                 cache.drop(scope.block, index)
+            if kept.fills:
+                scope.fills[storage_key(out)] = collections.deque(kept.fills)
             if kept.skipped:
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
@@ -337,6 +409,7 @@ class _Mode(TorchDispatchMode):
             if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
                 with internal():
                     inputs = cache.kept_in((args, kwargs))
+                    cache.closed(inputs)
                     kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
                 if _LOCAL.explain is not None:
