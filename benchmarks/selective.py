@@ -191,8 +191,9 @@ class Case:
 
 
 # The Megatron-style policies: recompute the cheap pointwise operations, keep the rest.
-# Dropout on the CPU is empty_like (the mask), bernoulli_ and div_ (in place, never kept)
-# and mul (the mask applied); native_dropout is its fused form on CUDA. In these blocks
+# Dropout on the CPU is empty_like (the mask), bernoulli_ and div_ (filling it in place:
+# named here, so the mask is drawn again) and mul (the mask applied); native_dropout is its
+# fused form on CUDA. In these blocks
 # div is only the scaling of the attention scores and mul only dropout's.
 GPT_POINTWISE = policies.recompute_ops(
     torch.ops.aten.div,
