@@ -35,7 +35,10 @@ The same holds for what an earlier stage's glue made: an attention whose query a
 projections run as glue after its norm (the chain goes on through the value projection)
 computes them with the scores after that projection, in the glue of the later stage. A
 replay of the norm's stage runs its glue again and makes them again; the later glue takes
-them from there (``EarlierValue.made``) instead of keeping the first forward's.
+them from there (``EarlierValue.made``) instead of keeping the first forward's. A replay
+holds each value until the last glue that takes it, as the plan counts it (``ReplayHold``
+in remat.plan.lifetimes): a mask made beside the first block's query and key, and taken
+by every block's glue, must not keep them alive until the last block's attention.
 
 NOTE [glue that changes an earlier activation]
 The glue may change in place a tensor that needs a gradient and is not one of the stage's
@@ -368,13 +371,13 @@ class EarlierInputs:
 
     def __init__(self, pairs: frozenset[tuple[int, int]]) -> None:
         self.pairs = pairs
-        # the last glue recorded to take a value of each stage (a glue whose stage was
-        # stored in the first forward is never replayed: it takes nothing)
-        self.last_glue: dict[int, int] = {}
+        # the last glue recorded to take each value (a glue whose stage was stored in the
+        # first forward is never replayed: it takes nothing)
+        self.last_glue: dict[EarlierValue, int] = {}
         self._seen = StageInputs()
-        self._replayed: dict[int, list[torch.Tensor]] = {}
-        self._inputs_wanted: set[int] = set()  # the stages whose input a later glue takes
+        self._inputs_wanted: dict[int, set[int]] = {}  # stage -> the positions of its inputs taken later
         self._wanted: dict[int, set[int]] = {}  # stage -> the slots of its glue taken later
+        self._replayed: dict[int, dict[int, torch.Tensor]] = {}  # stage -> its replayed inputs taken later
         self._made: dict[int, dict[int, torch.Tensor]] = {}  # stage -> its glue's replayed values
         self._depth = 0
 
@@ -389,11 +392,9 @@ class EarlierInputs:
         taken = {key: at for key, at in earlier.items() if (at.stage, stage) in self.pairs}
         glue.take_from_earlier(taken)
         for at in taken.values():
-            self.last_glue[at.stage] = max(stage, self.last_glue.get(at.stage, stage))
-            if at.made:
-                self._wanted.setdefault(at.stage, set()).add(at.position)
-            else:
-                self._inputs_wanted.add(at.stage)
+            self.last_glue[at] = max(stage, self.last_glue.get(at, stage))
+            wanted = self._wanted if at.made else self._inputs_wanted
+            wanted.setdefault(at.stage, set()).add(at.position)
         expected = {first for first, glue_stage in self.pairs if glue_stage == stage}
         missed = expected - {at.stage for at in taken.values()}
         if missed:
@@ -407,8 +408,9 @@ class EarlierInputs:
 
     def replaying(self, stage: int, inputs: list[torch.Tensor]) -> None:
         """A replay runs `stage` on `inputs`: held until the last glue that takes them."""
-        if stage in self._inputs_wanted:
-            self._replayed[stage] = inputs
+        wanted = self._inputs_wanted.get(stage)
+        if wanted:
+            self._replayed[stage] = {p: inputs[p] for p in wanted if p < len(inputs)}
 
     def keeper(self, stage: int) -> Callable[[int, torch.Tensor], None] | None:
         """What a replay of the glue after `stage` tells the values it makes, or None when no
@@ -427,7 +429,7 @@ class EarlierInputs:
     def input(self, at: EarlierValue) -> torch.Tensor:
         """The replayed value `at` of an earlier stage, for a glue replayed after it."""
         values = self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
-        if values is None or (at.made and at.position not in values):
+        if values is None or at.position not in values:
             raise RematError(
                 f"a replay needs a value of stage {at.stage}, which it did not run: the plan's regions "
                 "do not follow its glue spans (ChainProfile.glue_spans); plan the model again"
@@ -435,10 +437,12 @@ class EarlierInputs:
         return values[at.position]
 
     def glue_replayed(self, stage: int) -> None:
-        for earlier, last in self.last_glue.items():
+        """A replay ran the glue after `stage`: what no later glue takes is let go."""
+        for at, last in self.last_glue.items():
             if last == stage:
-                self._replayed.pop(earlier, None)
-                self._made.pop(earlier, None)
+                values = self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
+                if values is not None:
+                    values.pop(at.position, None)
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
