@@ -88,7 +88,8 @@ class ChainMeasurement:
             model's output carries (a Hugging Face ``ModelOutput`` with ``labels``).
         input_held_until: per stage call, the last stage call whose forward runs while
             the model's own code still holds the stage's input (NOTE [inputs the model
-            holds] in ``remat.measure.timing``); empty when not measured.
+            holds] in ``remat.measure.timing``), the number of stage calls when it holds it
+            into the code after the chain; empty when not measured.
         held_outputs: what a stage call (with the model's code after it) makes that the
             model holds beyond the next stage call without passing it on (a U-Net's
             skip): ``(stage call, last stage call it is held through, bytes, whether
@@ -239,24 +240,42 @@ class ChainMeasurement:
         savers = tuple(group for group, saves in takers.items() if saves)
         return tuple(takers), savers, sum(taken.values())
 
+    # NOTE [inputs held after the chain]
+    # The model may hold a stage's input into the code after the chain (a Segformer stage's
+    # input, held by its caller until the stage returns, after the reshape copy that follows
+    # its last norm). The suffix's peak, charged at the loss as the chain output's gradient,
+    # counts what the chain made and the model frees there only if no stage saves it
+    # (`_suffix`), since a stored stage keeps what it saves. A schedule that recomputes that
+    # stage does not keep it, and the model still holds it there: such an input is
+    # `after_chain`, and the prediction holds it until the loss is computed
+    # (remat.plan.lifetimes).
     def held_inputs(self) -> tuple[HeldInput, ...]:
         """What the model holds beyond a planned stage: its input (see ``input_held_until``),
         and what it made and keeps for later (``held_outputs``)."""
         group_of = self.group_of()
+        calls = len(self.stages)
+        saved_keys = {key for stage in self.stages for key in stage.saved_storages}
         out = []
         for index, until in enumerate(self.input_held_until):
+            storages = self.stages[index].input_storages
+            after_chain = until >= calls and not storages.keys().isdisjoint(saved_keys)
+            until = min(until, calls - 1)
             start, end = group_of[index], group_of[until]
-            if index == 0 or end == start:
+            if index == 0 or (end == start and not after_chain):
                 continue
-            nbytes = sum(self.stages[index].input_storages.values())
+            nbytes = sum(storages.values())
             if index == self.groups[start][0]:
                 profile = self.profile
                 kept_before = start > 0 and profile.saves_output[start - 1]
                 takers, savers, later_bytes = self._later_takers(index, until)
                 held = HeldInput(start, end, nbytes, True, profile.saves_input[start], kept_before)
-                out.append(held._replace(later_takers=takers, later_bytes=later_bytes, later_savers=savers))
+                out.append(
+                    held._replace(
+                        later_takers=takers, later_bytes=later_bytes, later_savers=savers, after_chain=after_chain
+                    )
+                )
             else:
-                out.append(HeldInput(start, end, nbytes, False))
+                out.append(HeldInput(start, end, nbytes, False, after_chain=after_chain))
         for index, until, nbytes, saved in self.held_outputs:
             if group_of[until] != group_of[index]:
                 out.append(HeldInput(group_of[index], group_of[until], nbytes, False, kept_by_stage=saved))

@@ -73,7 +73,8 @@ class TimingPass(NamedTuple):
             last one with the suffix), counting everything allocated since it began.
         input_held_until: with ``track_all``, for each stage call, the last stage call
             whose forward runs while the model itself still holds the stage's input (NOTE
-            [inputs the model holds]); the stage's own index when nothing does.
+            [inputs the model holds]); the stage's own index when nothing does, and the
+            number of stage calls when the model holds it into the code after the chain.
         held_outputs: with ``track_all``, what a stage call (with the code after it) makes
             that the model holds beyond the next stage call, other than that call's input
             (a U-Net's skip): ``(stage call, last stage call it is held through, bytes,
@@ -134,6 +135,8 @@ class _GroupTimer:
         self.track_all = track_all
         self.group_windows: list[tuple[int, int]] = []
         self.stage_starts: list[int] = []  # with track_all: the event each stage call began at
+        self.chain_end_event: int | None = None  # and the one the last stage call returned at
+        self.last_group_saves = 0  # and the tensors saved before the last group began
         self.input_allocations: list[dict[int, int]] = []  # and what it took from before it
         self.output_allocations: list[dict[int, int]] = []  # and what it returned
         self._group_start = 0
@@ -162,9 +165,7 @@ class _GroupTimer:
         suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
         if self.track_all and index in self.first_stages:
             self._group_start = self._event()
-        if self.everything is not None:
-            self.stage_starts.append(self._event())
-            self.input_allocations.append(self.everything.allocations_of(tensors_in((args, kwargs))))
+        self._note_input(index, args, kwargs)
         cut: list[torch.Tensor] = []
         if index in self.first:
             self._grad_mode = torch.is_grad_enabled()
@@ -200,7 +201,7 @@ class _GroupTimer:
             torch.clear_autocast_cache()
             if self.track_all:
                 self.group_windows.append((self._group_start, self._event()))
-        self._note_output(out)
+        self._note_output(index, out)
         self.times[index] = (forward_s, backward_s)
         self._returned = self._now()
         return out
@@ -252,10 +253,20 @@ class _GroupTimer:
                 best[name] = min(best[name], run(policy))
         self.option_extra_s[index] = {name: max(0.0, seconds - plain_s) for name, seconds in best.items()}
 
-    def _note_output(self, out: Any) -> None:
-        """Notes what a stage returned (when the pass tracks everything)."""
+    def _note_input(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Notes when a stage call began and what it took (when the pass tracks everything)."""
+        if self.everything is not None:
+            self.stage_starts.append(self._event())
+            if index == self.groups[-1][0]:
+                self.last_group_saves = self.everything.n_saved
+            self.input_allocations.append(self.everything.allocations_of(tensors_in((args, kwargs))))
+
+    def _note_output(self, index: int, out: Any) -> None:
+        """Notes what a stage returned, and when the last one did (when the pass tracks everything)."""
         if self.everything is not None:
             self.output_allocations.append(self.everything.allocations_of(tensors_in(out)))
+            if index == len(self.chain) - 1:
+                self.chain_end_event = self._event()
 
     def _event(self) -> int:
         return self.everything.n_events if self.everything is not None else 0
@@ -430,8 +441,9 @@ def time_groups(
         timer.group_windows.append((timer._group_start, timer.everything.n_events))
         peaks = tuple(timer.everything.window(start, stop).peak_bytes for start, stop in timer.group_windows)
         held = _input_held_until(
-            timer.everything, timer.stage_starts, timer.input_allocations, timer.output_allocations
-        )
+            timer.everything, timer.stage_starts, timer.input_allocations, timer.output_allocations,
+            timer.chain_end_event, set(timer.everything.saved_allocations(timer.last_group_saves)),
+        )  # fmt: skip
         held_outputs = _held_outputs(timer.everything, timer.stage_starts, timer.input_allocations)
     options = tuple(timer.option_extra_s)
     if timer.tracker is None or timer.gradient_event is None:
@@ -450,9 +462,20 @@ def time_groups(
 # that discards that input after the stage does not free it then. The timing pass runs
 # without grad, each group's graph gone at its end, so what keeps a stage's input alive
 # there is the model alone: the stage call during which its storage is freed is the last
-# one it is held through (to the end of the forward when it outlives the pass).
+# one it is held through (to the end of the forward when it outlives the pass). Held past
+# the return of the last stage call, while the code after the chain allocates (a Segformer
+# stage's reshape copy after its last norm, the caller still holding the stage's input),
+# it is held into that code, whose peak the chain output's gradient stands for: `until`
+# is then the number of stage calls (NOTE [inputs held after the chain] in
+# remat.measure.assemble). (The last group's graph, whose backward runs from the loss,
+# holds what it saved into that code too, and the model need not: not counted so.)
 def _input_held_until(
-    tracker: MemoryTracker, starts: list[int], inputs: list[dict[int, int]], outputs: list[dict[int, int]]
+    tracker: MemoryTracker,
+    starts: list[int],
+    inputs: list[dict[int, int]],
+    outputs: list[dict[int, int]],
+    chain_end: int | None = None,
+    saved_by_last_group: set[int] | None = None,
 ) -> tuple[int, ...]:
     if not starts:
         return ()
@@ -477,6 +500,13 @@ def _input_held_until(
                 continue
             # the last stage call that began before the storage was freed
             last = len(starts) - 1 if freed is None else bisect.bisect_left(starts, freed) - 1
+            if (
+                freed is not None
+                and chain_end is not None
+                and allocation not in (saved_by_last_group or ())
+                and tracker.allocated_bytes(chain_end, freed) > 0
+            ):
+                last = len(starts)  # held into the code after the chain
             until = max(until, last)
         held.append(until)
     return tuple(held)

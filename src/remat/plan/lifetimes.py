@@ -18,7 +18,8 @@ schedule for the prediction:
 * a stage's input that the model's own code holds beyond the stage (the input of a
   container of blocks, until its last block returns: NOTE [inputs the model holds] in
   ``remat.measure.timing``), through the first forward, where the schedule would have
-  freed it;
+  freed it; one held into the code after the chain that a stage saves, until the loss
+  is computed (NOTE [inputs held after the chain] in ``remat.measure.assemble``);
 * what the glue after a stage that is not stored keeps for its replay (NOTE [glue
   constants] in ``remat.measure.outside``), from that stage's first forward (before it,
   the model's code holds it: a held input) to the end of the chain's backward;
@@ -64,6 +65,10 @@ class HeldInput(NamedTuple):
             it is (NOTE [side inputs kept by later stages]).
         later_bytes: the bytes of what they take of it.
         later_savers: those of ``later_takers`` that save some of it for their backward.
+        after_chain: the model holds it into the code after the chain too, whose peak
+            (the loss's) does not count it since a stage saves it: held until the loss is
+            computed (``until`` is then the last stage; NOTE [inputs held after the chain]
+            in ``remat.measure.assemble``).
     """
 
     stage: int
@@ -75,6 +80,7 @@ class HeldInput(NamedTuple):
     later_takers: tuple[int, ...] = ()
     later_bytes: int = 0
     later_savers: tuple[int, ...] = ()
+    after_chain: bool = False
 
 
 class GlueConstant(NamedTuple):
@@ -301,10 +307,12 @@ class _Alive:
             if holds and stage in constant.keepers and not covered:
                 self._hold(_constant_tensor(index, constant), ("glue", index, stage), constant.nbytes)
         for index, held in enumerate(self.lifetimes.held_inputs):
-            if held.stage == stage and held.until > stage and not _schedule_keeps(held, self.first_kinds):
+            beyond = held.until > stage or held.after_chain
+            if held.stage == stage and beyond and not _schedule_keeps(held, self.first_kinds):
                 tensor = ("input", held.stage, held.nbytes) if held.is_stage_input else ("held", index)
                 self._hold(tensor, ("model", index), held.nbytes)
-                self.model_held.setdefault(held.until, []).append((tensor, ("model", index), held.nbytes))
+                until = self.last + 1 if held.after_chain else held.until  # (last + 1: to the loss)
+                self.model_held.setdefault(until, []).append((tensor, ("model", index), held.nbytes))
         self.side.forward_ends(kind, stage)
 
     def _hold(self, tensor: Hashable, holder: Hashable, nbytes: int) -> None:
@@ -322,6 +330,8 @@ class _Alive:
 
     def end_of_forward(self) -> None:
         self.in_backward = True
+        for tensor, holder, nbytes in self.model_held.pop(self.last + 1, ()):  # held after the chain
+            self._release(tensor, holder, nbytes)
         self.bytes -= sum(self.cached[stage] for stage in self.first_kinds)
         for dropped in self.cast_alive - self.stored:
             self.bytes -= self.casts[dropped]
