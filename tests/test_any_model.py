@@ -292,6 +292,49 @@ class _Staged(nn.Module):
         return x
 
 
+class _FlatLayer(nn.Module):
+    """A layer of many distinct submodules, called one after another (a BART layer's)."""
+
+    def __init__(self, width: int, cross: bool) -> None:
+        super().__init__()
+        self.attention, self.attention_norm = nn.Linear(width, width), nn.LayerNorm(width)
+        self.cross = nn.Linear(width, width) if cross else None
+        self.cross_norm = nn.LayerNorm(width) if cross else None
+        self.fc1, self.activation, self.fc2 = nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        self.final_norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention_norm(x + self.attention(x))
+        if self.cross is not None and self.cross_norm is not None and memory is not None:
+            x = self.cross_norm(x + self.cross(x + memory.mean(1, keepdim=True)))
+        return self.final_norm(x + self.fc2(self.activation(self.fc1(x))))
+
+
+class _FlatEncoderDecoder(nn.Module):
+    def __init__(self, width: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(_FlatLayer(width, cross=False) for _ in range(layers))
+        self.decoder = nn.ModuleList(_FlatLayer(width, cross=True) for _ in range(layers))
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder:
+            source = layer(source)
+        for layer in self.decoder:
+            target = layer(target, memory=source)
+        return target
+
+
+def test_the_insides_of_one_block_do_not_outrank_the_run_of_blocks() -> None:
+    # NOTE [runs inside a block]: a decoder layer's eight calls outnumber two layers; the
+    # chain is the encoder's and the decoder's layers, not one decoder layer's insides
+    torch.manual_seed(0)
+    model, source, target = _FlatEncoderDecoder(), torch.randn(2, 5, 8), torch.randn(2, 4, 8)
+    chain = discover_chain(model, (source, target), {})
+    assert chain.names == ["encoder.0", "encoder.1", "decoder.0", "decoder.1"]
+    case = Case(model, (source, target), lambda out: out.square().mean(), chain.names)
+    train_and_check(case, None)
+
+
 def test_runs_joined_before_the_longest_are_whole_blocks_not_their_insides() -> None:
     # The longest run is the last stage's blocks; the runs before it end with the stage
     # before's blocks and, at the same point, with the shortcut and activation inside its

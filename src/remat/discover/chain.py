@@ -13,6 +13,7 @@ normally and is accounted for as fixed memory.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -385,7 +386,41 @@ def _runs(calls: list[_Call]) -> list[list[int]]:
             runs.append(run)
             taken = set(run)
             left = [index for index in left if index not in taken]
-    return sorted(runs, key=lambda run: -_run_stages(calls, run))
+    blocks = _repeated_blocks(calls, runs)
+    return sorted(runs, key=lambda run: (_inside(calls, run, blocks), -_run_stages(calls, run)))
+
+
+# NOTE [runs inside a block]
+# The calls inside one block of a run of repeated blocks form a run of their own (a BART
+# layer: self-attention, its norm, cross-attention, its norm, two products, an activation,
+# a norm), and with few blocks it gives more stages than the blocks do (eight against four
+# decoder layers and their embeddings). Taken as the chain, it left every other block out
+# of the plan, and the encoder with them. Such a run (inside a block, and not itself a run
+# of blocks, as a ResNet stage's are) ranks after every other: the run of blocks is taken,
+# joined with the encoder's, and a block is split into its own calls where nesting asks
+# for it (NOTE [nested chains]).
+def _repeated_blocks(calls: list[_Call], runs: list[list[int]]) -> set[int]:
+    """The calls of `runs` that are blocks: one after another in a run, two or more calls of
+    one module class with children (a block's two attentions, apart, are not)."""
+    blocks: set[int] = set()
+    for run in runs:
+        for a, b in itertools.pairwise(run):
+            if type(calls[a].module) is type(calls[b].module) and _has_children(calls[a]) and _has_children(calls[b]):
+                blocks.update((a, b))
+    return blocks
+
+
+def _inside(calls: list[_Call], run: list[int], blocks: set[int]) -> bool:
+    """Whether `run` is the insides of a block: it runs inside one of `blocks` (at any
+    depth), and is not itself a run of blocks."""
+    if any(i in blocks for i in run):
+        return False
+    parent = calls[run[0]].parent
+    while parent is not None:
+        if parent in blocks:
+            return True
+        parent = calls[parent].parent
+    return False
 
 
 def _eligible_children(calls: list[_Call]) -> dict[int | None, list[int]]:
@@ -429,6 +464,7 @@ def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
         return []
     chain = runs[0]
     candidates = [run for run in runs[1:] if len(run) >= 2]
+    blocks = _repeated_blocks(calls, runs)
     while True:
         last, first = calls[chain[-1]], calls[chain[0]]
         after = []
@@ -441,10 +477,11 @@ def _join_runs(calls: list[_Call], runs: list[list[int]]) -> list[int]:
         before = [run for run in candidates if chain[0] >= calls[run[-1]].returned and first.derives_from(run[-1])]
         if after:
             # the nearest; among the runs inside its first call (a decoder's blocks inside the
-            # decoder), the one of most stages
+            # decoder), the one of most stages that does not run inside a block (NOTE [runs
+            # inside a block])
             nearest = min(after, key=lambda run: run[0])
             inside = [run for run in after if nearest[0] <= run[0] < calls[nearest[0]].returned]
-            joined = max(inside, key=lambda run: (_run_stages(calls, run), -run[0]))
+            joined = max(inside, key=lambda run: (not _inside(calls, run, blocks), _run_stages(calls, run), -run[0]))
             chain = chain + joined
         elif before:
             # the nearest: the one whose last call returned last; of a run and the runs inside

@@ -108,6 +108,29 @@ def _t5(scale: int, overrides: dict[str, Any]) -> Case:
     return lambda: _transformers().T5ForConditionalGeneration(config), kwargs
 
 
+def _bart(scale: int, overrides: dict[str, Any]) -> Case:
+    config = _config(
+        _transformers().BartConfig,
+        overrides,
+        vocab_size=256,
+        d_model=64 * scale,
+        encoder_ffn_dim=128 * scale,
+        decoder_ffn_dim=128 * scale,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        max_position_embeddings=128 * scale,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    vocab = config.vocab_size
+    kwargs = {"input_ids": _tokens(scale, vocab=vocab), "labels": _tokens(scale, length=16, vocab=vocab)}
+    return lambda: _transformers().BartForConditionalGeneration(config), kwargs
+
+
 def _images(scale: int, pixels: int) -> torch.Tensor:
     return torch.randn(2 * scale, 3, pixels, pixels, generator=torch.Generator().manual_seed(2))
 
@@ -176,6 +199,7 @@ _BUILDERS: dict[str, Callable[[int, dict[str, Any]], Case]] = {
     "gpt_neox": functools.partial(_causal_lm, "gpt_neox"),
     "bert": _bert,
     "t5": _t5,
+    "bart": _bart,
     "vit": _vit,
     "resnet": _resnet,
     "convnext": _convnext,
