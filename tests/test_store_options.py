@@ -115,6 +115,28 @@ def test_stages_stored_under_a_policy_give_plain_gradients_within_the_budget(bud
     assert "policy: save_matmuls" in str(control.plan)
 
 
+def test_the_first_step_draws_what_plain_draws_while_the_cost_model_is_calibrated() -> None:
+    # The first step measures the model and, for store options, calibrates the device's
+    # cost model (once per process): its tensors come from a generator of its own, so the
+    # step's dropout masks, and the draws after it, are those of plain training.
+    from remat.measure import estimate
+
+    estimate._calibrate.cache_clear()
+    torch.manual_seed(0)
+    model = Tower(p=0.2)
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 24, 32)
+    expected = plain_step(model, x)
+    after_plain = torch.rand(4)
+    remat.enable(twin, 0.45, loss_fn=loss_fn, policy=policies.save_matmuls)
+    got = plain_step(twin, x)
+    assert estimate._calibrate.cache_info().currsize > 0  # (the calibration ran in this step)
+    assert torch.equal(expected[0], got[0])
+    for a, b in zip(expected[1], got[1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.rand(4), after_plain)
+
+
 def test_options_are_planned_only_where_they_pay() -> None:
     model = Tower()
     x = torch.randn(16, 24, 32)

@@ -118,9 +118,13 @@ def _power_of_two_at_most(value: float, low: int, high: int) -> int:
 def _operator_on(
     shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, operator: Callable[..., torch.Tensor]
 ) -> Callable[[], torch.Tensor]:
-    """`operator` applied to two random tensors of `shape`, as a call without arguments."""
-    first = torch.randn(shape, device=device, dtype=dtype)
-    second = torch.randn(shape, device=device, dtype=dtype)
+    """`operator` applied to two random tensors of `shape`, as a call without arguments.
+
+    They are drawn from a generator of their own: a calibration runs inside the user's first
+    step, whose random operations (dropout) must draw what they draw without remat."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    first = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    second = torch.randn(shape, device=device, dtype=dtype, generator=generator)
     return lambda: operator(first, second)
 
 
