@@ -10,7 +10,7 @@ The assembly runs in named steps:
    the model's code, side effects, and what backwards leave behind;
 4. :func:`_suffix`: what runs after the chain (a head, the loss), charged to the chain
    output's gradient, and what it keeps through the chain's backward;
-5. :func:`_group_cost`: each group's times and bytes;
+5. :func:`~remat.measure.costs.group_cost`: each group's times and bytes;
 6. the :class:`~remat.plan.profile.ChainProfile`.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from remat.discover.chain import Chain
-from remat.manual._state import snapshot_bytes
+from remat.measure.costs import group_cost
 from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import (
@@ -318,19 +318,6 @@ class TrackedStep:
     loss_allocations: set[int] = field(default_factory=set)
 
 
-class _GroupCost(NamedTuple):
-    name: str
-    forward_time_s: float
-    backward_time_s: float
-    output_bytes: int
-    saved_bytes: int
-    saves_input: bool
-    saves_output: bool
-    forward_temp_bytes: int
-    backward_temp_bytes: int
-    cast_bytes: int
-
-
 def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float]] | None = None) -> ChainMeasurement:
     """Groups the measured stages and builds the profile (see the module's steps).
 
@@ -357,7 +344,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
     taken_again = constants_taken_again(step, groups, group_of)
     constants_kept = glue_constants(step, groups, group_of, frozenset(taken_again))
     fixed_bytes += sum(nbytes for nbytes, _, _, saved in constants if saved)  # the others are escaped bytes
-    costs = [_group_cost(chain, step, first, stop) for first, stop in groups]
+    costs = [group_cost(chain, step, first, stop) for first, stop in groups]
     tracker = step.tracker
     measured_peak_bytes = tracker.window().peak_bytes
     first_backward = stages[0].backward_window
@@ -533,63 +520,3 @@ class _Suffix(NamedTuple):
     peak_bytes: int
     transient_bytes: int
     backward_excess_bytes: int
-
-
-def _group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> _GroupCost:
-    """Times and bytes of the planned stage made of the stage calls ``[first, stop)``."""
-    members = step.watch.stages[first:stop]
-    frugal = step.watch.spans is not None
-    input_storages = members[0].input_storages
-    output_storages = members[-1].output_storages
-    saved_all: dict[int, tuple[int, int]] = {}
-    for member in members:
-        saved_all.update(member.saved_storages)
-    forward_start, forward_stop = members[0].forward_window[0], members[-1].forward_window[1]
-    # Saved storages allocated before the group (side inputs such as a mask) are held by
-    # the model anyway: only what the group allocates counts as its own. Autocast's casts
-    # of weights are held by its cache (NOTE [autocast casts]): outside the chain.
-    saved_bytes = cast_bytes = 0
-    for key, (nbytes, allocated_event) in saved_all.items():
-        own = forward_start <= allocated_event < forward_stop
-        if own and key in step.cast_allocations:
-            cast_bytes += nbytes
-        elif own and key not in input_storages and key not in output_storages:
-            saved_bytes += nbytes
-    output_bytes = sum(output_storages.values())
-    forward = step.tracker.window(forward_start, forward_stop)
-    # frugal: the forward ran without its saved tensors kept, so its peak above the live
-    # memory already bounds what the model adds on top of them.
-    # A recomputed stage also holds the guard's copy of one normalisation layer's running
-    # statistics (NOTE [running statistics during recompute]).
-    guard_bytes = max(map(snapshot_bytes, chain.modules[first:stop]))
-    forward_temp_bytes = (
-        forward.peak_bytes - forward.before_bytes - output_bytes - (0 if frugal else saved_bytes) - cast_bytes
-    )
-    return _GroupCost(
-        name=chain.names[first] if stop - first == 1 else f"{chain.names[first]}..{chain.names[stop - 1]}",
-        forward_time_s=sum([m.forward_time_s for m in members]),
-        backward_time_s=sum([m.backward_time_s for m in members]),
-        output_bytes=output_bytes,
-        saved_bytes=saved_bytes,
-        saves_input=not input_storages.keys().isdisjoint(saved_all),
-        saves_output=not output_storages.keys().isdisjoint(saved_all),
-        forward_temp_bytes=max(0, forward_temp_bytes) + guard_bytes,
-        backward_temp_bytes=_backward_temp_bytes(step, members, stop),
-        cast_bytes=cast_bytes,
-    )
-
-
-def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], stop: int) -> int:
-    """Transient bytes of a group's backward, on top of what is live and its input's gradient."""
-    windows = [m.backward_window for m in members]
-    last_window, first_window = windows[-1], windows[0]
-    if last_window is None or first_window is None:
-        return 0
-    start_event, stop_event = last_window[0], first_window[1]
-    # Frugal mode: from the end of the recompute that precedes it, when the group ends a
-    # span: the saved tensors are back then, as they are kept in a plain step.
-    span_start = step.watch.span_start_of_last_stage.get(stop - 1)
-    if span_start is not None and span_start in step.watch.recompute_end_event:
-        start_event = max(start_event, step.watch.recompute_end_event[span_start])
-    backward = step.tracker.window(start_event, stop_event)
-    return max(0, backward.peak_bytes - backward.before_bytes - members[0].gradient_bytes_in)
