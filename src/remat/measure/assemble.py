@@ -68,8 +68,8 @@ class ChainMeasurement:
             input's gradient, from then on (counted in ``fixed_bytes``): the partial
             gradient of a weight also used before it, waiting for the other use, or a
             gradient it received that outlives it (a U-Net's skip gradient).
-        leftover_freed: ``(planned stage, bytes)``: of those leftovers, what that later
-            stage's backward frees.
+        leftover_freed: ``(planned stage, bytes)``: of those leftovers and of what the
+            suffix keeps, what that later stage's backward frees.
         suffix_transient_bytes: what the chain output's gradient in the profile charges
             for the suffix's own peak (a head's logits and their gradient) beyond the
             gradient itself: it lives during the loss only.
@@ -398,7 +398,7 @@ def assemble(chain: Chain, step: TrackedStep, times: Sequence[tuple[float, float
         cast_bytes=tuple(int(c) for c in casts),
         cached_cast_bytes=tuple(cached),
         leftover_bytes=tuple(sum(leftovers[first:stop]) for first, stop in groups),
-        leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in freed_by),
+        leftover_freed=tuple((group_of[stage], nbytes) for stage, nbytes in [*freed_by, *suffix.kept_freed]),
         suffix_transient_bytes=int(suffix_transient_bytes),
         suffix_backward_excess_bytes=int(suffix.backward_excess_bytes),
         glue_constants=constants,
@@ -462,12 +462,23 @@ def _suffix(step: TrackedStep) -> _Suffix:
     # than the model's output, is held through the chain's backward: e.g. the partial
     # gradient of an LM head's weight tied to the prefix's embedding, which waits for the
     # embedding's backward. It is fixed memory, not part of the transient.
+    # A stage's backward may free it (the decoder's embedding, run as glue, sums that
+    # partial gradient with its own: the sum is that stage's leftover): released there,
+    # not counted twice. (Not the first stage's: its window runs to the step's end, where
+    # the training loop drops the loss.)
     kept_bytes = 0
+    kept_freed: list[tuple[int, int]] = []
     if last_backward is not None:
         in_last_backward = tracker.surviving_allocations(*last_backward)
         held = tracker.surviving_allocations(last_forward_end, last_backward[1])
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
-        kept_bytes = sum_except(held, excluded | recomputed(step, held))
+        excluded |= recomputed(step, held)
+        kept_bytes = sum_except(held, excluded)
+        windows = [(k, stage.backward_window) for k, stage in enumerate(watch.stages) if k > 0]
+        for key, (_, freed) in tracker.allocation_freed_events(held.keys() - excluded).items():
+            taker = next((k for k, w in windows if w and freed is not None and w[0] <= freed < w[1]), None)
+            if taker is not None:
+                kept_freed.append((taker, held[key]))
         # a loss the chain's last stage computes (a loss module planned as a stage) is held
         # by the training loop through the whole backward
         returned = watch.stages[-1].output_storages
@@ -511,6 +522,7 @@ def _suffix(step: TrackedStep) -> _Suffix:
         suffix.peak_bytes - before_bytes,
         gradient_bytes - watch.output_grad_bytes,
         gradient_bytes - forward_bytes,
+        tuple(kept_freed),
     )
 
 
@@ -520,3 +532,4 @@ class _Suffix(NamedTuple):
     peak_bytes: int
     transient_bytes: int
     backward_excess_bytes: int
+    kept_freed: tuple[tuple[int, int], ...] = ()  # (stage whose backward frees it, bytes)

@@ -359,42 +359,57 @@ class StageWatch:
 
     def _hook_gradients(self, index: int, tensors: list[torch.Tensor], passed: Sequence[torch.Tensor] = ()) -> None:
         # Plain tensor hooks (they also fire for the tensor backward starts from). The
-        # last one to fire marks the moment the whole gradient is there; the last of those
-        # of what the stage made, not `passed` on from its inputs, when its own backward
-        # can start (NOTE [gradients waiting for a replay] in remat.measure.outside).
+        # last one to fire marks the moment the whole gradient is there, and the stage's
+        # backward starts, but for the outputs the stage's own backward completes (NOTE
+        # [outputs a stage's own backward completes]); the last of those of what the
+        # stage made, not `passed` on from its inputs, when its own backward can start
+        # (NOTE [gradients waiting for a replay] in remat.measure.outside).
         received: dict[int, int] = {}  # position -> bytes, shared by the outputs of one stage
         own: set[int] = set()  # the positions of what it made
-        position = 0
-        for tensor in tensors:
-            if tensor.requires_grad:
-                # Reading grad_fn first brings a view changed in place up to date: PyTorch
-                # regenerates its node there, and registering a hook before that fails.
-                _ = tensor.grad_fn
-                if not any(tensor is other for other in passed):
-                    own.add(position)
-                tensor.register_hook(functools.partial(self._on_gradient, index, position, received, own))
-                position += 1
+        hooked = [tensor for tensor in tensors if tensor.requires_grad]
+        # Reading grad_fn first brings a view changed in place up to date: PyTorch
+        # regenerates its node there, and registering a hook before that fails.
+        inside = completed_inside([tensor.grad_fn for tensor in hooked])
+        for position, tensor in enumerate(hooked):
+            if not any(tensor is other for other in passed) and position not in inside:
+                own.add(position)
+            hook = functools.partial(self._on_gradient, index, position, received, own, inside)
+            tensor.register_hook(hook)
 
     def _on_gradient(
-        self, index: int, position: int, received: dict[int, int], own: set[int], grad: torch.Tensor | None
+        self,
+        index: int,
+        position: int,
+        received: dict[int, int],
+        own: set[int],
+        inside: set[int],
+        grad: torch.Tensor | None,
     ) -> None:
         # The gradient of one output of stage `index` (-1: of the chain input) is there.
         # Once all have come, stage `index`'s backward starts, and the backward of stage
-        # index + 1 has just ended.
+        # index + 1 has just ended; one its own backward completes comes within it.
         if self.synchronize is not None:
             self.synchronize()
         tracker = self.tracker
-        self.grad_ready_time[index] = time.perf_counter()
-        self.grad_ready_event[index] = tracker.n_events if tracker is not None else 0
+        if position not in inside or index not in self.grad_ready_event:
+            self.grad_ready_time[index] = time.perf_counter()
+            self.grad_ready_event[index] = tracker.n_events if tracker is not None else 0
+            self.grad_ready_work[index] = work_mark(tracker)
         if position in own and own <= {*received, position}:
             self.own_ready_event.setdefault(index, self.grad_ready_event[index])
-        self.grad_ready_work[index] = work_mark(tracker)
         if grad is None:
             received[position] = 0
         else:
             received[position] = int(grad.numel() * grad.element_size())
             if tracker is not None:
                 allocation_id = tracker.allocation_id(grad)
+                # one the stage's own backward completes is not part of the gradient it
+                # starts with when that backward made it: what a later stage gave of it
+                # is that one's leftover (not when it was summed into in place)
+                if position in inside and allocation_id is not None:
+                    made_at = tracker.allocation_records([allocation_id])[allocation_id].allocated_event
+                    if made_at >= self.grad_ready_event[index]:
+                        received[position] = 0
                 if allocation_id is not None:
                     self.gradient_allocations.add(allocation_id)
                     self.input_gradient_allocations.setdefault(index + 1, set()).add(allocation_id)
@@ -405,6 +420,45 @@ class StageWatch:
             self.stages[index + 1].gradient_bytes_in = nbytes
         else:
             self.output_grad_bytes = nbytes
+
+
+# NOTE [outputs a stage's own backward completes]
+# T5's first block makes the position bias, adds it to its own attention scores and
+# returns it with its output for the next block, which adds it to its scores too. The
+# bias's gradient is whole only when the first block's own attention backward has added
+# its part: in the middle of that block's backward, which started when the gradient of
+# its other output was whole. Taken as the start of its backward, that hook charged the
+# first events of the block's backward to the next block's (as what that one left
+# behind, and as gradients waiting for the block's replay): 39% over the measured peak
+# of a two-block MT5 plan. An output is such an output when its autograd node is reached
+# from another output's by the stage's own graph (the stage or its glue took it); its
+# hook does not move the start of the stage's backward once another output's has set
+# it, and its gradient is not part of the one the stage's backward starts with (what a
+# later stage gave of it is that stage's leftover, freed here). An output only a later
+# stage takes (LeViT's keys and values, made beside the queries' subsample) is not
+# reached so: its gradient, late, is delivered by that stage, and what waits for it is
+# counted (NOTE [gradients a region's own backward takes] in remat.measure.outside).
+def completed_inside(nodes: Sequence[Any]) -> set[int]:
+    """The positions of `nodes` (autograd nodes of a stage's outputs; None for a leaf)
+    reached from another's by the graph between them (see the NOTE)."""
+    known = [node for node in nodes if node is not None]
+    if len(known) < 2:
+        return set()
+    # a node made before the earliest output's cannot lead to any of them
+    floor = min(node._sequence_nr() for node in known)
+    targets = {node for node in known}
+    reached: set[Any] = set()
+    seen: set[Any] = set()
+    stack = [child for node in known for child, _ in node.next_functions if child is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen or node._sequence_nr() < floor:
+            continue
+        seen.add(node)
+        if node in targets:
+            reached.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return {position for position, node in enumerate(nodes) if node is not None and node in reached}
 
 
 # NOTE [frugal measurement]

@@ -148,7 +148,8 @@ class Lifetimes:
         cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
             its backward: its cache holds them until the loss is computed, and a replay
             makes them again until it ends.
-        leftover_freed: ``(planned stage, bytes)``: leftovers that stage's backward frees.
+        leftover_freed: ``(planned stage, bytes)``: leftovers (and what the suffix keeps,
+            ``from_loss_bytes``) that stage's backward frees.
         glue_constants: what the glue keeps for replays, alive from the first forward of
             the first of its keepers that is not stored to the end of the chain's backward;
             what stored stages save of an earlier stage's output (``saved``), from the first

@@ -58,8 +58,9 @@ class BudgetSplit:
         cached_cast_bytes: per planned stage, autocast's casts that no stage keeps for
             its backward, which its cache holds until its region ends;
         leftover_bytes: per planned stage, what its backward leaves alive;
-        leftover_freed: ``(planned stage, bytes)``: of those leftovers, what a later
-            backward (that stage's) frees: a U-Net's skip gradient, taken by its down block;
+        leftover_freed: ``(planned stage, bytes)``: of those leftovers and of
+            ``from_loss_bytes``, what a later backward (that stage's) frees: a U-Net's skip
+            gradient, taken by its down block; a tied head's partial weight gradient;
         from_loss_bytes: what the code after the chain keeps from the loss on;
         kept_output_bytes: the model output the training loop keeps, from the loss on.
         loss_only_bytes: of the chain output's gradient in the profile, what is the peak
