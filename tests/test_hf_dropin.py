@@ -148,3 +148,24 @@ def test_a_bottleneck_resnet_whose_code_adds_into_an_earlier_stage_output_trains
     assert plan.schedule.profile.pinned_stages
     assert any(count > 1 for count in plan.forward_counts)
     assert "never recomputed" in str(plan.report())
+
+
+def test_the_insides_of_blocks_that_cover_the_model_stay_the_chain() -> None:
+    # NOTE [runs inside a block]: a Swin's blocks' insides, joined, cover nearly all of the
+    # model, finer than its two stages: they stay the chain (where a BART's left its
+    # encoder out, and the run of its layers is taken)
+    from remat.discover.chain import discover_chain
+
+    config = transformers.SwinConfig(
+        image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=3
+    )
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(config).train()
+    kwargs = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
+    names = discover_chain(model, (), kwargs).names
+    assert "swin.encoder.layers.1.blocks.1.attention" in names and "swin.encoder.layers.0.blocks.0.mlp.fc1" in names
+    factory, bart_kwargs = CASES["bart"]()
+    bart = discover_chain(factory().train(), (), bart_kwargs).names
+    assert [n for n in bart if ".layers." in n] == [
+        f"model.{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(3)
+    ]
