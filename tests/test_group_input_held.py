@@ -7,7 +7,7 @@ plan as one stage, the projection as its glue. The model drops the layer's input
 layer returns, so the measured forward's peak, at the projection, had it gone; a replay of
 a region that starts at that stage holds it (its checkpoint) through the projection. A
 plan captured at 0.36 of the budget that stores everything (the solver's pick depends on
-the stages' times) went 2304 B over its prediction on every step.
+the stages' times) went 2304 B over its prediction on every step (119304 B against 117000 B).
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from remat.plan.share import prepared
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
-# the captured plan's schedule (stages 11 and 12 each start a region; 14 is stored)
+# the captured plan's schedule (39 planned stages; the solver's pick at 0.36 depends on the times)
 _SCHEDULE = [
     {"region": [0, 10]}, {"region": [0, 3]}, {"region": [0, 2]}, {"store": 0}, {"store": 1}, {"end": [0, 2]},
-    {"store": 2}, {"end": [0, 3]}, {"region": [3, 6]}, {"store": 3}, {"store": 4}, {"store": 5}, {"end": [3, 6]},
-    {"store": 6}, {"store": 7}, {"store": 8}, {"store": 9}, {"end": [0, 10]}, {"store": 10},
-    {"region": [11, 12]}, {"store": 11}, {"end": [11, 12]}, {"region": [12, 14]}, {"store": 12}, {"store": 13},
-    {"end": [12, 14]}, {"store": 14}, {"region": [15, 18]}, {"store": 15}, {"store": 16}, {"store": 17},
-    {"end": [15, 18]}, {"store": 18}, {"store": 19}, {"region": [20, 21]}, {"store": 20}, {"end": [20, 21]},
-    *({"store": k} for k in range(21, 31)),
+    {"store": 2}, {"end": [0, 3]}, {"store": 3}, {"region": [4, 6]}, {"store": 4}, {"store": 5}, {"end": [4, 6]},
+    {"store": 6}, {"store": 7}, {"store": 8}, {"store": 9}, {"end": [0, 10]}, {"store": 10}, {"region": [11, 12]},
+    {"store": 11}, {"end": [11, 12]}, {"region": [12, 14]}, {"store": 12}, {"store": 13}, {"end": [12, 14]},
+    {"store": 14}, {"store": 15}, {"store": 16}, {"store": 17}, {"region": [18, 19]}, {"store": 18},
+    {"end": [18, 19]}, {"store": 19}, {"store": 20}, {"store": 21}, {"store": 22}, {"region": [23, 25]},
+    {"store": 23}, {"store": 24}, {"end": [23, 25]}, {"store": 25}, {"store": 26}, {"store": 27}, {"store": 28},
+    {"store": 29}, {"store": 30}, {"store": 31}, {"store": 32}, {"store": 33}, {"store": 34}, {"store": 35},
+    {"store": 36}, {"store": 37}, {"store": 38}
 ]  # fmt: skip
 
 
