@@ -442,3 +442,18 @@ class ViT(nn.Module):
             x = layer(x)
         x = self.ln(x)
         return self.head(x[:, 0])
+
+
+def small_levit() -> tuple[nn.Module, dict[str, Tensor]]:
+    """A small Hugging Face LeViT classifier in training mode (seeded) and one batch of its
+    training inputs; its subsampling attention takes the keys and values from the stage
+    that ends with the queries' subsample. Needs transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LevitConfig(
+        image_size=64, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], num_labels=10,
+    )  # fmt: skip
+    model = transformers.LevitForImageClassification(config).train()
+    return model, {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.randint(0, 10, (2,))}

@@ -885,14 +885,8 @@ def test_gradients_waiting_for_a_region_own_backward_are_counted(fraction: float
     the keys and values from the stage that ends with the queries' subsample; their
     gradients wait, through that stage's replay, for its backward. Uncounted, the steps
     went over the prediction by 4.5% at 0.34 and over the budget at 0.36."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LevitConfig(
-        image_size=64, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
-        key_dim=[8, 8, 8], num_labels=10,
-    )  # fmt: skip
-    model = transformers.LevitForImageClassification(config).train()
-    kwargs = {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.randint(0, 10, (2,))}
+    pytest.importorskip("transformers")
+    model, kwargs = reference_models.small_levit()
     reference = copy.deepcopy(model)
     reference(**kwargs).loss.backward()
     wrapped = remat.Checkpointable(model, fraction, output_kept=False, nested=True)

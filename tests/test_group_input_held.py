@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import remat
+from reference_models import small_levit
 from remat.plan import Plan, Schedule, get_solver, plan_from_data
 from remat.plan.share import prepared
 
@@ -38,14 +39,8 @@ _SCHEDULE = [
 
 
 def test_a_replay_holding_a_group_input_through_its_glue_fits_its_prediction() -> None:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LevitConfig(
-        image_size=64, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
-        key_dim=[8, 8, 8], num_labels=10,
-    )  # fmt: skip
-    model = transformers.LevitForImageClassification(config).train()
-    kwargs = {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.randint(0, 10, (2,))}
+    pytest.importorskip("transformers")
+    model, kwargs = small_levit()
     reference = copy.deepcopy(model)
     reference(**kwargs).loss.backward()
     wrapped = remat.Checkpointable(model, 0.36, output_kept=False, nested=True)

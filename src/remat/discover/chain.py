@@ -409,7 +409,7 @@ def _widest_chain(calls: list[_Call], runs: list[list[int]]) -> list[int]:
     outside = [run for run in runs if not _inside(calls, run, blocks)]
     if not outside or outside[0] is runs[0]:
         return first
-    second = _join_runs(calls, [outside[0], *(run for run in runs if run is not outside[0])], prefer_outside=True)
+    second = _join_runs(calls, [outside[0], *(run for run in runs if run is not outside[0])], blocks=blocks)
     leaves = [0]
     for call in calls:
         leaves.append(leaves[-1] + (not call.children))
@@ -472,20 +472,21 @@ def _longest_run(calls: list[_Call], siblings: list[int]) -> list[int]:
     return run[::-1]
 
 
-def _join_runs(calls: list[_Call], runs: list[list[int]], *, prefer_outside: bool = False) -> list[int]:
+def _join_runs(calls: list[_Call], runs: list[list[int]], *, blocks: set[int] | None = None) -> list[int]:
     """The longest run, joined with the runs that follow it or precede it.
 
     An encoder-decoder's blocks are two runs, in two modules or two loops: the decoder's
     first block takes (as its memory) what the encoder's last block computed. The run
     joined is the nearest one that takes anything computed by the chain's end (its calls
     before that are left to the code in between), or whose end the chain's start takes.
-    Runs of one call are left out (a head stays after the chain).
+    Runs of one call are left out (a head stays after the chain). With `blocks`, of the runs
+    inside a call, one that is not the insides of a block comes first (NOTE [runs inside a
+    block]).
     """
     if not runs:
         return []
     chain = runs[0]
     candidates = [run for run in runs[1:] if len(run) >= 2]
-    blocks = _repeated_blocks(calls, runs)
     while True:
         last, first = calls[chain[-1]], calls[chain[0]]
         after = []
@@ -504,7 +505,11 @@ def _join_runs(calls: list[_Call], runs: list[list[int]], *, prefer_outside: boo
             inside = [run for run in after if nearest[0] <= run[0] < calls[nearest[0]].returned]
             joined = max(
                 inside,
-                key=lambda run: (prefer_outside and not _inside(calls, run, blocks), _run_stages(calls, run), -run[0]),
+                key=lambda run: (
+                    blocks is not None and not _inside(calls, run, blocks),
+                    _run_stages(calls, run),
+                    -run[0],
+                ),
             )
             chain = chain + joined
         elif before:

@@ -27,6 +27,7 @@ from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import (
     TakenAgain,
+    backward_freeing,
     cached_casts,
     constants_taken_again,
     glue_constants,
@@ -474,9 +475,9 @@ def _suffix(step: TrackedStep) -> _Suffix:
         excluded = in_last_backward.keys() | watch.gradient_allocations | step.output_allocations
         excluded |= recomputed(step, held)
         kept_bytes = sum_except(held, excluded)
-        windows = [(k, stage.backward_window) for k, stage in enumerate(watch.stages) if k > 0]
+        windows = [stage.backward_window for stage in watch.stages]
         for key, (_, freed) in tracker.allocation_freed_events(held.keys() - excluded).items():
-            taker = next((k for k, w in windows if w and freed is not None and w[0] <= freed < w[1]), None)
+            taker = backward_freeing(windows, freed, first=1)
             if taker is not None:
                 kept_freed.append((taker, held[key]))
         # a loss the chain's last stage computes (a loss module planned as a stage) is held

@@ -446,7 +446,7 @@ def completed_inside(nodes: Sequence[Any]) -> set[int]:
         return set()
     # a node made before the earliest output's cannot lead to any of them
     floor = min(node._sequence_nr() for node in known)
-    targets = {node for node in known}
+    targets = set(known)
     reached: set[Any] = set()
     seen: set[Any] = set()
     stack = [child for node in known for child, _ in node.next_functions if child is not None]

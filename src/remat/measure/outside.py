@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TakenAgain",
+    "backward_freeing",
     "cached_casts",
     "constants_taken_again",
     "glue_constants",
@@ -197,7 +199,7 @@ def held_outside_chain(
     freed_by: list[tuple[int, int]] = []  # (stage whose backward frees it, bytes)
 
     def taken_by(freed: int | None, nbytes: int) -> None:
-        taker = next((k for k, w in enumerate(windows) if w and freed is not None and w[0] <= freed < w[1]), None)
+        taker = backward_freeing(windows, freed)
         if taker is not None:
             freed_by.append((taker, nbytes))
 
@@ -446,6 +448,14 @@ def _saved_by_own_stage(step: TrackedStep) -> set[int]:
             if freed_at is not None and freed_at <= window[1]:
                 own.add(key)
     return own
+
+
+def backward_freeing(windows: Sequence[tuple[int, int] | None], freed: int | None, first: int = 0) -> int | None:
+    """The stage (from `first` on) whose backward window (`windows`, one per stage) holds
+    the event `freed`, if any."""
+    if freed is None:
+        return None
+    return next((k for k in range(first, len(windows)) if (w := windows[k]) and w[0] <= freed < w[1]), None)
 
 
 def sum_except(allocations: dict[int, int], excluded: AbstractSet[int]) -> int:

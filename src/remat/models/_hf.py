@@ -89,6 +89,11 @@ def _bert(scale: int, overrides: dict[str, Any]) -> Case:
     }
 
 
+def _seq2seq_inputs(scale: int, vocab: int) -> dict[str, torch.Tensor]:
+    """An encoder-decoder's training inputs: source tokens, and shorter target tokens as labels."""
+    return {"input_ids": _tokens(scale, vocab=vocab), "labels": _tokens(scale, length=16, vocab=vocab)}
+
+
 def _t5(scale: int, overrides: dict[str, Any]) -> Case:
     config = _config(
         _transformers().T5Config,
@@ -103,9 +108,7 @@ def _t5(scale: int, overrides: dict[str, Any]) -> Case:
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    vocab = config.vocab_size
-    kwargs = {"input_ids": _tokens(scale, vocab=vocab), "labels": _tokens(scale, length=16, vocab=vocab)}
-    return lambda: _transformers().T5ForConditionalGeneration(config), kwargs
+    return lambda: _transformers().T5ForConditionalGeneration(config), _seq2seq_inputs(scale, config.vocab_size)
 
 
 def _bart(scale: int, overrides: dict[str, Any]) -> Case:
@@ -126,9 +129,7 @@ def _bart(scale: int, overrides: dict[str, Any]) -> Case:
         eos_token_id=2,
         decoder_start_token_id=2,
     )
-    vocab = config.vocab_size
-    kwargs = {"input_ids": _tokens(scale, vocab=vocab), "labels": _tokens(scale, length=16, vocab=vocab)}
-    return lambda: _transformers().BartForConditionalGeneration(config), kwargs
+    return lambda: _transformers().BartForConditionalGeneration(config), _seq2seq_inputs(scale, config.vocab_size)
 
 
 def _images(scale: int, pixels: int) -> torch.Tensor:
