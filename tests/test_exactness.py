@@ -185,6 +185,56 @@ def test_plain_attribute_tensor_changed_in_place_is_refused() -> None:
         remat.recompute(Cache(), torch.randn(3, requires_grad=True))
 
 
+class LazyScale(nn.Module):
+    """Creates a plain attribute in its first forward, then changes it in every later one."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scale" not in vars(self):
+            self.scale = 2.0
+        else:
+            self.scale += 1.0
+        return torch.sin(self.linear(x) * self.scale)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["whole", "nested"])
+@pytest.mark.parametrize("mode", MANUAL)
+def test_an_attribute_the_forward_creates_is_absent_again_in_the_recompute(mode: str, nested: bool) -> None:
+    # The recompute of the first step must see the module without `scale`, as the first
+    # forward did: with it, it would take the later branch and compute sin(3 * ...).
+    assert_manual_matches(
+        lambda: nn.Sequential(nn.Linear(8, 8), LazyScale(8), nn.Tanh()), torch.randn(4, 8), mode, nested=nested
+    )
+
+
+class _HookedScale(nn.Module):
+    """A forward pre-hook on a torch layer that changes one of the layer's attributes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.linear.factor = 1.0  # type: ignore[assignment]
+        self.linear.register_forward_pre_hook(self._grow)
+
+    @staticmethod
+    def _grow(module: nn.Module, args: Any) -> tuple[torch.Tensor]:
+        module.factor = module.factor * 2  # type: ignore[operator, assignment]
+        return (args[0] * module.factor,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_torch_layer_whose_hook_changes_it_is_replayed(mode: str) -> None:
+    # torch's own layers are not noted (NOTE [layers that keep no state]) unless, as here,
+    # a hook of theirs may change them.
+    assert_manual_matches(lambda: nn.Sequential(_HookedScale(8), nn.GELU(), _HookedScale(8)), torch.randn(4, 8), mode)
+
+
 # ------------------------------------------------------------------ outputs
 @pytest.mark.parametrize("mode", MANUAL)
 def test_outputs_holding_none_and_constants(mode: str) -> None:

@@ -56,8 +56,8 @@ class HostState(NamedTuple):
 
 
 class _Raw(NamedTuple):
-    memory: bytes
-    gauss_next: Any = None  # Python's: an attribute of the random.Random instance
+    memory: bytes  # the words and the position
+    gauss_next: Any = None  # Python's: an attribute of the random.Random instance; NumPy's: flag and value
 
 
 # ----------------------------------------------------------------------------- Python
@@ -165,7 +165,7 @@ def _read_numpy(numpy: Any, instance: Any, offsets: tuple[int, int]) -> _Raw | N
         return None
     flag, value = offsets
     words = ctypes.string_at(generator.ctypes.state_address, _MT_BYTES)
-    return _Raw(words + ctypes.string_at(id(instance) + flag, 4) + ctypes.string_at(id(instance) + value, 8))
+    return _Raw(words, ctypes.string_at(id(instance) + flag, 4) + ctypes.string_at(id(instance) + value, 8))
 
 
 def _raw_of_numpy(numpy: Any, state: dict[str, Any]) -> _Raw | None:
@@ -173,10 +173,8 @@ def _raw_of_numpy(numpy: Any, state: dict[str, Any]) -> _Raw | None:
         return None
     key = numpy.asarray(state["state"]["key"], dtype=numpy.uint32)
     return _Raw(
-        key.tobytes()
-        + struct.pack("=i", int(state["state"]["pos"]))
-        + struct.pack("=i", int(state["has_gauss"]))
-        + struct.pack("=d", float(state["gauss"]))
+        key.tobytes() + struct.pack("=i", int(state["state"]["pos"])),
+        struct.pack("=i", int(state["has_gauss"])) + struct.pack("=d", float(state["gauss"])),
     )
 
 
@@ -192,21 +190,23 @@ def _numpy_state(numpy: Any) -> Any:
 
 def _set_numpy(numpy: Any, state: Any) -> None:
     if isinstance(state, _Raw):
-        memory = state.memory
+        memory, gauss = state
         state = {
             "bit_generator": "MT19937",
             "state": {
                 "key": numpy.frombuffer(memory[: _WORDS * 4], dtype=numpy.uint32).copy(),
                 "pos": struct.unpack_from("=i", memory, _WORDS * 4)[0],
             },
-            "has_gauss": struct.unpack_from("=i", memory, _MT_BYTES)[0],
-            "gauss": struct.unpack_from("=d", memory, _MT_BYTES + 4)[0],
+            "has_gauss": struct.unpack_from("=i", gauss, 0)[0],
+            "gauss": struct.unpack_from("=d", gauss, 4)[0],
         }
     numpy.random.set_state(state)
 
 
 def _equal(a: Any, b: Any) -> bool:
     """Equality of two captured states, of either form (NumPy arrays compared by value)."""
+    if type(a) is _Raw:  # the usual case, first
+        return type(b) is _Raw and a == b
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +20,10 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 def _devices_of(values: Iterable[Any]) -> list[torch.device]:
     devices: dict[str, torch.device] = {}
-    for leaf in tree_leaves(list(values)):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
-            devices[str(leaf.device)] = leaf.device
+    for value in values:
+        for leaf in (value,) if isinstance(value, torch.Tensor) else tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and not (leaf.is_cpu or leaf.is_meta):
+                devices[str(leaf.device)] = leaf.device
     return list(devices.values())
 
 
@@ -54,27 +55,40 @@ class ForwardState:
 # generators directly]).
 
 
-@contextlib.contextmanager
-def _host_rng_set_to(state: HostState | None) -> Iterator[None]:
-    if state is not None and host_generators.stands_at(state):
-        try:
-            yield
-        finally:
-            if not host_generators.stands_at(state):
-                host_generators.restore(state)
-        return
-    before = host_generators.capture()
-    if state is not None:
-        host_generators.restore(state)
-    try:
-        yield
-    finally:
-        host_generators.restore(before)
+class _HostGeneratorsSetTo:
+    """Python's and NumPy's generators set to `state` (None: left as they are), put back after.
+
+    A class rather than a generator: it runs around every recompute of every block.
+    """
+
+    __slots__ = ("_state", "_back")
+
+    def __init__(self, state: HostState | None) -> None:
+        self._state = state
+        self._back: HostState | bool | None = None  # what to put back (True: check first)
+
+    def __enter__(self) -> None:
+        state = self._state
+        if state is not None and host_generators.stands_at(state):
+            self._back = True
+            return
+        self._back = host_generators.capture()
+        if state is not None:
+            host_generators.restore(state)
+
+    def __exit__(self, *exc: Any) -> None:
+        back, self._back = self._back, None
+        if back is True:
+            assert self._state is not None
+            if not host_generators.stands_at(self._state):
+                host_generators.restore(self._state)
+        elif isinstance(back, HostState):
+            host_generators.restore(back)
 
 
 def preserved_host_rng() -> contextlib.AbstractContextManager[None]:
     """Python's and NumPy's generators are put back as they were when the body ends."""
-    return _host_rng_set_to(None)
+    return _HostGeneratorsSetTo(None)
 
 
 def _device_module(device: torch.device) -> Any:
@@ -94,7 +108,7 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
         cpu_rng = torch.get_rng_state()
         host_rng = host_generators.capture()
         devices = _devices_of(values)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized() and torch.cuda.is_available():
             current = torch.device("cuda", torch.cuda.current_device())
             if all(d != current for d in devices):
                 devices.append(current)
@@ -112,45 +126,64 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
     return ForwardState(cpu_rng, device_rng, autocast, host_rng)
 
 
-@contextlib.contextmanager
-def _torch_rng_set_to(state: ForwardState) -> Iterator[None]:
-    """torch's CPU generator and those of `state`'s devices set to it, and put back after.
+class replay_forward_state:  # noqa: N801 - used as a function returning a context manager
+    """Runs the body with the captured RNG and autocast state; restores the RNG after.
 
     Every device type of the capture is put back (torch.random.fork_rng forks one type).
+    A class rather than a generator: it runs around every recompute of every block, where
+    the generator machinery cost a small block a noticeable share of its step.
     """
-    assert state.cpu_rng is not None
-    before_cpu = torch.get_rng_state()
-    before = {device: _device_module(device).get_rng_state(device.index) for device in state.device_rng}
-    torch.set_rng_state(state.cpu_rng)
-    for device, rng in state.device_rng.items():
-        _device_module(device).set_rng_state(rng, device.index)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(before_cpu)
-        for device, rng in before.items():
-            _device_module(device).set_rng_state(rng, device.index)
 
+    __slots__ = ("_state", "_cpu", "_devices", "_host", "_autocast")
 
-@contextlib.contextmanager
-def replay_forward_state(state: ForwardState) -> Iterator[None]:
-    """Runs the body with the captured RNG and autocast state; restores the RNG after."""
-    with contextlib.ExitStack() as stack:
+    def __init__(self, state: ForwardState) -> None:
+        self._state = state
+        self._cpu: torch.Tensor | None = None
+        self._devices: dict[torch.device, torch.Tensor] = {}
+        self._host: _HostGeneratorsSetTo | None = None
+        self._autocast: list[torch.autocast] = []
+
+    def __enter__(self) -> None:
+        state = self._state
         if state.cpu_rng is not None:
-            stack.enter_context(_torch_rng_set_to(state))
-        if state.host_rng is not None:
-            stack.enter_context(_host_rng_set_to(state.host_rng))
-        for device_type, (enabled, dtype, cache) in state.autocast.items():
-            if device_type == "cuda" and not torch.cuda.is_available():
-                continue
-            current = (
-                torch.is_autocast_enabled(device_type),
-                torch.get_autocast_dtype(device_type),
-                torch.is_autocast_cache_enabled(),
-            )
-            if current == (enabled, dtype, cache):
-                continue  # already so: entering a context would only cost time
-            stack.enter_context(
-                torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
-            )
-        yield
+            self._cpu = torch.get_rng_state()
+            self._devices = {d: _device_module(d).get_rng_state(d.index) for d in state.device_rng}
+            torch.set_rng_state(state.cpu_rng)
+            for device, rng in state.device_rng.items():
+                _device_module(device).set_rng_state(rng, device.index)
+        try:
+            if state.host_rng is not None:
+                self._host = _HostGeneratorsSetTo(state.host_rng)
+                self._host.__enter__()
+            for device_type, (enabled, dtype, cache) in state.autocast.items():
+                if device_type == "cuda" and not torch.cuda.is_available():
+                    continue
+                current = (
+                    torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type),
+                    torch.is_autocast_cache_enabled(),
+                )
+                if current == (enabled, dtype, cache):
+                    continue  # already so: entering a context would only cost time
+                context = torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
+                context.__enter__()
+                self._autocast.append(context)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            while self._autocast:
+                self._autocast.pop().__exit__(None, None, None)
+        finally:
+            try:
+                host, self._host = self._host, None
+                if host is not None:
+                    host.__exit__(None, None, None)
+            finally:
+                if self._cpu is not None:
+                    torch.set_rng_state(self._cpu)
+                    for device, rng in self._devices.items():
+                        _device_module(device).set_rng_state(rng, device.index)
+                    self._cpu, self._devices = None, {}

@@ -15,8 +15,10 @@ exist only while some thread records or replays, and act only in that thread:
 * recording: before each call, the module's own buffers are copied and its plain
   attributes (numbers, strings, tensors held outside the buffers) are noted; after the
   call, whatever the forward changed is kept in a :class:`StateLog`, under the call's
-  number in the block's sequence of module calls, and the rest is dropped at once. A
-  module that changes nothing costs a copy of its buffers during its own call only.
+  number in the block's sequence of module calls, and the rest is dropped at once (an
+  attribute the call added is kept as absent before it). A module that changes nothing
+  costs a copy of its buffers during its own call only; torch's own layers without
+  buffers or hooks are not numbered at all (NOTE [layers that keep no state]).
 * replaying: the recompute makes the same module calls in the same order, so the call
   numbers match. Before a logged call, the module's current state is set aside and the
   state its original call saw is put back; after the call, the set-aside state returns,
@@ -42,15 +44,19 @@ Details that matter:
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.hooks import RemovableHandle
 
 from remat.errors import NondeterministicRecompute, RematError
 from remat.manual._selective import as_internal
@@ -136,7 +142,7 @@ class StateLog:
 
     def recording(self) -> contextlib.AbstractContextManager[_Scope]:
         """While active, this thread's module calls are recorded into the log."""
-        return _open(_Scope(self, replaying=False, first_call=self.calls))
+        return _Open(_Scope(self, replaying=False, first_call=self.calls))
 
 
 def is_state_attribute(name: str) -> bool:
@@ -149,11 +155,72 @@ def is_state_attribute(name: str) -> bool:
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, tuple[Any, int | None]]:
+    return _plain_of(tuple(module.__dict__.items()))
+
+
+def _plain_of(items: Iterable[tuple[str, Any]]) -> dict[str, tuple[Any, int | None]]:
     return {
         name: (value, value._version if isinstance(value, torch.Tensor) else None)
-        for name, value in module.__dict__.items()
+        for name, value in items
         if is_state_attribute(name) and isinstance(value, _PLAIN_ATTRIBUTE_TYPES)
     }
+
+
+# NOTE [noting a module's attributes cheaply]
+# A recording notes a module's plain attributes before each call and compares them after
+# it (NOTE [module state during recompute]). Almost no call changes any, so the notes are
+# the module's ``__dict__`` itself, its names and values taken as two tuples, and the
+# comparison after the call is one of identities, all in C: a name or value rebound, added
+# or removed makes the names or values differ, and only then are the attributes sorted
+# out one by one. The tuples hold the values, so no id can be reused meanwhile. A tensor
+# attribute changed in place keeps its identity: modules holding tensors in their
+# ``__dict__`` (rare) have their versions noted as well; they are found by the types of the
+# values (``isinstance`` against ``torch.Tensor`` is slow, and most values are dicts).
+_NOT_TENSORS = frozenset((bool, int, float, complex, str, type(None), dict, OrderedDict, set, list, tuple))
+
+
+class _Attributes:
+    __slots__ = ("names", "values", "versions")
+
+    def __init__(self, module: nn.Module) -> None:
+        state = module.__dict__
+        self.names = tuple(state)
+        self.values = tuple(state.values())
+        self.versions: dict[str, int] | None = None
+        if not _NOT_TENSORS.issuperset(map(type, self.values)) and any(
+            map(isinstance, self.values, repeat(torch.Tensor))
+        ):
+            noted = _plain_of(zip(self.names, self.values, strict=True))
+            self.versions = {name: version for name, (_, version) in noted.items() if version is not None}
+
+    def plain(self) -> dict[str, Any]:
+        """The plain attributes noted, by name."""
+        return {name: value for name, (value, _) in _plain_of(zip(self.names, self.values, strict=True)).items()}
+
+    def changed(self, module: nn.Module) -> dict[str, Any]:
+        """The plain attributes the call rebound, added or removed, with their values before
+        (``_MISSING``: added); raises for a tensor attribute changed in place."""
+        state = module.__dict__
+        before: dict[str, Any] = {}
+        if not (
+            len(state) == len(self.names)
+            and all(map(operator.is_, state, self.names))
+            and all(map(operator.is_, state.values(), self.values))
+        ):
+            noted = self.plain()
+            before = {name: value for name, value in noted.items() if state.get(name, _MISSING) is not value}
+            for name, value in state.items():
+                if name not in noted and is_state_attribute(name) and isinstance(value, _PLAIN_ATTRIBUTE_TYPES):
+                    before[name] = _MISSING
+        for name, version in (self.versions or {}).items():
+            value = state.get(name, _MISSING)
+            if name not in before and value._version != version:
+                raise RematError(
+                    f"{_module_name(module)}.{name} is a tensor attribute (not a buffer) that the "
+                    "module's forward changes in place; a recompute could not see the value the "
+                    f"original forward saw. Register it with module.register_buffer({name!r}, ...)"
+                )
+        return before
 
 
 def _output_ignores_state(module: nn.Module) -> bool:
@@ -202,43 +269,39 @@ class _Scope:
         # A marked module's block starts after the module's own pre-hooks ran, which a
         # replay does not run again: what they set is part of what the block saw.
         entry_hooks = block and bool(module._forward_pre_hooks)
-        copy = entry_hooks or (_CHANGES_STATE.get(module, True) and not _output_ignores_state(module))
-        buffers = {
-            name: (buf, buf._version, buf.detach().clone() if copy else None)
-            for name, buf in module._buffers.items()
-            if buf is not None
-        }
-        attributes = _plain_attributes(module)
+        buffers: dict[str, Any] = {}
+        if module._buffers:
+            copy = entry_hooks or (_CHANGES_STATE.get(module, True) and not _output_ignores_state(module))
+            buffers = {
+                name: (buf, buf._version, buf.detach().clone() if copy else None)
+                for name, buf in module._buffers.items()
+                if buf is not None
+            }
         if block:
             self.block_calls.add(call)
-        self.open_calls.append((module, call, buffers, attributes))
+        self.open_calls.append((module, call, buffers, _Attributes(module) if self.log is not None else None))
 
-    def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Any) -> None:
-        change = _Change(module)
-        if call in self.block_calls and module._forward_pre_hooks:
-            # see _record_enter: the state the block started from, for a replay that
-            # runs the block without the module's pre-hooks
-            change.entry_attributes = {name: value for name, (value, _) in attributes.items()}
-            change.entry_buffers = {name: before for name, (_, _, before) in buffers.items()}
+    def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: _Attributes | None) -> None:
+        buffers_before: dict[str, torch.Tensor | None] = {}
         unknown: list[str] = []
-        ignores_state = _output_ignores_state(module)
-        buf: torch.Tensor
-        for name, (buf, version, before) in buffers.items():
-            # Kernels may write a buffer without bumping its version (the running
-            # statistics of batch_norm): a kept copy is compared by value too.
-            changed = (
-                ignores_state
-                or module._buffers.get(name) is not buf
-                or buf._version != version
-                or (before is not None and not torch.equal(before, buf))
-            )
-            if changed:
-                change.buffers_before[name] = before
-                if before is None and not ignores_state:
-                    unknown.append(name)
         if buffers:
-            _CHANGES_STATE[module] = bool(change.buffers_before) or _CHANGES_STATE.get(module, False)
-        if self.log is None:
+            ignores_state = _output_ignores_state(module)
+            buf: torch.Tensor
+            for name, (buf, version, before) in buffers.items():
+                # Kernels may write a buffer without bumping its version (the running
+                # statistics of batch_norm): a kept copy is compared by value too.
+                changed = (
+                    ignores_state
+                    or module._buffers.get(name) is not buf
+                    or buf._version != version
+                    or (before is not None and not torch.equal(before, buf))
+                )
+                if changed:
+                    buffers_before[name] = before
+                    if before is None and not ignores_state:
+                        unknown.append(name)
+            _CHANGES_STATE[module] = bool(buffers_before) or _CHANGES_STATE.get(module, False)
+        if self.log is None or attributes is None:
             return
         if unknown:
             raise RematError(
@@ -247,18 +310,16 @@ class _Scope:
                 "could not see them. Run the block once outside remat first, or make the change "
                 "happen in every training forward"
             )
-        after = module.__dict__
-        for name, (value, version) in attributes.items():
-            if after.get(name, _MISSING) is not value:
-                change.attributes_before[name] = value
-            elif version is not None and value._version != version:
-                raise RematError(
-                    f"{_module_name(module)}.{name} is a tensor attribute (not a buffer) that the "
-                    "module's forward changes in place; a recompute could not see the value the "
-                    f"original forward saw. Register it with module.register_buffer({name!r}, ...)"
-                )
-        if change.buffers_before or change.attributes_before or change.entry_attributes or change.entry_buffers:
-            self.log.changes[call] = change
+        attributes_before = attributes.changed(module)
+        entry_attributes: dict[str, Any] = {}
+        entry_buffers: dict[str, torch.Tensor | None] = {}
+        if call in self.block_calls and module._forward_pre_hooks:
+            # see _record_enter: the state the block started from, for a replay that
+            # runs the block without the module's pre-hooks
+            entry_attributes = attributes.plain()
+            entry_buffers = {name: before for name, (_, _, before) in buffers.items()}
+        if buffers_before or attributes_before or entry_attributes or entry_buffers:
+            self.log.changes[call] = _Change(module, buffers_before, attributes_before, entry_buffers, entry_attributes)
 
     # -- replaying
     def _replay_enter(self, module: nn.Module, call: int, block: bool) -> None:
@@ -316,6 +377,14 @@ class _Scope:
 
     @as_internal
     def exit(self, module: nn.Module) -> None:
+        open_calls = self.open_calls
+        if open_calls and open_calls[-1][0] is module:
+            _, call, buffers, attributes = open_calls.pop()
+            if self.replaying:
+                self._replay_exit(buffers, attributes, module)
+            else:
+                self._record_exit(module, call, buffers, attributes)
+            return
         for position in range(len(self.open_calls) - 1, -1, -1):
             if self.open_calls[position][0] is module:
                 _, call, buffers, attributes = self.open_calls.pop(position)
@@ -350,31 +419,104 @@ _HOOK_USERS = 0
 _HOOK_HANDLES: list[Any] = []
 
 
+# NOTE [layers that keep no state]
+# The guard numbers and notes every module call of a recorded or replayed block. Most of
+# those calls are torch's own layers (Linear, GELU, LayerNorm, Dropout, Conv2d...), whose
+# forwards change no attribute of the module (an AST scan of torch.nn.modules finds none
+# outside private names) and which, without buffers, have nothing a forward could change.
+# Such a call is left out of the numbering altogether, in the recording and in the
+# replay alike (the rule reads only what the call cannot change): a module of a class
+# whose forward, __call__ and _call_impl are torch.nn's own, with no buffers, no forward
+# hooks of its own and no forward set on the instance (a marking). This halves the guard's
+# cost on a block of small layers; everything else is noted as before.
+_TORCH_LAYER: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _torch_layer(kind: type) -> bool:
+    forward = getattr(kind, "forward", None)
+    return (
+        (getattr(forward, "__module__", None) or "").startswith("torch.nn.modules.")
+        and kind.__call__ is nn.Module.__call__
+        and getattr(kind, "_call_impl", None) is nn.Module._call_impl
+    )
+
+
+def _keeps_no_state(module: nn.Module) -> bool:
+    if module._buffers or module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__:
+        return False
+    kind = type(module)
+    known = _TORCH_LAYER.get(kind)
+    if known is None:
+        known = _TORCH_LAYER[kind] = _torch_layer(kind)
+    return known
+
+
 # Inside code torch.compile traces (a stage compiled with module.compile()), the hooks do
 # nothing: traced, they would put remat's call counters into the graph's guards (a
 # recompile at every call, then eager fallbacks that differ between a forward and its
 # recompute). Compiled code is one call for the guard: remat.discover.intercept refuses to
 # recompute a compiled stage whose state it could not replay.
 def _pre_hook(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _keeps_no_state(module):
         return
     for scope in _LOCAL.scopes:
         scope.enter(module)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _keeps_no_state(module):
         return
     for scope in reversed(_LOCAL.scopes):
         scope.exit(module)
+
+
+class _Installed:
+    """remat's two global module hooks, put straight into torch's hook dictionaries.
+
+    ``register_module_forward_(pre_)hook`` makes a new handle each time, and the guard is
+    installed around every recorded or replayed block: the two hooks keep ids of their own,
+    taken once from torch's handle counter, and are added and removed by those ids.
+    """
+
+    __slots__ = ()
+    ids: tuple[int, int] | None = None
+
+    def __init__(self) -> None:
+        hooks = nn.modules.module
+        if _Installed.ids is None:
+            _Installed.ids = (
+                RemovableHandle(hooks._global_forward_pre_hooks).id,
+                RemovableHandle(hooks._global_forward_hooks).id,
+            )
+        pre, post = _Installed.ids
+        hooks._global_forward_pre_hooks[pre] = _pre_hook
+        hooks._global_forward_hooks[post] = _post_hook
+        hooks._global_forward_hooks_always_called[post] = True
+
+    def remove(self) -> None:
+        assert _Installed.ids is not None
+        pre, post = _Installed.ids
+        hooks = nn.modules.module
+        hooks._global_forward_pre_hooks.pop(pre, None)
+        hooks._global_forward_hooks.pop(post, None)
+        hooks._global_forward_hooks_always_called.pop(post, None)
+
+
+_DIRECT = all(
+    isinstance(getattr(nn.modules.module, name, None), dict)
+    for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called")
+)
 
 
 def _use_hooks() -> None:
     global _HOOK_USERS
     with _HOOK_LOCK:
         if _HOOK_USERS == 0:
-            _HOOK_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
-            _HOOK_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
+            if _DIRECT:
+                _HOOK_HANDLES.append(_Installed())
+            else:  # pragma: no cover - a torch whose hook dictionaries differ
+                _HOOK_HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
+                _HOOK_HANDLES.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
         _HOOK_USERS += 1
 
 
@@ -400,16 +542,33 @@ def hold_hooks(owner: object) -> None:
     weakref.finalize(owner, _release_hooks)
 
 
-@contextlib.contextmanager
-def _open(scope: _Scope) -> Iterator[_Scope]:
-    _use_hooks()
-    _LOCAL.scopes.append(scope)
-    try:
-        yield scope
-    finally:
-        _LOCAL.scopes.remove(scope)
-        scope.close()
-        _release_hooks()
+class _Open:
+    """While active, `scope` sees this thread's module calls (`rehearse`: and it recomputes).
+
+    A class rather than a generator: it is entered around every recorded and replayed block.
+    """
+
+    __slots__ = ("scope", "rehearse")
+
+    def __init__(self, scope: _Scope, rehearse: bool = False) -> None:
+        self.scope = scope
+        self.rehearse = rehearse
+
+    def __enter__(self) -> _Scope:
+        _use_hooks()
+        _LOCAL.scopes.append(self.scope)
+        if self.rehearse:
+            _LOCAL.recompute_depth += 1
+        return self.scope
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _LOCAL.scopes.remove(self.scope)
+            self.scope.close()
+        finally:
+            if self.rehearse:
+                _LOCAL.recompute_depth -= 1
+            _release_hooks()
 
 
 @contextlib.contextmanager
@@ -422,11 +581,9 @@ def rehearsing() -> Iterator[None]:
         _LOCAL.recompute_depth -= 1
 
 
-@contextlib.contextmanager
-def recomputing(log: StateLog, first_call: int = 0) -> Iterator[_Scope]:
+def recomputing(log: StateLog, first_call: int = 0) -> contextlib.AbstractContextManager[_Scope]:
     """Marks the current thread as recomputing and replays `log` from call `first_call`."""
-    with rehearsing(), _open(_Scope(log, replaying=True, first_call=first_call)) as scope:
-        yield scope
+    return _Open(_Scope(log, replaying=True, first_call=first_call), rehearse=True)
 
 
 def learning_state() -> contextlib.AbstractContextManager[_Scope]:
@@ -434,7 +591,7 @@ def learning_state() -> contextlib.AbstractContextManager[_Scope]:
 
     It copies the buffers of each module not yet known around its call, to compare them.
     """
-    return _open(_Scope(None, replaying=False, first_call=0))
+    return _Open(_Scope(None, replaying=False, first_call=0))
 
 
 def snapshot_bytes(module: nn.Module) -> int:
