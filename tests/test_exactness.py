@@ -210,6 +210,23 @@ def test_an_attribute_the_forward_creates_is_absent_again_in_the_recompute(mode:
     )
 
 
+def test_the_attributes_a_call_changed_are_those_it_rebound_added_or_removed() -> None:
+    from remat.manual._attributes import MISSING, Attributes
+
+    module = nn.Linear(2, 2)
+    module.count, module.name, module.gone, module.history = 1, "a", 2.0, [1]  # type: ignore[assignment]
+    module.kept = [0]  # type: ignore[assignment]
+    before = Attributes(module)
+    assert before.changed(module) == {}
+    module.count += 1  # type: ignore[operator]
+    del module.gone
+    module.added = 3  # type: ignore[assignment]
+    module.history = 4  # type: ignore[assignment]  # a list before: put back as the list
+    module.kept = [1]  # type: ignore[assignment]  # neither value plain: not state
+    module._private = 5  # type: ignore[assignment]
+    assert before.changed(module) == {"count": 1, "gone": 2.0, "added": MISSING, "history": [1]}
+
+
 class _HookedScale(nn.Module):
     """A forward pre-hook on a torch layer that changes one of the layer's attributes."""
 

@@ -44,13 +44,10 @@ Details that matter:
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 import weakref
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -59,6 +56,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.hooks import RemovableHandle
 
 from remat.errors import NondeterministicRecompute, RematError
+from remat.manual._attributes import MISSING, Attributes, is_state_attribute, set_attribute
 from remat.manual._selective import as_internal
 
 __all__ = [
@@ -75,8 +73,6 @@ __all__ = [
     "rehearsing",
     "snapshot_bytes",
 ]
-
-_PLAIN_ATTRIBUTE_TYPES = (bool, int, float, complex, str, type(None), torch.Tensor)
 
 
 class _Local(threading.local):
@@ -145,84 +141,6 @@ class StateLog:
         return _Open(_Scope(self, replaying=False, first_call=self.calls))
 
 
-def is_state_attribute(name: str) -> bool:
-    """Whether an entry of a module's ``__dict__`` is the module's own state.
-
-    nn.Module's own dictionaries (parameters, buffers, hooks) and private names, the
-    training mode and an instance-level ``forward`` (a marking) are not.
-    """
-    return not name.startswith("_") and name not in ("training", "forward")
-
-
-def _plain_attributes(module: nn.Module) -> dict[str, tuple[Any, int | None]]:
-    return _plain_of(tuple(module.__dict__.items()))
-
-
-def _plain_of(items: Iterable[tuple[str, Any]]) -> dict[str, tuple[Any, int | None]]:
-    return {
-        name: (value, value._version if isinstance(value, torch.Tensor) else None)
-        for name, value in items
-        if is_state_attribute(name) and isinstance(value, _PLAIN_ATTRIBUTE_TYPES)
-    }
-
-
-# NOTE [noting a module's attributes cheaply]
-# A recording notes a module's plain attributes before each call and compares them after
-# it (NOTE [module state during recompute]). Almost no call changes any, so the notes are
-# the module's ``__dict__`` itself, its names and values taken as two tuples, and the
-# comparison after the call is one of identities, all in C: a name or value rebound, added
-# or removed makes the names or values differ, and only then are the attributes sorted
-# out one by one. The tuples hold the values, so no id can be reused meanwhile. A tensor
-# attribute changed in place keeps its identity: modules holding tensors in their
-# ``__dict__`` (rare) have their versions noted as well; they are found by the types of the
-# values (``isinstance`` against ``torch.Tensor`` is slow, and most values are dicts).
-_NOT_TENSORS = frozenset((bool, int, float, complex, str, type(None), dict, OrderedDict, set, list, tuple))
-
-
-class _Attributes:
-    __slots__ = ("names", "values", "versions")
-
-    def __init__(self, module: nn.Module) -> None:
-        state = module.__dict__
-        self.names = tuple(state)
-        self.values = tuple(state.values())
-        self.versions: dict[str, int] | None = None
-        if not _NOT_TENSORS.issuperset(map(type, self.values)) and any(
-            map(isinstance, self.values, repeat(torch.Tensor))
-        ):
-            noted = _plain_of(zip(self.names, self.values, strict=True))
-            self.versions = {name: version for name, (_, version) in noted.items() if version is not None}
-
-    def plain(self) -> dict[str, Any]:
-        """The plain attributes noted, by name."""
-        return {name: value for name, (value, _) in _plain_of(zip(self.names, self.values, strict=True)).items()}
-
-    def changed(self, module: nn.Module) -> dict[str, Any]:
-        """The plain attributes the call rebound, added or removed, with their values before
-        (``_MISSING``: added); raises for a tensor attribute changed in place."""
-        state = module.__dict__
-        before: dict[str, Any] = {}
-        if not (
-            len(state) == len(self.names)
-            and all(map(operator.is_, state, self.names))
-            and all(map(operator.is_, state.values(), self.values))
-        ):
-            noted = self.plain()
-            before = {name: value for name, value in noted.items() if state.get(name, _MISSING) is not value}
-            for name, value in state.items():
-                if name not in noted and is_state_attribute(name) and isinstance(value, _PLAIN_ATTRIBUTE_TYPES):
-                    before[name] = _MISSING
-        for name, version in (self.versions or {}).items():
-            value = state.get(name, _MISSING)
-            if name not in before and value._version != version:
-                raise RematError(
-                    f"{_module_name(module)}.{name} is a tensor attribute (not a buffer) that the "
-                    "module's forward changes in place; a recompute could not see the value the "
-                    f"original forward saw. Register it with module.register_buffer({name!r}, ...)"
-                )
-        return before
-
-
 def _output_ignores_state(module: nn.Module) -> bool:
     """A training-mode normalisation layer: its output does not read its running statistics."""
     return isinstance(module, _NormBase) and module.training and module.track_running_stats
@@ -279,9 +197,9 @@ class _Scope:
             }
         if block:
             self.block_calls.add(call)
-        self.open_calls.append((module, call, buffers, _Attributes(module) if self.log is not None else None))
+        self.open_calls.append((module, call, buffers, Attributes(module) if self.log is not None else None))
 
-    def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: _Attributes | None) -> None:
+    def _record_exit(self, module: nn.Module, call: int, buffers: Any, attributes: Attributes | None) -> None:
         buffers_before: dict[str, torch.Tensor | None] = {}
         unknown: list[str] = []
         if buffers:
@@ -346,13 +264,13 @@ class _Scope:
             name: (module._buffers[name], module._buffers[name].detach().clone())  # type: ignore[union-attr]
             for name in buffers_before
         }
-        current_attributes = {name: module.__dict__.get(name, _MISSING) for name in attributes_before}
+        current_attributes = {name: module.__dict__.get(name, MISSING) for name in attributes_before}
         self.open_calls.append((module, call, current_buffers, current_attributes))
         for name, before in buffers_before.items():
             if before is not None:
                 _write(module._buffers[name], before)  # type: ignore[arg-type]
         for name, value in attributes_before.items():
-            _set_attribute(module, name, value)
+            set_attribute(module, name, value)
 
     def _replay_exit(self, buffers: Any, attributes: Any, module: nn.Module) -> None:
         if buffers is None:
@@ -361,7 +279,7 @@ class _Scope:
             module._buffers[name] = buf
             _write(buf, current)
         for name, value in attributes.items():
-            _set_attribute(module, name, value)
+            set_attribute(module, name, value)
 
     # -- hooks
     @as_internal
@@ -401,16 +319,6 @@ class _Scope:
             module, _, buffers, attributes = self.open_calls.pop()
             if self.replaying:
                 self._replay_exit(buffers, attributes, module)
-
-
-_MISSING: Any = object()
-
-
-def _set_attribute(module: nn.Module, name: str, value: Any) -> None:
-    if value is _MISSING:
-        module.__dict__.pop(name, None)
-    else:
-        module.__dict__[name] = value
 
 
 # ----------------------------------------------------------------------------- hooks
