@@ -210,6 +210,20 @@ def test_an_attribute_the_forward_creates_is_absent_again_in_the_recompute(mode:
     )
 
 
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_global_hook_that_counts_calls_on_torch_layers_counts_each_once(mode: str) -> None:
+    def count(module: nn.Module, args: Any) -> None:
+        module.calls = vars(module).get("calls", 0) + 1  # type: ignore[assignment]
+
+    handle = nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        assert_manual_matches(
+            lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8), mode
+        )
+    finally:
+        handle.remove()
+
+
 def test_the_attributes_a_call_changed_are_those_it_rebound_added_or_removed() -> None:
     from remat.manual._attributes import MISSING, Attributes
 

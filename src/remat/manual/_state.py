@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -335,7 +336,8 @@ _HOOK_HANDLES: list[Any] = []
 # Such a call is left out of the numbering altogether, in the recording and in the
 # replay alike (the rule reads only what the call cannot change): a module of a class
 # whose forward, __call__ and _call_impl are torch.nn's own, with no buffers, no forward
-# hooks of its own and no forward set on the instance (a marking). This halves the guard's
+# hooks of its own and no forward set on the instance (a marking), while no global module
+# hook but the guard's is installed. This halves the guard's
 # cost on a block of small layers; everything else is noted as before.
 _TORCH_LAYER: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
@@ -352,6 +354,8 @@ def _torch_layer(kind: type) -> bool:
 def _keeps_no_state(module: nn.Module) -> bool:
     if module._buffers or module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__:
         return False
+    if not _DIRECT or len(_GLOBAL_PRE_HOOKS) != 1 or len(_GLOBAL_HOOKS) != 1:
+        return False  # global hooks besides the guard's own may change any module
     kind = type(module)
     known = _TORCH_LAYER.get(kind)
     if known is None:
@@ -387,7 +391,7 @@ class _Installed:
     """
 
     __slots__ = ()
-    ids: tuple[int, int] | None = None
+    ids: tuple[int, int] | None = None  # the pre-hook's id and the hook's
 
     def __init__(self) -> None:
         hooks = nn.modules.module
@@ -397,7 +401,10 @@ class _Installed:
                 RemovableHandle(hooks._global_forward_hooks).id,
             )
         pre, post = _Installed.ids
-        hooks._global_forward_pre_hooks[pre] = _pre_hook
+        pre_hooks: OrderedDict[int, Any] = hooks._global_forward_pre_hooks  # type: ignore[assignment]
+        pre_hooks[pre] = _pre_hook
+        # first, before any global pre-hook of the user's, which may change the module
+        pre_hooks.move_to_end(pre, last=False)
         hooks._global_forward_hooks[post] = _post_hook
         hooks._global_forward_hooks_always_called[post] = True
 
@@ -410,10 +417,12 @@ class _Installed:
         hooks._global_forward_hooks_always_called.pop(post, None)
 
 
-_DIRECT = all(
+_DIRECT = isinstance(getattr(nn.modules.module, "_global_forward_pre_hooks", None), OrderedDict) and all(
     isinstance(getattr(nn.modules.module, name, None), dict)
-    for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called")
+    for name in ("_global_forward_hooks", "_global_forward_hooks_always_called")
 )
+_GLOBAL_PRE_HOOKS: dict[int, Any] = getattr(nn.modules.module, "_global_forward_pre_hooks", {})
+_GLOBAL_HOOKS: dict[int, Any] = getattr(nn.modules.module, "_global_forward_hooks", {})
 
 
 def _use_hooks() -> None:
