@@ -224,6 +224,25 @@ def test_a_global_hook_that_counts_calls_on_torch_layers_counts_each_once(mode: 
         handle.remove()
 
 
+@pytest.mark.parametrize("mode", MANUAL)
+def test_a_global_hook_installed_between_forward_and_backward_leaves_the_replay_in_step(mode: str) -> None:
+    # The recording left torch's layers out of its numbering; the replay, run while a
+    # global hook of the user's is installed, must number the calls as the recording did.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 8))
+    recomputed = copy.deepcopy(plain)
+    x = torch.randn(16, 8)
+    plain(x).square().sum().backward()
+    out = remat.recompute(recomputed, x, use_reentrant=mode == "reentrant")
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        out.square().sum().backward()
+    finally:
+        handle.remove()
+    assert_same_tensors(grads_of(plain), grads_of(recomputed), "gradients")
+    assert_same_tensors(state_of(plain), state_of(recomputed), "state")  # type: ignore[arg-type]
+
+
 def test_the_attributes_a_call_changed_are_those_it_rebound_added_or_removed() -> None:
     from remat.manual._attributes import MISSING, Attributes
 

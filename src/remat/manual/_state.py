@@ -131,11 +131,14 @@ class StateLog:
     region over several stage calls): each piece continues the numbering of the one before.
     """
 
-    __slots__ = ("changes", "calls")
+    __slots__ = ("changes", "calls", "skips_layers")
 
     def __init__(self) -> None:
         self.changes: dict[int, _Change] = {}
         self.calls = 0  # module calls recorded so far
+        # whether torch's stateless layers are left out of the numbering, decided when the
+        # recording starts and kept by every replay (NOTE [layers that keep no state])
+        self.skips_layers: bool | None = None
 
     def recording(self) -> contextlib.AbstractContextManager[_Scope]:
         """While active, this thread's module calls are recorded into the log."""
@@ -180,6 +183,11 @@ class _Scope:
         # (module, call, buffers: name -> (tensor, version, copy or None), attributes)
         self.open_calls: list[tuple[nn.Module, int, Any, Any]] = []
         self.block_calls: set[int] = set()  # calls that are a marked module's block
+        self.skips_layers = True
+        if log is not None:
+            if log.skips_layers is None:
+                log.skips_layers = _no_other_global_hooks()
+            self.skips_layers = log.skips_layers
 
     # -- recording
     def _record_enter(self, module: nn.Module, call: int, block: bool) -> None:
@@ -336,9 +344,11 @@ _HOOK_HANDLES: list[Any] = []
 # Such a call is left out of the numbering altogether, in the recording and in the
 # replay alike (the rule reads only what the call cannot change): a module of a class
 # whose forward, __call__ and _call_impl are torch.nn's own, with no buffers, no forward
-# hooks of its own and no forward set on the instance (a marking), while no global module
-# hook but the guard's is installed. This halves the guard's
-# cost on a block of small layers; everything else is noted as before.
+# hooks of its own and no forward set on the instance (a marking). Global module hooks of
+# the user's may change any module: a recording that starts while one is installed numbers
+# every call, and its replays do as the recording did, whatever is installed by then, so
+# that their numbers match. This halves the guard's cost on a block of small layers;
+# everything else is noted as before.
 _TORCH_LAYER: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
@@ -351,11 +361,15 @@ def _torch_layer(kind: type) -> bool:
     )
 
 
+def _no_other_global_hooks() -> bool:
+    """Whether no global module forward hook but the guard's own is installed."""
+    own = 1 if _HOOK_HANDLES else 0
+    return _DIRECT and len(_GLOBAL_PRE_HOOKS) == own and len(_GLOBAL_HOOKS) == own
+
+
 def _keeps_no_state(module: nn.Module) -> bool:
     if module._buffers or module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__:
         return False
-    if not _DIRECT or len(_GLOBAL_PRE_HOOKS) != 1 or len(_GLOBAL_HOOKS) != 1:
-        return False  # global hooks besides the guard's own may change any module
     kind = type(module)
     known = _TORCH_LAYER.get(kind)
     if known is None:
@@ -369,17 +383,21 @@ def _keeps_no_state(module: nn.Module) -> bool:
 # recompute). Compiled code is one call for the guard: remat.discover.intercept refuses to
 # recompute a compiled stage whose state it could not replay.
 def _pre_hook(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or _keeps_no_state(module):
+    if torch.compiler.is_compiling():
         return
+    quiet = _keeps_no_state(module)
     for scope in _LOCAL.scopes:
-        scope.enter(module)
+        if not (quiet and scope.skips_layers):
+            scope.enter(module)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if torch.compiler.is_compiling() or _keeps_no_state(module):
+    if torch.compiler.is_compiling():
         return
+    quiet = _keeps_no_state(module)
     for scope in reversed(_LOCAL.scopes):
-        scope.exit(module)
+        if not (quiet and scope.skips_layers):
+            scope.exit(module)
 
 
 class _Installed:
