@@ -492,6 +492,33 @@ def test_host_generator_states_read_directly_are_their_public_states() -> None:
     assert (np.random.standard_normal(), np.random.rand(), random.random(), random.gauss(0, 1)) == expected
 
 
+def test_a_generator_whose_position_came_back_after_a_full_turn_has_moved() -> None:
+    # NOTE [comparing heads]: the position alone repeats after 624 words drawn; the head's
+    # words, regenerated on the way, tell the states apart. So does a Gaussian taken
+    # from NumPy's cache, which moves no position at all.
+    from remat.manual import _host_generators as host
+
+    random.seed(3)
+    np.random.seed(4)
+    state = host.capture()
+    assert host.stands_at(state)
+    for _ in range(624):
+        random.getrandbits(32)
+    assert host._python_state(head=True).memory[:4] == state.python.memory[:4]  # the same index
+    assert not host.stands_at(state)
+    host.restore(state)
+    np.random.bytes(624 * 4)
+    assert host._numpy_state(np).memory[-4:] == state.numpy.memory[-4:]  # the same position
+    assert not host.stands_at(state)
+    host.restore(state)
+    assert host.stands_at(state)
+    np.random.standard_normal()  # two drawn, one cached
+    cached = host.capture()
+    np.random.standard_normal()  # the cached one: the words and the position stay
+    assert host._numpy_state(np).memory == cached.numpy.memory
+    assert not host.stands_at(cached)
+
+
 def test_host_draws_are_replayed_when_the_generators_are_read_through_their_apis(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
