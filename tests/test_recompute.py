@@ -519,6 +519,31 @@ def test_a_generator_whose_position_came_back_after_a_full_turn_has_moved() -> N
     assert not host.stands_at(cached)
 
 
+def test_a_replay_that_fails_to_set_the_generators_puts_every_one_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.manual import _host_generators as host
+    from remat.manual._rng import capture_forward_state, replay_forward_state
+
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    state = capture_forward_state((), preserve_rng_state=True)
+    random.random(), np.random.rand(), torch.rand(1)  # all three moved since the capture
+    before = (random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state())
+
+    def broken(numpy: Any, state: Any) -> None:
+        raise RuntimeError("cannot set NumPy's state")
+
+    monkeypatch.setattr(host, "_set_numpy", broken)
+    with pytest.raises(RuntimeError, match="cannot set NumPy"), replay_forward_state(state):
+        pass  # pragma: no cover - entering fails
+    monkeypatch.undo()
+    after = (random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state())
+    assert after[0] == before[0]
+    assert after[1]["state"]["pos"] == before[1]["state"]["pos"]
+    assert np.array_equal(after[1]["state"]["key"], before[1]["state"]["key"])
+    assert torch.equal(after[2], before[2])
+
+
 def test_host_draws_are_replayed_when_the_generators_are_read_through_their_apis(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

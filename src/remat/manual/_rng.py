@@ -146,12 +146,13 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
     def __enter__(self) -> None:
         state = self._state
         if state.cpu_rng is not None:
-            self._cpu = torch.get_rng_state()
-            self._devices = {d: _device_module(d).get_rng_state(d.index) for d in state.device_rng}
-            torch.set_rng_state(state.cpu_rng)
-            for device, rng in state.device_rng.items():
-                _device_module(device).set_rng_state(rng, device.index)
-        try:
+            devices = {d: _device_module(d).get_rng_state(d.index) for d in state.device_rng}
+            self._cpu, self._devices = torch.get_rng_state(), devices
+        try:  # from here on, whatever fails is put back by __exit__
+            if state.cpu_rng is not None:
+                torch.set_rng_state(state.cpu_rng)
+                for device, rng in state.device_rng.items():
+                    _device_module(device).set_rng_state(rng, device.index)
             if state.host_rng is not None:
                 self._host = _HostGeneratorsSetTo(state.host_rng)
                 self._host.__enter__()
