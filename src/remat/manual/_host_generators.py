@@ -106,8 +106,24 @@ def _python_instance() -> Any:
     return random.getstate.__self__  # type: ignore[attr-defined]
 
 
+# Views of the bytes read, made once per object and size: reading through a view copies
+# the bytes without a ctypes call, whose machinery a replay otherwise runs on cold caches
+# between two large kernels. Each view keeps its object alive, so its address stays valid.
+_VIEWS: dict[tuple[int, int], tuple[Any, memoryview]] = {}
+
+
+def _read(owner: Any, address: int, size: int) -> bytes:
+    """`size` bytes at `address`, inside the live object `owner`."""
+    cached = _VIEWS.get((address, size))
+    if cached is None or cached[0] is not owner:
+        if len(_VIEWS) > 16:  # generators replaced again and again: start over
+            _VIEWS.clear()
+        cached = _VIEWS[address, size] = (owner, memoryview((ctypes.c_char * size).from_address(address)).cast("B"))
+    return cached[1].tobytes()
+
+
 def _read_python(instance: Any, offset: int, size: int = _MT_BYTES) -> _Raw:
-    return _Raw(ctypes.string_at(id(instance) + offset, size), instance.gauss_next)
+    return _Raw(_read(instance, id(instance) + offset, size), instance.gauss_next)
 
 
 def _raw_of_python(state: Any) -> _Raw:
@@ -178,10 +194,10 @@ def _read_numpy(numpy: Any, instance: Any, offsets: tuple[int, int], head: bool 
     flag, value = offsets
     address = generator.ctypes.state_address
     if head:  # the first words and the position
-        words = ctypes.string_at(address, _HEAD) + ctypes.string_at(address + _WORDS * 4, 4)
+        words = _read(generator, address, _HEAD) + _read(generator, address + _WORDS * 4, 4)
     else:
-        words = ctypes.string_at(address, _MT_BYTES)
-    return _Raw(words, ctypes.string_at(id(instance) + flag, 4) + ctypes.string_at(id(instance) + value, 8))
+        words = _read(generator, address, _MT_BYTES)
+    return _Raw(words, _read(instance, id(instance) + flag, 4) + _read(instance, id(instance) + value, 8))
 
 
 def _raw_of_numpy(numpy: Any, state: dict[str, Any]) -> _Raw | None:
