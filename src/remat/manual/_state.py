@@ -305,21 +305,16 @@ class _Scope:
     @as_internal
     def exit(self, module: nn.Module) -> None:
         open_calls = self.open_calls
-        if open_calls and open_calls[-1][0] is module:
-            _, call, buffers, attributes = open_calls.pop()
-            if self.replaying:
-                self._replay_exit(buffers, attributes, module)
-            else:
-                self._record_exit(module, call, buffers, attributes)
+        position = len(open_calls) - 1  # the innermost call, almost always
+        while position >= 0 and open_calls[position][0] is not module:
+            position -= 1
+        if position < 0:
             return
-        for position in range(len(self.open_calls) - 1, -1, -1):
-            if self.open_calls[position][0] is module:
-                _, call, buffers, attributes = self.open_calls.pop(position)
-                if self.replaying:
-                    self._replay_exit(buffers, attributes, module)
-                else:
-                    self._record_exit(module, call, buffers, attributes)
-                return
+        _, call, buffers, attributes = open_calls.pop(position)
+        if self.replaying:
+            self._replay_exit(buffers, attributes, module)
+        else:
+            self._record_exit(module, call, buffers, attributes)
 
     @as_internal
     def close(self) -> None:
@@ -400,6 +395,19 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
             scope.exit(module)
 
 
+# torch's global forward hook dictionaries, private to torch: where they are not as
+# expected, the guard's hooks go through the public registration instead
+_DIRECT = isinstance(getattr(nn.modules.module, "_global_forward_pre_hooks", None), OrderedDict) and all(
+    isinstance(getattr(nn.modules.module, name, None), dict)
+    for name in ("_global_forward_hooks", "_global_forward_hooks_always_called")
+)
+_GLOBAL_PRE_HOOKS: OrderedDict[int, Any] = (
+    nn.modules.module._global_forward_pre_hooks if _DIRECT else OrderedDict()  # type: ignore[assignment]
+)
+_GLOBAL_HOOKS: dict[int, Any] = nn.modules.module._global_forward_hooks if _DIRECT else {}
+_ALWAYS_CALLED: dict[int, bool] = nn.modules.module._global_forward_hooks_always_called if _DIRECT else {}
+
+
 class _Installed:
     """remat's two global module hooks, put straight into torch's hook dictionaries.
 
@@ -412,35 +420,21 @@ class _Installed:
     ids: tuple[int, int] | None = None  # the pre-hook's id and the hook's
 
     def __init__(self) -> None:
-        hooks = nn.modules.module
         if _Installed.ids is None:
-            _Installed.ids = (
-                RemovableHandle(hooks._global_forward_pre_hooks).id,
-                RemovableHandle(hooks._global_forward_hooks).id,
-            )
+            _Installed.ids = (RemovableHandle(_GLOBAL_PRE_HOOKS).id, RemovableHandle(_GLOBAL_HOOKS).id)
         pre, post = _Installed.ids
-        pre_hooks: OrderedDict[int, Any] = hooks._global_forward_pre_hooks  # type: ignore[assignment]
-        pre_hooks[pre] = _pre_hook
+        _GLOBAL_PRE_HOOKS[pre] = _pre_hook
         # first, before any global pre-hook of the user's, which may change the module
-        pre_hooks.move_to_end(pre, last=False)
-        hooks._global_forward_hooks[post] = _post_hook
-        hooks._global_forward_hooks_always_called[post] = True
+        _GLOBAL_PRE_HOOKS.move_to_end(pre, last=False)
+        _GLOBAL_HOOKS[post] = _post_hook
+        _ALWAYS_CALLED[post] = True
 
     def remove(self) -> None:
         assert _Installed.ids is not None
         pre, post = _Installed.ids
-        hooks = nn.modules.module
-        hooks._global_forward_pre_hooks.pop(pre, None)
-        hooks._global_forward_hooks.pop(post, None)
-        hooks._global_forward_hooks_always_called.pop(post, None)
-
-
-_DIRECT = isinstance(getattr(nn.modules.module, "_global_forward_pre_hooks", None), OrderedDict) and all(
-    isinstance(getattr(nn.modules.module, name, None), dict)
-    for name in ("_global_forward_hooks", "_global_forward_hooks_always_called")
-)
-_GLOBAL_PRE_HOOKS: dict[int, Any] = getattr(nn.modules.module, "_global_forward_pre_hooks", {})
-_GLOBAL_HOOKS: dict[int, Any] = getattr(nn.modules.module, "_global_forward_hooks", {})
+        _GLOBAL_PRE_HOOKS.pop(pre, None)
+        _GLOBAL_HOOKS.pop(post, None)
+        _ALWAYS_CALLED.pop(post, None)
 
 
 def _use_hooks() -> None:
