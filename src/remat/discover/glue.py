@@ -428,7 +428,7 @@ class EarlierInputs:
 
     def input(self, at: EarlierValue) -> torch.Tensor:
         """The replayed value `at` of an earlier stage, for a glue replayed after it."""
-        values = self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
+        values = self._values_of(at)
         if values is None or at.position not in values:
             raise RematError(
                 f"a replay needs a value of stage {at.stage}, which it did not run: the plan's regions "
@@ -436,11 +436,15 @@ class EarlierInputs:
             )
         return values[at.position]
 
+    def _values_of(self, at: EarlierValue) -> dict[int, torch.Tensor] | None:
+        """The replayed values of `at`'s stage held for later glues: its glue's, or its inputs."""
+        return self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
+
     def glue_replayed(self, stage: int) -> None:
         """A replay ran the glue after `stage`: what no later glue takes is let go."""
         for at, last in self.last_glue.items():
             if last == stage:
-                values = self._made.get(at.stage) if at.made else self._replayed.get(at.stage)
+                values = self._values_of(at)
                 if values is not None:
                     values.pop(at.position, None)
 
