@@ -30,6 +30,7 @@ from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
 from remat.measure.options import named_policies, with_store_options
 from remat.measure.parameters import holds_collectives, refuse_sharded_training
+from remat.measure.real import measured_for_real
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
@@ -293,16 +294,7 @@ class Checkpointable(ModelStandIn):
                     policies=self._policies,
                 )
             except FakeRunFailed as error:
-                # Measured for real instead; a user's error raises there as itself.
-                measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=False)
-                how = "plain"
-                warnings.warn(
-                    f"remat: the model cannot run on fake tensors ({error}), so its sizes could not be known "
-                    "before it ran; it was measured with a plain step instead, which needs the memory of a "
-                    "step without recompute. Pass measure='frugal' to measure in less memory",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                measurement, how = measured_for_real(model, chain, sample_inputs, sample_kwargs, loss_fn, error)
         else:
             frugal = how == "frugal"
             measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)
@@ -310,7 +302,7 @@ class Checkpointable(ModelStandIn):
             measurement = with_store_options(model, chain, measurement, sample_inputs, sample_kwargs, self._policies)
         if references:  # the same model code holds the same inputs at every shape
             measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
-        estimated = estimator is not None and how != "plain" and not scaled
+        estimated = estimator is not None and how in ("sized", "estimated") and not scaled
         self._shapes.record(key, measurement, scaled=bool(scaled), estimated=estimated)
         if scaled:
             how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"

@@ -427,6 +427,8 @@ def _unpack(handle: Any) -> torch.Tensor:
                 f"#{handle.index - owner.start}; the block must run the same operations when recomputed"
             )
     value = handle.value
+    if root.observer is not None:
+        root.observer.on_unpacked(handle.index)
     if handle.filler is not None and graph_retained():
         # NOTE [retained graphs]
         # A backward that keeps its graph (retain_graph=True) would otherwise keep every

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from remat.discover.chain import Chain
-from remat.measure.costs import group_cost
+from remat.measure.costs import as_kept, group_cost
 from remat.measure.groups import group_stages, region_limits
 from remat.measure.instrument import StageMeasurement, StageWatch, work_between, work_mark
 from remat.measure.outside import (
@@ -458,7 +458,7 @@ def _suffix(step: TrackedStep) -> _Suffix:
     last_forward_end = watch.stages[-1].forward_window[1]
     last_backward = watch.stages[-1].backward_window
     suffix_stop = last_backward[0] if last_backward is not None else tracker.n_events
-    suffix = tracker.window(last_forward_end, suffix_stop)
+    suffix = as_kept(step, last_forward_end, suffix_stop)
     # What the suffix allocates and still holds when the last stage's backward ends, other
     # than the model's output, is held through the chain's backward: e.g. the partial
     # gradient of an LM head's weight tied to the prefix's embedding, which waits for the
@@ -511,11 +511,20 @@ def _suffix(step: TrackedStep) -> _Suffix:
         for key, (allocated, freed) in made.items()
         if allocated < last_forward_end and freed is not None and last_forward_end <= freed < suffix_stop
     )
+    # a span's input its region keeps (frugal mode) dies there in a plain step if the model
+    # lets go of it there (NOTE [a frugal step's forward as a plain one])
+    elsewhere = saved | step.output_allocations | step.cast_allocations  # (its region keeps it after the forward)
+    let_go = {key: at for key, at in watch.let_go_event.items() if key not in elsewhere}
+    uncounted += sum(
+        record.nbytes
+        for key, record in tracker.allocation_records(let_go).items()
+        if record.allocated_event < last_forward_end and last_forward_end <= let_go[key] < suffix_stop
+    )
     before_bytes = suffix.before_bytes - uncounted
     gradient_bytes = max(watch.output_grad_bytes, suffix.peak_bytes - before_bytes - kept_bytes)
     # the suffix's forward (a head, the loss itself) ends where the loss is computed
     forward_end = step.loss_event if step.loss_event is not None else suffix_stop
-    forward = tracker.window(last_forward_end, max(last_forward_end, forward_end))
+    forward = as_kept(step, last_forward_end, max(last_forward_end, forward_end))
     forward_bytes = max(0, forward.peak_bytes - before_bytes - kept_bytes)
     return _Suffix(
         kept_bytes,

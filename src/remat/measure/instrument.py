@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from remat.discover.chain import Chain, StageLinks
 from remat.discover.glue import GlueRecorder, StageInputs
 from remat.discover.intercept import call_original, out_of_order
+from remat.manual._tensors import storage_key
 from remat.memory import MemoryTracker
 
 __all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "Work", "tensors_in", "work_between", "work_mark"]
@@ -188,6 +189,14 @@ class StageWatch:
         self.recompute_end_event: dict[int, int] = {}  # span start -> event after its recompute
         self.recompute_time_s: dict[int, float] = {}  # span start -> seconds of its recompute
         self.recompute_windows: list[tuple[int, int]] = []  # events of every recompute
+        # stage -> the event when backward first took what it saved, after the replay that
+        # brought it back (NOTE [first uses in a frugal step] in remat.measure.outside)
+        self.first_use_event: dict[int, int] = {}
+        # allocation -> the event when the model let go of it, for the inputs of spans, which
+        # their regions keep (NOTE [a frugal step's forward as a plain one] in remat.measure.costs)
+        self.let_go_event: dict[int, int] = {}
+        self._span_starts = {start for start, _ in spans or []}
+        self._let_go_refs: list[weakref.ref[torch.Tensor]] = []
         self.span_start_of_last_stage = {stop - 1: start for start, stop in spans or []}
         self._run: Any = None
         if spans is not None:
@@ -230,6 +239,18 @@ class StageWatch:
             if allocation_id is not None:
                 self.saved_ids[self.current].append(allocation_id)
 
+    def _watch_let_go(self, tracker: MemoryTracker, inputs: Sequence[torch.Tensor]) -> None:
+        """Notes when the model lets go of a span's inputs that require grad: its region keeps
+        them as other tensors on the same memory, which outlive them."""
+        for tensor in inputs:
+            key = tracker.allocation_id(tensor) if tensor.requires_grad else None
+            if key is not None:
+                noted = functools.partial(self._let_go, key)
+                self._let_go_refs.append(weakref.ref(tensor, noted))
+
+    def _let_go(self, key: int, _: object) -> None:
+        self.let_go_event.setdefault(key, self.event())
+
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs stage `index` in place of the module's call, and takes its figures.
 
@@ -251,6 +272,8 @@ class StageWatch:
         if tracker is not None:
             stage.taken_storages = tracker.allocations_of(inputs)
             self._link(index, stage.taken_storages)
+            if index in self._span_starts:
+                self._watch_let_go(tracker, inputs)
         self.current = index
         if self.synchronize is not None:
             self.synchronize()
@@ -479,9 +502,16 @@ class _SpanObserver:
         self.start = start
         self.started = 0.0
         self.started_event = 0
+        self.savers: list[int | None] = []  # per saved tensor of the region, the stage that saved it
 
     def on_discarded(self, tensor: torch.Tensor) -> None:
         self.watch.record_saved(tensor)
+        self.savers.append(self.watch.current)
+
+    def on_unpacked(self, index: int) -> None:
+        stage = self.savers[index] if index < len(self.savers) else None
+        if stage is not None:
+            self.watch.first_use_event.setdefault(stage, self.watch.event())
 
     def on_recompute(self, started: bool) -> None:
         watch = self.watch
@@ -499,17 +529,41 @@ class _SpanObserver:
 
 
 class InPlaceProbe:
-    """Finds, in a forward without grad, the stages that modify their input in place and
-    those whose input the model's own code changed in place (see :class:`StageMeasurement`)."""
+    """Finds, in a forward, the stages that modify their input in place and those whose
+    input the model's own code changed in place (see :class:`StageMeasurement`); and, as
+    its :meth:`pack` is told of what autograd saves, about how many bytes each stage (with
+    the model's code after it) saves and takes as input (NOTE [frugal spans] in
+    :mod:`remat.measure.step`). Nothing saved is kept."""
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self, chain: Chain, constants: set[int] | None = None) -> None:
         self.modifies_input = [False] * len(chain)
         self.input_changed = [False] * len(chain)
         self.in_place = _InPlaceWatch(len(chain))
+        self.input_bytes = [0] * len(chain)
+        self.saved_bytes = [0] * len(chain)
+        self._constants = constants or set()  # storages of parameters and buffers: not counted
+        self._seen: set[int] = set()
+        self._current: int | None = None
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.input_changed[index] = self.in_place.before(index, args, kwargs)
+        storages = {storage_key(t): _storage_bytes(t) for t in tensors_in((args, kwargs)) if t.requires_grad}
+        self.input_bytes[index] = sum(storages.values())
+        self._current, self._seen = index, set()
         out = call_original(module, args, kwargs)
         for changed in self.in_place.after(index, out):
             self.modifies_input[changed] = True
         return out
+
+    def pack(self, tensor: torch.Tensor) -> None:
+        """A saved-tensor hook: counts what the running stage saves, and keeps nothing."""
+        key = storage_key(tensor)
+        if self._current is not None and key not in self._seen and key not in self._constants:
+            self._seen.add(key)
+            self.saved_bytes[self._current] += _storage_bytes(tensor)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    if tensor.layout != torch.strided:
+        return tensor.element_size() * tensor.numel()
+    return int(tensor.untyped_storage().nbytes())

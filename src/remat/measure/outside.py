@@ -16,6 +16,7 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
 
 from remat.discover.chain import Chain
+from remat.measure.costs import backward_as_plain
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -80,12 +81,13 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
     starts = [stage.forward_window[0] for stage in stages]
     chain_start, chain_stop = starts[0], stages[-1].forward_window[1]
     first_use: list[int | None] = [None] * len(stages)
+    for index, used_at in watch.first_use_event.items():  # NOTE [first uses in a frugal step]
+        first_use[index] = used_at
     for saved_at, used_at in tracker.first_unpacks().items():
         if chain_start <= saved_at < chain_stop:
             index = bisect.bisect_right(starts, saved_at) - 1
             known = first_use[index]
             first_use[index] = used_at if known is None else min(known, used_at)
-    replay_starts = {stop: start for start, stop in watch.recompute_windows}
     out = [0] * (len(groups) + 1)
     earliest: int | None = None
     left_over: set[int] | None = None
@@ -101,22 +103,17 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
         if group is None or whole is None:
             continue
         start = earliest
-        span_start = watch.span_start_of_last_stage.get(index)
-        replayed_until = watch.recompute_end_event.get(span_start) if span_start is not None else None
-        if replayed_until is not None:  # frugal mode
-            replayed_from = replay_starts.get(replayed_until)
-            start = replayed_until if replayed_from is not None and replayed_from < whole else None
         if start is not None and start < whole:
             # gradients, made by the backward: the activations its stages saved, freed by
             # the backward in that window (a maker of a position bias whose gradient is
             # whole only within its own backward), are the simulator's
-            window = tracker.window(start, whole, since=step.loss_event)
+            window = backward_as_plain(step, start, whole, since=step.loss_event)
             # the glue's own backward runs after the replay; the backward of the region's
             # last stage, planned next, leaves room for its input's gradient
             room = stages[groups[group - 1][0]].gradient_bytes_in
             waiting = window.before_bytes - window.after_bytes
             out[group] = max(0, waiting, window.peak_bytes - window.after_bytes - room)
-        if group is not None and replayed_until is None:
+        if group is not None:
             if left_over is None:
                 left_over = _left_over(step)
             waiting = _waiting_for_own_backward(step, groups[group - 1], first_use, left_over)
@@ -124,6 +121,14 @@ def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple
     return tuple(out)
 
 
+# NOTE [first uses in a frugal step]
+# A frugal step (NOTE [frugal measurement]) keeps nothing a stage saves: the first time its
+# backward takes a tensor of a span, the span is replayed, and the backward takes that
+# tensor from the replay. Each span's observer is told of every such use and notes, per
+# stage, the event of its first use, after the replay: the moment a plain step's backward
+# first takes what the stage saved, with the same tensors alive. The waiting gradients are
+# then read as in a plain step, with the replays inside the window read as NOTE [replays
+# inside a frugal backward] (in remat.measure.costs) says.
 def _left_over(step: TrackedStep) -> set[int]:
     """What a stage's backward made that outlives it, and the gradients of the stages'
     inputs other than their own backward's: held outside the chain (held_outside_chain)."""
