@@ -96,13 +96,15 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def _measured(case: Case, frugal: bool, nested: bool = False) -> tuple[ChainMeasurement, int]:
+def _measured(
+    case: Case, frugal: bool, nested: bool = False, kwargs: dict[str, Any] | None = None
+) -> tuple[ChainMeasurement, int]:
     """The measurement of a copy of the case's model, and the peak of the measuring step."""
     model, inputs, loss_fn = case
     how = "frugal" if frugal else "plain"
     wrapped = remat.Checkpointable(copy.deepcopy(model).train(), None, loss_fn=loss_fn, nested=nested, measure=how)
     with remat.MemoryTracker() as tracker:
-        measurement = wrapped.measure(*inputs)
+        measurement = wrapped.measure(*inputs, **(kwargs or {}))
     return measurement, tracker.peak_bytes
 
 
@@ -154,6 +156,33 @@ def test_what_a_frugal_step_does_not_see_as_a_plain_one_is_on_the_safe_side(name
     pairs = zip(frugal.waiting_gradient_bytes, plain.waiting_gradient_bytes, strict=True)
     assert all(f >= p for f, p in pairs)
     assert frugal.suffix_peak_bytes >= plain.suffix_peak_bytes
+
+
+def test_a_replay_inside_a_backward_is_read_as_a_plain_steps_saved_tensors() -> None:
+    # NOTE [replays inside a frugal backward]: in Hugging Face's LED, the backward of a
+    # stage reaches what an earlier span saved, whose replay runs inside that backward
+    # (counted as the step's own transient without the NOTE: 195,904 bytes where a plain
+    # step shows none)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LEDConfig(
+        vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, attention_window=8,
+        max_encoder_position_embeddings=128, max_decoder_position_embeddings=128, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LEDForConditionalGeneration(config).train()
+    generator = torch.Generator().manual_seed(1)
+    kwargs = {
+        "input_ids": torch.randint(4, 256, (2, 32), generator=generator),
+        "labels": torch.randint(4, 256, (2, 16), generator=generator),
+        "use_cache": False,
+    }
+    case: Case = (model, (), lambda output: output.loss)
+    plain, _ = _measured(case, frugal=False, kwargs=kwargs)
+    frugal, _ = _measured(case, frugal=True, kwargs=kwargs)
+    assert frugal.profile.backward_temp_bytes == plain.profile.backward_temp_bytes
+    assert frugal.waiting_gradient_bytes == plain.waiting_gradient_bytes
 
 
 def _spans(model: nn.Module, inputs: tuple[Any, ...]) -> list[tuple[int, int]]:
