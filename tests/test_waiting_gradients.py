@@ -80,10 +80,9 @@ def _run_plans(measure: str = "sized") -> tuple[int, int]:
     profile = reference.schedule.profile
     values = [index for index, name in enumerate(profile.names) if name.endswith("value")]
     waiting = reference.budget.waiting_gradient_bytes
-    if measure != "frugal":  # a frugal span's replay hides the first use (see the NOTE)
-        for value in values:  # the query's and the key's gradients wait at the value projections
-            assert waiting[value] >= 2 * x.numel() * 4 * 4
-        assert sum(waiting) == sum(waiting[value] for value in values)
+    for value in values:  # the query's and the key's gradients wait at the value projections
+        assert waiting[value] >= 2 * x.numel() * 4 * 4
+    assert sum(waiting) == sum(waiting[value] for value in values)
     unaware = dataclasses.replace(reference.budget, waiting_gradient_bytes=())
     over = missed = 0
     plans = all_plans(profile.n_stages)

@@ -125,13 +125,13 @@ class Checkpointable(ModelStandIn):
               stage at a time, forward and backward, whose memory is bounded before it
               runs: a budget it would not fit in raises :class:`~remat.BudgetTooSmall`
               with the figure. A model that cannot run on fake tensors (data-dependent
-              shapes, ``.item()`` in its forward) is measured with a plain step instead,
-              with a warning;
+              shapes, ``.item()`` in its forward) is measured with a frugal step instead,
+              with a warning (NOTE [measured for real when fake tensors fail]);
             * ``"plain"``: one plain training step (all activations stored) tracked byte
               for byte, and one more for the times;
-            * ``"frugal"``: the same steps with the stages recomputed in segments of about
-              sqrt(n) (see NOTE [frugal measurement]); its predictions err a little more
-              on the safe side.
+            * ``"frugal"``: the same steps with every stage recomputed, in spans chosen from
+              what each stage saves (see NOTE [frugal measurement]), sized as a plain step
+              is.
             * ``"estimated"``: sized, with times estimated from each stage's work by a cost
               model calibrated on the device (:mod:`remat.measure.estimate`): nothing runs
               on the device before the first step, which trains on that plan; the next

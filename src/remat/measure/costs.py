@@ -100,11 +100,16 @@ def group_cost(chain: Chain, step: TrackedStep, first: int, stop: int) -> GroupC
 #   frees it when the model's code lets go of it (unless a stage saved it). The watch
 #   notes that moment (the tensor the model held dies; the region holds another on the
 #   same memory), and the input is counted as dead from then on.
-# The event stream is otherwise the same (the regions' own bookkeeping allocates nothing
-# on the device), so the transient bytes of a stage's forward and the suffix's peak are
-# those of a plain step, byte for byte. (Before this, the forward's transient was bounded
-# by its whole peak without the saved tensors, on top of them: on a GPT-2 block 18 MiB
-# where the plain step shows 2 MiB, and a smallest budget 23% too high.)
+# The event stream is otherwise the same but for the regions' copies of the buffers of the
+# modules they record (NOTE [running statistics during recompute]), counted on the safe
+# side, so the transient bytes of a stage's forward and the suffix's peak are those of a
+# plain step (byte for byte in tests/test_frugal.py). (Before this, the forward's transient
+# was bounded by its whole peak without the saved tensors, on top of them: on a GPT-2
+# block 18 MiB where the plain step shows 2 MiB, and a smallest budget 23% too high.)
+# In nested plans, the constants the executor keeps for the glue's replays are alive when
+# the forward returns, and are counted as held by the model through the step, on the safe
+# side (tests/test_frugal.py's small GPT-2, nested: its least budget 48% above a plain
+# measurement's).
 def as_kept(step: TrackedStep, start: int, stop: int, held: dict[int, int] | None = None) -> Window:
     """The tracker's window ``[start, stop)`` with the allocations `held` (id -> bytes) alive
     to `stop` (NOTE [a group's input through its forward]), and in the frugal mode as a

@@ -487,15 +487,19 @@ def completed_inside(nodes: Sequence[Any]) -> set[int]:
 # NOTE [frugal measurement]
 # A plain measuring step stores every activation: it needs as much memory as training
 # without recompute, which a model that only fits with recompute does not have. The
-# frugal mode runs the measured steps with every stage in a recompute region of its own
-# (a stage that modifies its input in place shares its predecessor's region), so a step
-# keeps little more than the stages' inputs. What each stage saves is seen as the region
-# discards it; its forward's extra memory is bounded by the peak seen without the saved
-# tensors kept (keeping them adds at most their size, which the model counts apart); its
-# backward is measured from the end of its recompute, when its saved tensors are back.
-# Times: the recompute's time is taken off the backward it precedes.
+# frugal mode runs the measured steps with every stage recomputed, in spans of stages that
+# each run as a recompute region (NOTE [frugal spans] in remat.measure.step), so a step keeps
+# little more than the spans' inputs and one span's saved tensors. What each stage saves is
+# seen as the region discards it; the figures of the forward and of the suffix are read as
+# a plain step would show them (NOTE [a frugal step's forward as a plain one] in
+# remat.measure.costs); a stage's backward is measured from the end of its span's replay,
+# when its saved tensors are back (NOTE [replays inside a frugal backward]), and backward's
+# first use of what each stage saved is told by the regions (NOTE [first uses in a frugal
+# step] in remat.measure.outside). Times: the replay's time is taken off the backward it
+# precedes.
 class _SpanObserver:
-    """Told by a span's recompute region what it discards and when it is recomputed."""
+    """Told by a span's recompute region what it discards, when it is recomputed, and when
+    backward takes what it saved."""
 
     def __init__(self, watch: StageWatch, start: int) -> None:
         self.watch = watch

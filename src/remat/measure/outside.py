@@ -67,11 +67,8 @@ def recomputed(step: TrackedStep, allocations: dict[int, int]) -> set[int]:
 # block and its position bias) has that tensor's gradient whole only within its own
 # backward, whose freed activations are the simulator's, not waiting gradients. The
 # prediction adds it to the replay after that boundary's backward
-# (remat.plan.lifetimes). Frugal mode replays every span anyway: from the end of the
-# replay of the span that ends with the stage. Inside a span of several stages (stages
-# whose glue takes what an earlier one made share one), the span's replay hides the first
-# use and nothing is counted: frugal mode's sizes are bounds on the safe side elsewhere,
-# and tests/test_waiting_gradients.py checks its plans against their peaks too. What waits
+# (remat.plan.lifetimes). In frugal mode the first uses are told by the spans' regions
+# (NOTE [first uses in a frugal step]). What waits
 # for the region's own backward is counted too (NOTE [gradients a region's own backward
 # takes]); each boundary gets the larger of the two.
 def waiting_gradients(step: TrackedStep, groups: list[tuple[int, int]]) -> tuple[int, ...]:
