@@ -23,7 +23,7 @@ import remat
 from chain_helpers import compare_training
 from remat.discover.chain import discover_chain
 from remat.measure import ChainMeasurement
-from remat.measure import step as measure_step
+from remat.measure.spans import frugal_spans
 from remat.models import gpt2, mlp_chain
 from test_checkpointable import conv_bn_relu, mlp_with_dropout
 from test_waiting_gradients import SplitAttention
@@ -187,7 +187,7 @@ def test_a_replay_inside_a_backward_is_read_as_a_plain_steps_saved_tensors() -> 
 
 def _spans(model: nn.Module, inputs: tuple[Any, ...]) -> list[tuple[int, int]]:
     chain = discover_chain(model, inputs, {})
-    return measure_step._frugal_spans(model, chain, inputs, {})
+    return frugal_spans(model, chain, inputs, {})
 
 
 def test_frugal_spans_follow_what_the_stages_save() -> None:

@@ -243,10 +243,9 @@ class _Frame:
                 "must run the same operations when it is recomputed (check control flow that "
                 "depends on global state, and use remat.is_recomputing() for side effects)"
             )
-        # Every live handle this frame owned is filled or owned by a child: the kept
-        # inputs are no longer needed (the first operations hold them if they saved them),
-        # unless the first forward is still running (a backward inside the block's own
-        # forward filled it) and more handles will come.
+        # Every live handle this frame owned is filled or owned by a child: the kept inputs are no longer
+        # needed (the first operations hold them if they saved them), unless the first forward is still
+        # running (a backward inside the block's own forward filled it) and more handles will come.
         if not self.output_recompute and root.stop is not None and not graph_retained():
             self.release_inputs()
             if root.cache is not None:
@@ -431,10 +430,9 @@ def _unpack(handle: Any) -> torch.Tensor:
         root.observer.on_unpacked(handle.index)
     if handle.filler is not None and graph_retained():
         # NOTE [retained graphs]
-        # A backward that keeps its graph (retain_graph=True) would otherwise keep every
-        # recomputed tensor until the graph is freed: the memory recompute was meant to
-        # save. Each one is dropped once backward took it, its frame becomes its owner
-        # again and keeps its inputs, and the next backward recomputes it.
+        # A backward that keeps its graph (retain_graph=True) would otherwise keep every recomputed tensor until
+        # the graph is freed: the memory recompute was meant to save. Each one is dropped once backward took it,
+        # its frame becomes its owner again and keeps its inputs, and the next backward recomputes it.
         filler = handle.filler
         handle.value = handle.filler = None
         root.owners[handle.index] = _ROOT_OWNER if filler is root else filler

@@ -488,7 +488,7 @@ def completed_inside(nodes: Sequence[Any]) -> set[int]:
 # A plain measuring step stores every activation: it needs as much memory as training
 # without recompute, which a model that only fits with recompute does not have. The
 # frugal mode runs the measured steps with every stage recomputed, in spans of stages that
-# each run as a recompute region (NOTE [frugal spans] in remat.measure.step), so a step keeps
+# each run as a recompute region (NOTE [frugal spans] in remat.measure.spans), so a step keeps
 # little more than the spans' inputs and one span's saved tensors. What each stage saves is
 # seen as the region discards it; the figures of the forward and of the suffix are read as
 # a plain step would show them (NOTE [a frugal step's forward as a plain one] in
@@ -537,7 +537,7 @@ class InPlaceProbe:
     input the model's own code changed in place (see :class:`StageMeasurement`); and, as
     its :meth:`pack` is told of what autograd saves, about how many bytes each stage (with
     the model's code after it) saves and takes as input (NOTE [frugal spans] in
-    :mod:`remat.measure.step`). Nothing saved is kept."""
+    :mod:`remat.measure.spans`). Nothing saved is kept."""
 
     def __init__(self, chain: Chain, constants: set[int] | None = None) -> None:
         self.modifies_input = [False] * len(chain)

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -40,13 +39,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages, missing_stages
-from remat.errors import UnsupportedModel
 from remat.manual._state import learning_state
-from remat.manual._tensors import storage_key
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
-from remat.measure.instrument import InPlaceProbe, StageWatch, tensors_in
+from remat.measure.instrument import StageWatch, tensors_in
 from remat.measure.isolation import isolated_inputs, preserved_model_state, preserved_state_bytes
 from remat.measure.losses import (
     _check_no_cache,
@@ -56,6 +53,7 @@ from remat.measure.losses import (
     _loss_widening,
     _shape_of,
 )
+from remat.measure.spans import frugal_spans
 from remat.measure.timing import TimingPass, time_groups
 from remat.memory import MemoryTracker
 
@@ -244,7 +242,7 @@ def _plain_measurement(
     # changes its input in place gets the original values in every run.
     with preserved_model_state(model, devices):
         _phase(1, "a step tracked byte for byte")
-        spans = _frugal_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
+        spans = frugal_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
         tracked = _tracked_step(
             model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
         )
@@ -537,74 +535,6 @@ def _timing_step(
             synchronize()
         end_time = time.perf_counter()
     return timing, end_time
-
-
-# NOTE [frugal spans]
-# The frugal step (NOTE [frugal measurement]) keeps the input of each span to the end of
-# the forward, and while a span is replayed, everything its stages save: it needs about
-# the inputs of the spans, plus the most any one span saves. A probe forward, with grad
-# and with what autograd saves counted and let go at once (no more memory than a forward
-# without grad), tells each stage's input bytes and saved bytes (the model's code after a
-# stage counted with it; parameters and buffers left out). The spans are chosen to make
-# that sum small: for each of a few dozen caps on a span's saved bytes, from the largest
-# stage's to the whole chain's, spans are filled greedily up to the cap, and the spans
-# that cost least are taken. Stages that save much more than they take (a GPT-2 block saves
-# about 40 times its input) get a span each; stages that save about what they take (an
-# MLP of single layers) share spans of about sqrt(n), as checkpoint_sequential cuts them.
-# On the planner benchmark's GPT-2, one span per block measures in 62 MB, against 186 MB
-# with spans of sqrt(n) and 362 MB for a plain step. A span never starts at an in-place
-# stage (it would modify the input the span keeps), and a stage whose input the model's
-# code changed in place starts one.
-def _frugal_spans(
-    model: nn.Module, chain: Chain, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[tuple[int, int]]:
-    """Spans of stages for the frugal mode (see the NOTE)."""
-    constants = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    probe = InPlaceProbe(chain, constants)
-    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _never_unpacked), intercept_stages(chain, probe):
-        model(*args, **kwargs)
-    if probe.modifies_input[0]:
-        raise UnsupportedModel(
-            f"the chain's input (the input of its first stage {chain.names[0]!r}) is changed in place "
-            "during the forward; the frugal measurement recomputes every stage and cannot keep it. "
-            "Measure with measure='plain' (the first stage is then never recomputed), or make "
-            "that operation out of place (e.g. nn.ReLU(inplace=False))"
-        )
-    for index, (in_place, changed) in enumerate(zip(probe.modifies_input, probe.input_changed, strict=True)):
-        if in_place and changed:
-            raise UnsupportedModel(
-                f"stage {chain.names[index]!r} modifies in place an input that the model's code also "
-                "changed in place after the stage before returned it; the frugal measurement cannot "
-                "recompute around it. Measure with measure='plain', or make one of the two "
-                "changes out of place"
-            )
-    saved, largest = probe.saved_bytes, max(probe.saved_bytes)
-    caps, cap = [largest], max(largest, 1)
-    while cap < sum(saved):
-        cap = math.ceil(cap * 1.25)
-        caps.append(cap)
-
-    def filled(limit: int) -> list[tuple[int, int]]:
-        spans: list[tuple[int, int]] = []
-        held = 0
-        for index, (in_place, changed) in enumerate(zip(probe.modifies_input, probe.input_changed, strict=True)):
-            if spans and not changed and (in_place or held + saved[index] <= limit):
-                spans[-1] = (spans[-1][0], index + 1)
-                held += saved[index]
-            else:
-                spans.append((index, index + 1))
-                held = saved[index]
-        return spans
-
-    def cost(spans: list[tuple[int, int]]) -> int:
-        kept = sum(probe.input_bytes[start] for start, _ in spans[1:])
-        return kept + max(sum(saved[start:stop]) for start, stop in spans)
-
-    return min((filled(limit) for limit in caps), key=cost)
-
-
-def _never_unpacked(_: Any) -> torch.Tensor:  # pragma: no cover - the probe runs no backward
-    raise RuntimeError("remat's frugal probe keeps nothing for backward")
 
 
 def watched_times(step: TrackedStep, timing: StageWatch, end_time: float) -> list[tuple[float, float]]:
