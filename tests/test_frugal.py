@@ -22,7 +22,9 @@ from torch import nn
 import remat
 from chain_helpers import compare_training
 from remat.discover.chain import discover_chain
+from remat.discover.intercept import intercept_stages
 from remat.measure import ChainMeasurement
+from remat.measure.instrument import InPlaceProbe
 from remat.measure.spans import frugal_spans
 from remat.models import gpt2, mlp_chain
 from test_checkpointable import conv_bn_relu, mlp_with_dropout
@@ -207,6 +209,26 @@ def test_frugal_spans_follow_what_the_stages_save() -> None:
     assert 2 < len(spans) < 8
     # blocks that save nine times what they take: a span each
     assert len(_spans(mlp_chain(depth=16, width=32), (torch.randn(8, 32),))) == 16
+
+
+class SavesOneSize(nn.Module):
+    """Saves eight tensors of one size, each freed before the next is made."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.sum()
+        for _ in range(8):
+            total = total + x.exp().sum()  # exp saves its output, let go once summed
+        return x + total
+
+
+def test_the_probe_counts_a_storage_made_where_a_freed_one_was() -> None:
+    model = nn.Sequential(SavesOneSize(), SavesOneSize())
+    x = torch.randn(64, 64, requires_grad=True)
+    chain = discover_chain(model, (x,), {})
+    probe = InPlaceProbe(chain)
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda _: None), intercept_stages(chain, probe):
+        model(x)
+    assert probe.saved_bytes == [8 * x.numel() * 4] * 2
 
 
 def test_the_measuring_step_of_a_decoder_keeps_far_less_than_a_plain_step() -> None:

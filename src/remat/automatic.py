@@ -279,6 +279,7 @@ class Checkpointable(ModelStandIn):
         if how == "estimated" and not self._shapes.was_estimated(key):
             # a training call's cost model holds no more than its step (NOTE [calibrating within the budget])
             estimator = step_estimator(model, step_device(model, sample_inputs, sample_kwargs), bounded=training)
+        failed = None  # why the model cannot run on fake tensors
         if how in ("sized", "estimated"):
             try:
                 measurement = measure_chain(
@@ -294,7 +295,9 @@ class Checkpointable(ModelStandIn):
                     policies=self._policies,
                 )
             except FakeRunFailed as error:
-                measurement, how = measured_for_real(model, chain, sample_inputs, sample_kwargs, loss_fn, error)
+                failed = str(error)  # (the error is let go first: its traceback holds the failed run's frames)
+            if failed is not None:
+                measurement, how = measured_for_real(model, chain, sample_inputs, sample_kwargs, loss_fn, failed)
         else:
             frugal = how == "frugal"
             measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)

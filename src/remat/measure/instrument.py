@@ -546,14 +546,16 @@ class InPlaceProbe:
         self.input_bytes = [0] * len(chain)
         self.saved_bytes = [0] * len(chain)
         self._constants = constants or set()  # storages of parameters and buffers: not counted
-        self._seen: set[int] = set()
+        # what the running stage saved, by storage: held while it runs, so that a storage
+        # freed and another made at its address are not taken for one
+        self._seen: dict[int, Any] = {}
         self._current: int | None = None
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.input_changed[index] = self.in_place.before(index, args, kwargs)
         storages = {storage_key(t): _storage_bytes(t) for t in tensors_in((args, kwargs)) if t.requires_grad}
         self.input_bytes[index] = sum(storages.values())
-        self._current, self._seen = index, set()
+        self._current, self._seen = index, {}
         out = call_original(module, args, kwargs)
         for changed in self.in_place.after(index, out):
             self.modifies_input[changed] = True
@@ -563,7 +565,7 @@ class InPlaceProbe:
         """A saved-tensor hook: counts what the running stage saves, and keeps nothing."""
         key = storage_key(tensor)
         if self._current is not None and key not in self._seen and key not in self._constants:
-            self._seen.add(key)
+            self._seen[key] = tensor.untyped_storage() if tensor.layout == torch.strided else tensor
             self.saved_bytes[self._current] += _storage_bytes(tensor)
 
 

@@ -35,10 +35,10 @@ def measured_for_real(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], Any] | None,
-    error: Exception,
+    error: str,
 ) -> tuple[ChainMeasurement, str]:
-    """The measurement of a model whose run on fake tensors failed with `error`, and how it
-    was measured (``"frugal"`` or ``"plain"``); see the NOTE."""
+    """The measurement of a model whose run on fake tensors failed (`error` says why), and
+    how it was measured (``"frugal"`` or ``"plain"``); see the NOTE."""
     try:
         measurement = measure_on_device(model, chain, args, kwargs, loss_fn, frugal=True)
         how, step = "frugal", "a step with every stage recomputed (measure='frugal')"
