@@ -231,6 +231,35 @@ def test_the_probe_counts_a_storage_made_where_a_freed_one_was() -> None:
     assert probe.saved_bytes == [8 * x.numel() * 4] * 2
 
 
+class AddsToIdentity(nn.Module):
+    """Adds in place to what an ``nn.Identity`` stage returned, its input, then lets go of it
+    (a RegNet layer's last activation): that stage modifies its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 4) for _ in range(4)])
+        self.identities = nn.ModuleList([nn.Identity() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, identity in zip(self.blocks, self.identities, strict=True):
+            hidden = identity(block(x))
+            hidden += x[..., :4]
+            hidden = torch.tanh(hidden)
+            x = hidden.repeat(1, 4).exp().sin().cos()
+        return x
+
+
+def test_a_stage_whose_input_is_changed_in_place_after_it_ran_starts_no_span() -> None:
+    torch.manual_seed(0)
+    model, x = AddsToIdentity(), torch.randn(8, 16)
+    chain = discover_chain(model, (x,), {})
+    identities = {index for index, name in enumerate(chain.names) if name.startswith("identities.")}
+    assert not identities & {start for start, _ in _spans(model, (x,))}
+    wrapped = remat.Checkpointable(copy.deepcopy(model), None, loss_fn=_square_mean, measure="frugal")
+    with pytest.warns(UserWarning, match="no budget given"):
+        compare_training(copy.deepcopy(model), wrapped, (x,), _square_mean)
+
+
 def test_the_measuring_step_of_a_decoder_keeps_far_less_than_a_plain_step() -> None:
     torch.manual_seed(0)
     case = _tiny_gpt2(n_layers=8)

@@ -550,16 +550,30 @@ class InPlaceProbe:
         # freed and another made at its address are not taken for one
         self._seen: dict[int, Any] = {}
         self._current: int | None = None
+        # the stages' inputs by storage, weakly (see written)
+        self._inputs: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.input_changed[index] = self.in_place.before(index, args, kwargs)
-        storages = {storage_key(t): _storage_bytes(t) for t in tensors_in((args, kwargs)) if t.requires_grad}
+        inputs = tensors_in((args, kwargs))
+        for tensor in inputs:
+            self._inputs.setdefault(storage_key(tensor), []).append((weakref.ref(tensor), index))
+        storages = {storage_key(t): _storage_bytes(t) for t in inputs if t.requires_grad}
         self.input_bytes[index] = sum(storages.values())
         self._current, self._seen = index, {}
         out = call_original(module, args, kwargs)
         for changed in self.in_place.after(index, out):
             self.modifies_input[changed] = True
         return out
+
+    def written(self, tensors: list[torch.Tensor]) -> None:
+        """An operation changes `tensors` in place: a stage whose input they share memory with
+        modifies its input (an ``nn.Identity`` returns its input, which the model's code then
+        adds to in place and lets go of, before any stage could see its version)."""
+        for tensor in tensors:
+            for ref, index in self._inputs.get(storage_key(tensor), ()):
+                if ref() is not None:
+                    self.modifies_input[index] = True
 
     def pack(self, tensor: torch.Tensor) -> None:
         """A saved-tensor hook: counts what the running stage saves, and keeps nothing."""
