@@ -427,7 +427,7 @@ def _unpack(handle: Any) -> torch.Tensor:
             )
     value = handle.value
     if root.observer is not None:
-        root.observer.on_unpacked(handle.index)
+        root.observer.on_unpacked(handle.index, value)
     if handle.filler is not None and graph_retained():
         # NOTE [retained graphs]
         # A backward that keeps its graph (retain_graph=True) would otherwise keep every recomputed tensor until

@@ -25,7 +25,8 @@ class RegionRecording:
     An `observer` (used by measurement) is told of every tensor the region discards,
     ``observer.on_discarded(tensor)``, and of each recompute of the region,
     ``observer.on_recompute(started: bool)`` before and after it, and of each use of a
-    saved tensor by backward, ``observer.on_unpacked(index)`` (its index in discard order).
+    saved tensor by backward, ``observer.on_unpacked(index, tensor)`` (its index in discard
+    order, and the tensor given back).
     """
 
     def __init__(

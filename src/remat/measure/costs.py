@@ -140,22 +140,49 @@ def as_kept(step: TrackedStep, start: int, stop: int, held: dict[int, int] | Non
 
 # NOTE [replays inside a frugal backward]
 # A window of a frugal step's backward (a stage's backward, the wait for a gradient) may
-# see the replay of a span: the backward reached what that span saved. A plain step held
-# those tensors from its forward on; the frugal step makes them in the window. Each
-# allocation a replay makes in the window is counted as alive from the window's start to
-# the event that made it (on the safe side: a replay also makes outputs that die at once).
+# see the replay of a span: the backward reached what the span saved (its own stage's, or
+# an earlier span's). A plain step held those tensors from its forward on and runs no
+# replay. So each saved tensor a replay makes, that the regions then give back to backward,
+# is counted as alive from the window's start to the event that made it; what else the
+# replay made and left alive (an output recomputed on the way) is counted as gone when the
+# replay ends; and the replay's own events are left out of the window's peak (its
+# temporaries, which a plain step never makes). What the backward made before the replay (the gradients it came with)
+# counts as in a plain step. A stage's backward transient is the larger of that and of the
+# same window from the end of its span's replay. Measured from the replay's end alone, it
+# left out what came before it: CLIP's second layer, 8 KiB under its plain figure, and its
+# plans at the smallest budget 2.5% over it. Read from the start alone, it is a boundary
+# above the plain figure on GPT-2's blocks and below it in one nested GPT-2: the regions
+# give back, at the replay, tensors that a plain step's glue backward let go of before the
+# stage's own window (on the safe side, by one boundary, in tests/test_frugal.py).
 def backward_as_plain(step: TrackedStep, start: int, stop: int, since: int | None = None) -> Window:
     """The tracker's window ``[start, stop)`` of the backward, as a plain step would show it
     (see the NOTE; `since` as for :meth:`~remat.memory.MemoryTracker.window`)."""
     tracker = step.tracker
-    inside = [(first, last) for first, last in step.watch.recompute_windows if start <= first < stop]
+    inside = sorted((first, min(last, stop)) for first, last in step.watch.recompute_windows if start <= first < stop)
+    if not inside:
+        return tracker.window(start, stop, since=since)
     changes: list[tuple[int, int]] = []
-    if inside:
-        for record in tracker.allocation_records(tracker.allocations_since(inside[0][0])).values():
-            made = record.allocated_event
-            if made < stop and any(first <= made < last for first, last in inside):
-                changes += [(start, record.nbytes), (made, -record.nbytes)]
-    return _adjusted_window(tracker, start, stop, changes, since)
+    records = tracker.allocation_records(tracker.allocations_since(inside[0][0]))
+    freed = tracker.allocation_freed_events(records)
+    for key, record in records.items():
+        made, gone, nbytes = record.allocated_event, freed[key][1], record.nbytes
+        replay = next(((first, last) for first, last in inside if first <= made < last), None)
+        if replay is None:
+            continue
+        if key in step.watch.given_back:  # a saved tensor: alive from the start in a plain step
+            changes += [(start, nbytes), (made, -nbytes)]
+        elif gone is None or gone >= replay[1]:  # made by the replay alone, and outliving it
+            changes += [(replay[1], -nbytes)] + ([(gone + 1, nbytes)] if gone is not None else [])
+    pieces, at = [], start
+    for first, last in inside:
+        if at < first:
+            pieces.append((at, first))
+        at = max(at, last)
+    if at < stop:
+        pieces.append((at, stop))
+    whole = _adjusted_window(tracker, start, stop, changes, since)
+    peaks = [_adjusted_window(tracker, first, last, changes, since).peak_bytes for first, last in pieces]
+    return Window(whole.before_bytes, max([whole.before_bytes, *peaks]), whole.after_bytes)
 
 
 def _adjusted_window(
@@ -188,10 +215,14 @@ def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], sto
     if last_window is None or first_window is None:
         return 0
     start_event, stop_event = last_window[0], first_window[1]
-    # Frugal mode: from the end of the recompute that precedes it, when the group ends a
-    # span: the saved tensors are back then, as they are kept in a plain step.
-    span_start = step.watch.span_start_of_last_stage.get(stop - 1)
-    if span_start is not None and span_start in step.watch.recompute_end_event:
-        start_event = max(start_event, step.watch.recompute_end_event[span_start])
+    # (frugal mode: with its span's replay read as NOTE [replays inside a frugal backward] says)
     backward = backward_as_plain(step, start_event, stop_event)
-    return max(0, backward.peak_bytes - backward.before_bytes - members[0].gradient_bytes_in)
+    transient = backward.peak_bytes - backward.before_bytes
+    # Frugal mode, a group that ends its span: also from the end of the span's replay, when
+    # its saved tensors are back; the larger of the two (see the NOTE)
+    span_start = step.watch.span_start_of_last_stage.get(stop - 1)
+    replayed = step.watch.recompute_end_event.get(span_start) if span_start is not None else None
+    if replayed is not None and start_event < replayed < stop_event:
+        after = backward_as_plain(step, replayed, stop_event)
+        transient = max(transient, after.peak_bytes - after.before_bytes)
+    return max(0, transient - members[0].gradient_bytes_in)

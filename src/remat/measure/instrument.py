@@ -192,6 +192,9 @@ class StageWatch:
         # stage -> the event when backward first took what it saved, after the replay that
         # brought it back (NOTE [first uses in a frugal step] in remat.measure.outside)
         self.first_use_event: dict[int, int] = {}
+        # the allocations of the saved tensors the replays gave back to backward
+        # (NOTE [replays inside a frugal backward] in remat.measure.costs)
+        self.given_back: set[int] = set()
         # allocation -> the event when the model let go of it, for the inputs of spans, which
         # their regions keep (NOTE [a frugal step's forward as a plain one] in remat.measure.costs)
         self.let_go_event: dict[int, int] = {}
@@ -512,10 +515,14 @@ class _SpanObserver:
         self.watch.record_saved(tensor)
         self.savers.append(self.watch.current)
 
-    def on_unpacked(self, index: int) -> None:
+    def on_unpacked(self, index: int, tensor: torch.Tensor) -> None:
+        watch = self.watch
         stage = self.savers[index] if index < len(self.savers) else None
         if stage is not None:
-            self.watch.first_use_event.setdefault(stage, self.watch.event())
+            watch.first_use_event.setdefault(stage, watch.event())
+        key = watch.tracker.allocation_id(tensor) if watch.tracker is not None else None
+        if key is not None:
+            watch.given_back.add(key)
 
     def on_recompute(self, started: bool) -> None:
         watch = self.watch
