@@ -147,13 +147,17 @@ def as_kept(step: TrackedStep, start: int, stop: int, held: dict[int, int] | Non
 # replay made and left alive (an output recomputed on the way) is counted as gone when the
 # replay ends; and the replay's own events are left out of the window's peak (its
 # temporaries, which a plain step never makes). What the backward made before the replay (the gradients it came with)
-# counts as in a plain step. A stage's backward transient is the larger of that and of the
-# same window from the end of its span's replay. Measured from the replay's end alone, it
-# left out what came before it: CLIP's second layer, 8 KiB under its plain figure, and its
-# plans at the smallest budget 2.5% over it. Read from the start alone, it is a boundary
-# above the plain figure on GPT-2's blocks and below it in one nested GPT-2: the regions
-# give back, at the replay, tensors that a plain step's glue backward let go of before the
-# stage's own window (on the safe side, by one boundary, in tests/test_frugal.py).
+# counts as in a plain step.
+#
+# NOTE [a frugal stage's backward]
+# A group that ends its span is replayed when its backward starts: its transient is read
+# from the end of the replay, when its saved tensors are back as a plain step holds them,
+# with what its backward made before the replay and still holds then (the gradients it
+# came with) counted as its own, as a plain step's window counts them. Without that, CLIP's
+# second layer was 8 KiB under its plain figure, and its plans at the smallest budget 2.5%
+# over it. (Read from the window's start instead, the replay gives back at once tensors
+# that a plain step's glue backward let go of before the stage's own window: the ResNet's
+# least budget came out a third above its plain figure.)
 def backward_as_plain(step: TrackedStep, start: int, stop: int, since: int | None = None) -> Window:
     """The tracker's window ``[start, stop)`` of the backward, as a plain step would show it
     (see the NOTE; `since` as for :meth:`~remat.memory.MemoryTracker.window`)."""
@@ -215,14 +219,22 @@ def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], sto
     if last_window is None or first_window is None:
         return 0
     start_event, stop_event = last_window[0], first_window[1]
-    # (frugal mode: with its span's replay read as NOTE [replays inside a frugal backward] says)
-    backward = backward_as_plain(step, start_event, stop_event)
-    transient = backward.peak_bytes - backward.before_bytes
-    # Frugal mode, a group that ends its span: also from the end of the span's replay, when
-    # its saved tensors are back; the larger of the two (see the NOTE)
-    span_start = step.watch.span_start_of_last_stage.get(stop - 1)
-    replayed = step.watch.recompute_end_event.get(span_start) if span_start is not None else None
+    tracker, watch = step.tracker, step.watch
+    # Frugal mode, a group that ends its span: from the end of the span's replay, when its
+    # saved tensors are back, with what the backward made before the replay and still holds
+    # then counted as the window's own (NOTE [a frugal stage's backward])
+    span_start = watch.span_start_of_last_stage.get(stop - 1)
+    replayed = watch.recompute_end_event.get(span_start) if span_start is not None else None
+    early = 0
     if replayed is not None and start_event < replayed < stop_event:
-        after = backward_as_plain(step, replayed, stop_event)
-        transient = max(transient, after.peak_bytes - after.before_bytes)
-    return max(0, transient - members[0].gradient_bytes_in)
+        began = min((first for first, last in watch.recompute_windows if last == replayed), default=replayed)
+        made = tracker.allocation_records(tracker.allocations_since(start_event))
+        freed = tracker.allocation_freed_events(made)
+        early = sum(
+            record.nbytes
+            for key, record in made.items()
+            if record.allocated_event < began and (freed[key][1] is None or freed[key][1] >= replayed)
+        )
+        start_event = replayed
+    backward = backward_as_plain(step, start_event, stop_event)
+    return max(0, backward.peak_bytes - backward.before_bytes + early - members[0].gradient_bytes_in)
