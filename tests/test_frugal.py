@@ -198,6 +198,32 @@ def test_a_replay_inside_a_backward_is_read_as_a_plain_steps_saved_tensors() -> 
     assert frugal.waiting_gradient_bytes == plain.waiting_gradient_bytes
 
 
+def test_a_stage_backward_counts_the_gradients_it_came_with() -> None:
+    # NOTE [a frugal stage's backward]: CLIP's second vision layer starts its backward with
+    # gradients made before its span's replay; read from the replay's end, its transient was
+    # 8 KiB under the plain step's, and its plans at the smallest budget went over it
+    transformers = pytest.importorskip("transformers")
+    config = transformers.CLIPConfig(
+        text_config={"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": 32},
+        vision_config={"image_size": 32, "patch_size": 8, "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 4},
+        projection_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CLIPModel(config).train()
+    generator = torch.Generator().manual_seed(1)
+    kwargs = {
+        "input_ids": torch.randint(4, 256, (2, 16), generator=generator),
+        "pixel_values": torch.randn(2, 3, 32, 32, generator=generator),
+        "return_loss": True,
+    }
+    case: Case = (model, (), lambda output: output.loss)
+    plain, _ = _measured(case, frugal=False, kwargs=kwargs)
+    frugal, _ = _measured(case, frugal=True, kwargs=kwargs)
+    assert _at_least(frugal.profile.backward_temp_bytes, plain.profile.backward_temp_bytes)
+
+
 def _spans(model: nn.Module, inputs: tuple[Any, ...]) -> list[tuple[int, int]]:
     chain = discover_chain(model, inputs, {})
     return frugal_spans(model, chain, inputs, {})

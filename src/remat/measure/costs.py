@@ -230,11 +230,10 @@ def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], sto
         began = min((first for first, last in watch.recompute_windows if last == replayed), default=replayed)
         made = tracker.allocation_records(tracker.allocations_since(start_event))
         freed = tracker.allocation_freed_events(made)
-        early = sum(
-            record.nbytes
-            for key, record in made.items()
-            if record.allocated_event < began and (freed[key][1] is None or freed[key][1] >= replayed)
-        )
+        for key, record in made.items():
+            gone = freed[key][1]
+            if record.allocated_event < began and (gone is None or gone >= replayed):
+                early += record.nbytes
         start_event = replayed
     backward = backward_as_plain(step, start_event, stop_event)
     return max(0, backward.peak_bytes - backward.before_bytes + early - members[0].gradient_bytes_in)
