@@ -8,11 +8,12 @@ transient bytes of its forward and backward above them, as the simulator counts 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 from remat.discover.chain import Chain
 from remat.manual._state import snapshot_bytes
-from remat.measure.instrument import StageMeasurement
+from remat.measure.instrument import StageMeasurement, StageWatch
 from remat.memory import MemoryTracker, Window
 
 if TYPE_CHECKING:
@@ -117,25 +118,43 @@ def as_kept(step: TrackedStep, start: int, stop: int, held: dict[int, int] | Non
     tracker = step.tracker
     held = dict(held or {})
     changes: list[tuple[int, int]] = []  # (event, bytes added to the live bytes from that event on)
-    watch = step.watch
-    if watch.spans is not None:
-        saved = {key: nbytes for stage in watch.stages for key, (nbytes, _) in stage.saved_storages.items()}
-        ends = watch.stages[-1].backward_window
-        until = ends[0] if ends is not None else tracker.n_events
-        for key, (_, freed) in tracker.allocation_freed_events(saved).items():
-            if freed is not None and freed < until and key not in held:
-                changes.append((freed + 1, saved[key]))
-        let_go = {key: at for key, at in watch.let_go_event.items() if key not in saved and key not in held}
-        records = tracker.allocation_records(let_go)
-        for key, (_, freed) in tracker.allocation_freed_events(let_go).items():
-            if freed is None or let_go[key] <= freed:
-                changes.append((let_go[key], -records[key].nbytes))
-                if freed is not None:
-                    changes.append((freed + 1, records[key].nbytes))
+    if step.watch.spans is not None:
+        for key, entries in _as_plain(step).items():
+            if key not in held:
+                changes += entries
     for key, (_, freed) in tracker.allocation_freed_events(held).items():
         if freed is not None and start <= freed < stop:
             changes.append((freed + 1, held[key]))
     return _adjusted_window(tracker, start, stop, changes)
+
+
+_AS_PLAIN: weakref.WeakKeyDictionary[StageWatch, dict[int, list[tuple[int, int]]]] = weakref.WeakKeyDictionary()
+
+
+def _as_plain(step: TrackedStep) -> dict[int, list[tuple[int, int]]]:
+    """A frugal step's changes to the live bytes, per allocation, that make its forward and
+    suffix those of a plain step (NOTE [a frugal step's forward as a plain one]); worked out
+    once per step."""
+    watch, tracker = step.watch, step.tracker
+    found = _AS_PLAIN.get(watch)
+    if found is not None:
+        return found
+    found = {}
+    saved = {key: nbytes for stage in watch.stages for key, (nbytes, _) in stage.saved_storages.items()}
+    ends = watch.stages[-1].backward_window
+    until = ends[0] if ends is not None else tracker.n_events
+    for key, (_, freed) in tracker.allocation_freed_events(saved).items():
+        if freed is not None and freed < until:
+            found[key] = [(freed + 1, saved[key])]
+    let_go = {key: at for key, at in watch.let_go_event.items() if key not in saved}
+    records = tracker.allocation_records(let_go)
+    for key, (_, freed) in tracker.allocation_freed_events(let_go).items():
+        if freed is None or let_go[key] <= freed:
+            found[key] = [(let_go[key], -records[key].nbytes)]
+            if freed is not None:
+                found[key].append((freed + 1, records[key].nbytes))
+    _AS_PLAIN[watch] = found
+    return found
 
 
 # NOTE [replays inside a frugal backward]
@@ -228,12 +247,10 @@ def _backward_temp_bytes(step: TrackedStep, members: list[StageMeasurement], sto
     early = 0
     if replayed is not None and start_event < replayed < stop_event:
         began = min((first for first, last in watch.recompute_windows if last == replayed), default=replayed)
-        made = tracker.allocation_records(tracker.allocations_since(start_event))
-        freed = tracker.allocation_freed_events(made)
-        for key, record in made.items():
-            gone = freed[key][1]
-            if record.allocated_event < began and (gone is None or gone >= replayed):
-                early += record.nbytes
+        made = tracker.surviving_allocations(start_event, began)
+        for key, (_, gone) in tracker.allocation_freed_events(made).items():
+            if gone is None or gone >= replayed:
+                early += made[key]
         start_event = replayed
     backward = backward_as_plain(step, start_event, stop_event)
     return max(0, backward.peak_bytes - backward.before_bytes + early - members[0].gradient_bytes_in)
