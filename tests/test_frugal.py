@@ -171,6 +171,12 @@ def test_what_a_frugal_step_does_not_see_as_a_plain_one_is_on_the_safe_side(name
     assert frugal.suffix_peak_bytes >= plain.suffix_peak_bytes
 
 
+def _hugging_face_measured(model: nn.Module, kwargs: dict[str, Any]) -> tuple[ChainMeasurement, ChainMeasurement]:
+    """A Hugging Face model that computes its own loss, measured plainly and frugally."""
+    case: Case = (model, (), lambda output: output.loss)
+    return _measured(case, frugal=False, kwargs=kwargs)[0], _measured(case, frugal=True, kwargs=kwargs)[0]
+
+
 def test_a_replay_inside_a_backward_is_read_as_a_plain_steps_saved_tensors() -> None:
     # NOTE [replays inside a frugal backward]: in Hugging Face's LED, the backward of a
     # stage reaches what an earlier span saved, whose replay runs inside that backward
@@ -191,9 +197,7 @@ def test_a_replay_inside_a_backward_is_read_as_a_plain_steps_saved_tensors() -> 
         "labels": torch.randint(4, 256, (2, 16), generator=generator),
         "use_cache": False,
     }
-    case: Case = (model, (), lambda output: output.loss)
-    plain, _ = _measured(case, frugal=False, kwargs=kwargs)
-    frugal, _ = _measured(case, frugal=True, kwargs=kwargs)
+    plain, frugal = _hugging_face_measured(model, kwargs)
     assert frugal.profile.backward_temp_bytes == plain.profile.backward_temp_bytes
     assert frugal.waiting_gradient_bytes == plain.waiting_gradient_bytes
 
@@ -218,9 +222,7 @@ def test_a_stage_backward_counts_the_gradients_it_came_with() -> None:
         "pixel_values": torch.randn(2, 3, 32, 32, generator=generator),
         "return_loss": True,
     }
-    case: Case = (model, (), lambda output: output.loss)
-    plain, _ = _measured(case, frugal=False, kwargs=kwargs)
-    frugal, _ = _measured(case, frugal=True, kwargs=kwargs)
+    plain, frugal = _hugging_face_measured(model, kwargs)
     assert _at_least(frugal.profile.backward_temp_bytes, plain.profile.backward_temp_bytes)
 
 
