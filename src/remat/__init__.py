@@ -17,6 +17,7 @@ from remat.errors import (
 )
 from remat.manual._selective import tag
 from remat.manual._state import is_recomputing
+from remat.manual.elementwise import ElementwiseRecompute, recompute_elementwise
 from remat.manual.explain import ExplainedOp, Explanation, explain
 from remat.manual.marking import apply, is_marked, mark, unmark
 from remat.manual.offload import HostMemory, host_memory, offload
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetTooSmall",
     "Checkpointable",
+    "ElementwiseRecompute",
     "ExplainedOp",
     "Explanation",
     "HostMemory",
@@ -59,6 +61,7 @@ __all__ = [
     "parse_budget",
     "policies",
     "recompute",
+    "recompute_elementwise",
     "recompute_sequential",
     "saved_residuals",
     "tag",

@@ -1,0 +1,371 @@
+"""Saved tensors made by cheap elementwise operations, recomputed when backward reads them.
+
+NOTE [recomputing elementwise saves]
+Autograd keeps many tensors that are a cheap elementwise function of other tensors it keeps
+anyway. A GELU written out (``0.5 * x * (1 + tanh(...))``) keeps ``x``, the ``tanh``, the
+two factors of the last product, and the product itself for the next layer: five tensors of
+the same size, of which ``x`` and the ``tanh`` suffice to make the other three with a
+multiplication or an addition each. A dropout's output is its input times the mask it keeps.
+Recomputing those when backward reads them frees their memory for the price of a pass over
+memory, where recomputing a whole block costs its matrix products too. torch.compile's
+partitioner does this for the graphs it compiles; :func:`recompute_elementwise` does it in
+eager code.
+
+How. While the context is active, a dispatch mode notes, for each output of a *cheap*
+elementwise operation (an arithmetic one: the names in :data:`CHEAP_OPERATIONS`; no random
+one, no transcendental one, no in-place one, no view), how it was made: the operation, its
+arguments, and for each tensor argument a weak reference, its version then, and how *it*
+was made. When autograd saves such a tensor, the pack hook looks for a recipe: each tensor
+argument must be one autograd already saved in this context (and unchanged since), a
+tensor that requires grad and has no history (a parameter), or a tensor of one element; or
+else be made, by the same rule, from such tensors, with at most ``max_operations``
+operations in all. With a recipe, autograd holds the recipe instead of the tensor, and the
+tensor's memory goes when the model lets go of it. Without one, the tensor is saved as
+usual, and from then on it can be a recipe's argument itself.
+
+When backward reads a tensor held as a recipe:
+
+* if the tensor is still alive (something else held it), it is returned, as autograd would;
+* otherwise the recipe runs, in backward's own grad mode (so that a ``create_graph``
+  backward builds the graph through it, to the tensors it was made from). Each read runs
+  its recipe: a tensor saved twice (``s * s``) is made twice, which costs less than keeping
+  a made value around for a read that may never come.
+
+Exactness. The same operation on the same tensors gives the same bits: these operations
+are deterministic, and the recipe runs them on the very tensors of the forward. A recipe
+is refused, and raises :class:`~remat.errors.RecomputeInputModified` when backward reads
+it, if any tensor it reads was changed in place after the forward used it, or if the saved
+tensor itself was changed in place after it was saved (while the context was active, or
+while it is still alive): autograd raises for the same changes. A change of a tensor
+between its making and its use by the recipe's next operation is followed through its
+version: the recipe then goes back to how it was made.
+
+NOTE [versions of tensors saved through hooks]
+Autograd checks that a saved tensor was not changed in place before backward reads it only
+when it holds the tensor itself; a tensor saved through ``saved_tensors_hooks`` is not
+checked. So each tensor this context saves as it is goes with its version, and backward
+raises :class:`~remat.errors.RecomputeInputModified` where autograd would have raised.
+
+Memory. A recipe holds only tensors that autograd holds anyway (or parameters, or tensors
+of one element); it may hold one of them a little longer than autograd would, until the
+node that saved the recipe runs its backward. Tensor subclasses are never recomputed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from remat.errors import RecomputeInputModified
+
+__all__ = ["CHEAP_OPERATIONS", "ElementwiseRecompute", "recompute_elementwise"]
+
+#: Elementwise operations cheap enough to run again in backward: arithmetic, comparisons,
+#: selections and clamps, by ATen name (each costs about one pass over memory on a CPU,
+#: where a ``tanh``, ``exp`` or ``erf`` costs twenty).
+CHEAP_OPERATIONS = frozenset(
+    {
+        "abs", "add", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "clamp",
+        "clamp_max", "clamp_min", "clone", "div", "eq", "ge", "gt", "hardtanh", "le",
+        "leaky_relu", "logical_and", "logical_not", "logical_or", "lt", "masked_fill",
+        "maximum", "minimum", "mul", "ne", "neg", "pow", "reciprocal", "relu", "rsqrt", "rsub",
+        "sign", "sqrt", "square", "sub", "threshold", "where",
+    }
+)  # fmt: skip
+
+
+class _Made:
+    """How a tensor was made: one elementwise operation and its arguments."""
+
+    __slots__ = ("operation", "args", "kwargs", "version")
+
+    def __init__(self, operation: Any, args: Any, kwargs: Any, version: int) -> None:
+        self.operation = operation
+        self.version = version  # the output's version when made: a later in-place change makes this stale
+        self.args = args
+        self.kwargs = kwargs
+
+
+class _Argument:
+    """A tensor argument of a noted operation: the tensor (weakly), its version then, how it was made."""
+
+    __slots__ = ("ref", "version", "made")
+
+    def __init__(self, tensor: torch.Tensor, made: _Made | None) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.made = made
+
+
+class _Recipe:
+    """What autograd holds in place of a saved tensor: how to make it again."""
+
+    __slots__ = ("made", "view", "tensors", "ref", "version", "changed", "__weakref__")
+
+    def __init__(self, made: Any, tensors: list[tuple[torch.Tensor, int]], tensor: torch.Tensor, view: bool) -> None:
+        self.made = made  # nested (operation, args, kwargs) with the tensors it reads in place
+        # a view of what the recipe makes: its size, strides and offset
+        self.view = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()) if view else None
+        self.tensors = tensors  # each tensor read, with the version the recipe needs
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.changed = False
+
+
+def _is_argument(value: Any) -> bool:
+    return isinstance(value, _Argument)
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], _Made)
+
+
+class _Noting(TorchDispatchMode):
+    """Notes how each output of a cheap elementwise operation was made (NOTE [recomputing elementwise saves])."""
+
+    def __init__(self, owner: ElementwiseRecompute) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        owner = self.owner
+        if func._schema.is_mutable:
+            owner.written(func, args, kwargs)
+        elif (
+            torch.is_grad_enabled()
+            and not owner.running
+            and type(out) is torch.Tensor
+            and func._opname in owner.operations
+            and torch.Tag.pointwise in func.tags
+            and not out._is_view()
+        ):
+            owner.note(out, func, args, kwargs)
+        return out
+
+
+class ElementwiseRecompute:
+    """The state of one :func:`recompute_elementwise` context; ``saved_bytes_recomputed`` reports."""
+
+    def __init__(self, *, max_operations: int, operations: frozenset[str]) -> None:
+        self.max_operations = max_operations
+        self.operations = operations
+        self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._saved: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> version when saved
+        self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
+        self.running = False
+        self.tensors_recomputed = 0
+        self.saved_bytes_recomputed = 0
+        self.tensors_saved = 0
+        self.operations_run = 0  # operations backward ran to make saved tensors again
+
+    # -- forward: noting and saving
+
+    def note(self, out: torch.Tensor, func: Any, args: Any, kwargs: Any) -> None:
+        def argument(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+                    raise _Subclass
+                made = self._made.get(value)
+                return _Argument(value, made if made is not None and made.version == value._version else None)
+            return value
+
+        try:
+            self._made[out] = _Made(func, tree_map(argument, args), tree_map(argument, kwargs), out._version)
+        except _Subclass:
+            pass
+
+    def written(self, func: Any, args: Any, kwargs: Any) -> None:
+        """An in-place or ``out=`` operation: a recipe of what it writes can no longer be trusted.
+
+        How the written tensor was made goes stale by itself (its version moves on); a tensor
+        held as a recipe that is written while alive is marked, and backward raises for it.
+        """
+        by_name = dict(kwargs)
+        for index, schema_argument in enumerate(func._schema.arguments):
+            if schema_argument.alias_info is None or not schema_argument.alias_info.is_write:
+                continue
+            value = args[index] if index < len(args) else by_name.get(schema_argument.name)
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                for ref in self._recipes.get(_storage(tensor), ()):
+                    recipe = ref()
+                    if recipe is not None and recipe.ref() is not None:
+                        recipe.changed = True
+
+    def _available(self, tensor: torch.Tensor, version: int) -> bool:
+        if tensor._version != version:
+            return False
+        if self._saved.get(tensor) == version:
+            return True
+        return (tensor.is_leaf and tensor.requires_grad) or tensor.numel() <= 1
+
+    def _recipe(self, made: _Made, tensors: list[tuple[torch.Tensor, int]], budget: list[int]) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        failed = False
+
+        def resolve(value: Any) -> Any:
+            nonlocal failed
+            if not isinstance(value, _Argument) or failed:
+                return value
+            tensor = value.ref()
+            if tensor is not None and self._available(tensor, value.version):
+                tensors.append((tensor, value.version))
+                return tensor
+            step = None if value.made is None else self._recipe(value.made, tensors, budget)
+            if step is None:
+                failed = True
+            return step
+
+        args = tree_map(resolve, made.args, is_leaf=_is_argument)
+        kwargs = tree_map(resolve, made.kwargs, is_leaf=_is_argument)
+        return None if failed else (made, args, kwargs)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        made = None
+        if type(tensor) is torch.Tensor:
+            # a view (a reshape for a matrix product) is made again from what it views
+            made_from = tensor._base if tensor._is_view() else tensor
+            if made_from is not None and made_from._base is None:
+                made = self._made.get(made_from)
+                if made is not None and made.version != made_from._version:
+                    made = None
+        if made is not None:
+            tensors: list[tuple[torch.Tensor, int]] = []
+            step = self._recipe(made, tensors, [self.max_operations])
+            if step is not None:
+                recipe = _Recipe(step, tensors, tensor, tensor._is_view())
+                key = _storage(tensor)
+                self._recipes.setdefault(key, []).append(weakref.ref(recipe))
+                weakref.finalize(tensor, self._forget, key)
+                self.tensors_recomputed += 1
+                self.saved_bytes_recomputed += tensor.untyped_storage().nbytes()
+                return recipe
+        self._saved[tensor] = tensor._version
+        self.tensors_saved += 1
+        return (tensor, tensor._version)
+
+    def _forget(self, key: int) -> None:
+        refs = self._recipes.get(key)
+        if refs is not None:
+            alive = [ref for ref in refs if (recipe := ref()) is not None and recipe.ref() is not None]
+            if alive:
+                self._recipes[key] = alive
+            else:
+                del self._recipes[key]
+
+    # -- backward: reading
+
+    def unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Recipe):
+            # NOTE [versions of tensors saved through hooks]: autograd does not check the
+            # version of a tensor saved through hooks, so the check is made here
+            tensor, version = packed
+            if tensor._version != version:
+                raise RecomputeInputModified(
+                    f"one of the tensors saved for backward (shape {tuple(tensor.shape)}) was modified by an "
+                    f"in-place operation: it is at version {tensor._version}, it was saved at version {version} "
+                    "(autograd raises for this too). Clone it before changing it."
+                )
+            return tensor
+        tensor = packed.ref()
+        if packed.changed or (tensor is not None and tensor._version != packed.version):
+            raise RecomputeInputModified(
+                "a tensor saved for backward was modified by an in-place operation after it was saved "
+                "(remat.recompute_elementwise); autograd raises for this too. Clone it before changing it, "
+                "or change a copy."
+            )
+        if tensor is not None:
+            return tensor
+        for read, version in packed.tensors:
+            if read._version != version:
+                raise RecomputeInputModified(
+                    f"a tensor of shape {tuple(read.shape)} that a saved elementwise result is recomputed "
+                    "from (remat.recompute_elementwise) was modified by an in-place operation after the "
+                    "forward; autograd raises for this too. Clone it before changing it."
+                )
+        self.running = True
+        try:
+            value = self._run(packed.made)
+        finally:
+            self.running = False
+        return value if packed.view is None else value.as_strided(*packed.view)
+
+    def _run(self, step: Any) -> Any:
+        made, args, kwargs = step
+        run = lambda value: self._run(value) if _is_step(value) else value  # noqa: E731
+        value = made.operation(*tree_map(run, args, is_leaf=_is_step), **tree_map(run, kwargs, is_leaf=_is_step))
+        self.operations_run += 1
+        return value
+
+    @contextmanager
+    def active(self) -> Iterator[ElementwiseRecompute]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _Noting(self):
+            yield self
+
+
+class _Subclass(Exception):
+    """A tensor subclass among an operation's arguments: not noted."""
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+@contextmanager
+def recompute_elementwise(
+    *, max_operations: int = 4, operations: frozenset[str] | None = None
+) -> Iterator[ElementwiseRecompute]:
+    """Recompute in backward the saved tensors that cheap elementwise operations made.
+
+    Inside the context, a tensor that autograd saves for backward and that is a cheap
+    elementwise function (at most ``max_operations`` operations: additions, products,
+    comparisons, clamps, ``where``...) of tensors autograd saves anyway is not kept: backward
+    makes it again when it reads it. The products, additions and selections of a GELU
+    written out, of a gated MLP and of a dropout's output keep no memory of their own.
+    Gradients are bit for bit those of plain autograd (see NOTE [recomputing elementwise
+    saves] in :mod:`remat.manual.elementwise`). The forward must run inside the context;
+    backward may run inside or after it. It combines with remat's other recompute: inside
+    a recomputed block that block's own handling applies.
+
+    .. warning:: It works on eager code: under ``torch.compile`` (which recomputes
+       elementwise operations itself) the compiled frames are skipped by the dispatch mode.
+       Each operation of the forward also pays a Python call (about 2% of a step of a
+       small GPT-2 on a CPU).
+
+    Args:
+        max_operations: the most operations one saved tensor may take to make again.
+        operations: the ATen names of the operations that may run again (default
+            :data:`CHEAP_OPERATIONS`); each must be an elementwise one (``torch.Tag.pointwise``).
+
+    Yields:
+        An :class:`ElementwiseRecompute`, whose ``tensors_recomputed`` and
+        ``saved_bytes_recomputed`` say how many saved tensors (and how many bytes of
+        storage) were left to backward to make again, ``tensors_saved`` how many were kept,
+        and ``operations_run`` how many operations backward has run to make them.
+
+    Example::
+
+        with remat.recompute_elementwise():
+            loss = model(x).sum()
+        loss.backward()
+    """
+    if isinstance(max_operations, bool) or not isinstance(max_operations, int) or max_operations < 1:
+        raise ValueError(f"max_operations must be a positive integer, got {max_operations!r}")
+    names = CHEAP_OPERATIONS if operations is None else frozenset(operations)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"operations must be ATen operation names (strings), got {sorted(map(repr, names))}")
+    state = ElementwiseRecompute(max_operations=max_operations, operations=names)
+    with state.active():
+        yield state

@@ -1,0 +1,374 @@
+"""remat.recompute_elementwise: saved tensors made by cheap elementwise operations, made again in backward."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import remat
+from remat.errors import RecomputeInputModified
+
+
+def _gelu_written_out(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int = 32, gated: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.gate = nn.Linear(width, 4 * width) if gated else None
+        self.down = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = h * nn.functional.silu(self.gate(x)) if self.gate is not None else _gelu_written_out(h)
+        return x + self.dropout(self.down(h))
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _run(model: nn.Module, x: torch.Tensor, elementwise: bool, **options: object):
+    torch.manual_seed(0)
+    state = None
+    if elementwise:
+        with remat.recompute_elementwise(**options) as state:  # type: ignore[arg-type]
+            loss = model(x).square().sum()
+    else:
+        loss = model(x).square().sum()
+    loss.backward()
+    return loss, state
+
+
+def _assert_exact(model: nn.Module, x: torch.Tensor, **options: object):
+    plain = copy.deepcopy(model)
+    x_plain = x.detach().clone().requires_grad_(x.requires_grad)
+    loss, _ = _run(plain, x_plain, False)
+    rng_plain = torch.get_rng_state()
+    x_ours = x.detach().clone().requires_grad_(x.requires_grad)
+    loss_ours, state = _run(model, x_ours, True, **options)
+    assert torch.equal(torch.get_rng_state(), rng_plain)
+    assert torch.equal(loss, loss_ours)
+    for a, b in zip(_grads(plain), _grads(model), strict=True):
+        assert torch.equal(a, b)
+    if x.requires_grad:
+        assert torch.equal(x_plain.grad, x_ours.grad)
+    return state
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_gradients_are_those_of_plain_autograd_and_products_are_made_again(gated: bool, dropout: float) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(*[_Mlp(gated=gated, dropout=dropout) for _ in range(3)])
+    x = torch.randn(8, 32, requires_grad=True)
+    state = _assert_exact(model, x)
+    # the GELU's two factors and product, or the gated product, of each block
+    assert state.tensors_recomputed >= (3 if gated else 9)
+    assert state.operations_run >= state.tensors_recomputed
+
+
+def test_the_step_keeps_less_memory() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(*[_Mlp(width=64) for _ in range(4)])
+    x = torch.randn(64, 64)
+    with remat.MemoryTracker() as plain:
+        model(x).sum().backward()
+    with remat.MemoryTracker() as ours:
+        with remat.recompute_elementwise() as state:
+            loss = model(x).sum()
+        loss.backward()
+    # per block the GELU keeps x, the tanh, two factors and the product (64 x 256 floats each);
+    # made again: the factors and the product
+    block = 64 * 256 * 4
+    assert state.saved_bytes_recomputed == 4 * 3 * block
+    assert ours.peak_bytes <= plain.peak_bytes - 3 * 3 * block
+
+
+def test_a_hugging_face_gpt2_trains_exactly() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 32))
+    plain = copy.deepcopy(model)
+    losses = []
+    for m, elementwise in ((plain, False), (model, True)):
+        torch.manual_seed(0)
+        if elementwise:
+            with remat.recompute_elementwise() as state:
+                loss = m(ids, labels=ids).loss
+        else:
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(*losses)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    # per block: the GELU's two factors and its product (through the view its projection saves),
+    # and the attention's dropout output (through its view)
+    assert state.tensors_recomputed == 2 * 4
+
+
+def test_backward_runs_exactly_the_operations_of_the_recipes_it_reads() -> None:
+    x = torch.randn(16, requires_grad=True)
+    y = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise() as state:
+        product = x * y  # saves x and y
+        s = product + 1.0
+        out = (s * s).sum()  # saves s twice: a recipe each, of two operations (x * y, + 1.0)
+        del product, s
+    out.backward()
+    assert state.tensors_recomputed == 2
+    assert state.operations_run == 4
+    expected_x, expected_y = x.grad.clone(), y.grad.clone()
+    x.grad = y.grad = None
+    ((x * y + 1.0) * (x * y + 1.0)).sum().backward()
+    assert torch.equal(expected_x, x.grad) and torch.equal(expected_y, y.grad)
+
+
+def test_a_tensor_still_alive_is_not_made_again() -> None:
+    x = torch.randn(16, requires_grad=True)
+
+    def forward(keep: list[torch.Tensor]) -> torch.Tensor:
+        with remat.recompute_elementwise() as state:
+            y = x * x  # saves x
+            z = y + 1.0
+            keep.append(z)
+            out = (z * z).sum()  # saves z twice
+        states.append(state)
+        return out
+
+    states: list[remat.ElementwiseRecompute] = []
+    forward([]).backward()
+    held: list[torch.Tensor] = []
+    forward(held).backward()  # z lives: backward reads it as it is
+    assert [s.tensors_recomputed for s in states] == [2, 2]
+    assert [s.operations_run for s in states] == [4, 0]  # z = x * x + 1.0, read twice
+
+
+@pytest.mark.parametrize("max_operations, recomputed", [(4, 0), (5, 2)])
+def test_at_most_max_operations_are_run_for_one_tensor(max_operations: int, recomputed: int) -> None:
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise(max_operations=max_operations) as state:
+        y = x * x  # saves x
+        chain = ((y + 1.0) * 2.0 - 3.0) * 0.5  # five operations from x; none saves anything
+        out = (chain * chain).sum()  # saves chain twice
+        del y, chain
+    out.backward()
+    assert state.tensors_recomputed == recomputed
+    assert state.operations_run == 5 * recomputed
+
+
+def test_transcendental_operations_are_kept_unless_named() -> None:
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise() as state:
+        out = (torch.tanh(x * x) * x).sum()  # mul saves the tanh: made by tanh, not cheap
+    out.backward()
+    assert state.tensors_recomputed == 0
+    with remat.recompute_elementwise(operations=remat.manual.elementwise.CHEAP_OPERATIONS | {"tanh"}) as state:
+        out = (torch.tanh(x * x) * x).sum()
+    out.backward()
+    assert state.tensors_recomputed >= 1
+
+
+def test_a_changed_input_of_a_recipe_raises_as_autograd_does() -> None:
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise():
+        a = x * 1.0  # not saved: a's history is the recipe
+        b = a * a  # saves a (twice)
+        c = b + 1.0
+        out = (c * c).sum()  # saves c: made from b's recipe, from a (saved)
+    a.add_(1.0)  # autograd raises for this too
+    with pytest.raises(RecomputeInputModified, match="modified by an in-place operation"):
+        out.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a2 = x * 1.0
+        out2 = ((a2 * a2 + 1.0) ** 2).sum()
+        a2.add_(1.0)
+        out2.backward()
+
+
+def test_a_changed_tensor_a_recipe_reads_raises_even_when_the_recipe_runs_first() -> None:
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise() as state:
+        a = torch.sin(x)  # not cheap: a is saved as it is (by b, and by sin for its input... x)
+        b = a * a
+        c = b + 1.0
+        out = (c * c).sum()  # saves c: a recipe reading a
+        del b, c
+    assert state.tensors_recomputed == 2
+    a.mul_(2.0)
+    with pytest.raises(RecomputeInputModified, match="recomputed from"):
+        out.backward()  # c's recipe runs first, and finds a changed
+
+
+def test_a_tensor_saved_as_it_is_and_changed_raises_as_autograd_does() -> None:
+    # autograd does not check tensors saved through hooks (NOTE [versions of tensors saved through hooks])
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise():
+        a = torch.sin(x)
+        out = (a * a).sum()
+    a.add_(1.0)
+    with pytest.raises(RecomputeInputModified, match="saved at version 0"):
+        out.backward()
+
+
+def test_a_saved_tensor_changed_while_alive_then_let_go_raises() -> None:
+    x = torch.randn(16, requires_grad=True)
+    with remat.recompute_elementwise():
+        y = x * x  # saves x
+        z = y + 1.0
+        out = z * z  # saves z (a recipe)
+        z.mul_(2.0)  # changed after being saved, then let go
+        del z
+        total = out.sum()
+    with pytest.raises(RecomputeInputModified, match="after it was saved"):
+        total.backward()
+
+
+def test_a_tensor_changed_before_use_is_made_from_its_new_value() -> None:
+    torch.manual_seed(4)
+    x = torch.randn(16, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * x  # saves x
+        t = y + 1.0
+        t.mul_(3.0)  # t's history is now stale; t is not saved: no recipe goes through it
+        u = t * 2.0
+        return (u * u).sum() + (x * t).sum()
+
+    expected = torch.autograd.grad(f(x), x)[0]
+    with remat.recompute_elementwise():
+        out = f(x)
+    assert torch.equal(torch.autograd.grad(out, x)[0], expected)
+
+
+def test_a_parameter_changed_under_no_grad_after_its_use_is_not_read_again() -> None:
+    weight = nn.Parameter(torch.randn(16))
+    original = weight.detach().clone()
+    x = torch.randn(16, requires_grad=True)
+
+    def f() -> torch.Tensor:
+        c = x * x + weight  # c = (x * x) + weight: a recipe could read weight
+        with torch.no_grad():
+            weight.add_(1.0)  # autograd saved no weight: its gradient is still exact
+        return (c * c).sum()
+
+    expected = torch.autograd.grad(f(), (x, weight))
+    with torch.no_grad():
+        weight.copy_(original)
+    with remat.recompute_elementwise() as state:
+        out = f()
+    assert state.tensors_recomputed == 0  # weight is not what c was made from any more
+    for a, b in zip(expected, torch.autograd.grad(out, (x, weight)), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_goes_through_the_recomputed_tensors() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(_Mlp(width=16), _Mlp(width=16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def penalty(elementwise: bool) -> list[torch.Tensor]:
+        m = copy.deepcopy(model)
+        if elementwise:
+            with remat.recompute_elementwise():
+                out = m(x).square().sum()
+        else:
+            out = m(x).square().sum()
+        (grad_x,) = torch.autograd.grad(out, x, create_graph=True)
+        grad_x.square().sum().backward()
+        return [p.grad for p in m.parameters()]
+
+    for a, b in zip(penalty(False), penalty(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inside_remat_regions_and_under_a_budget_the_gradients_stay_exact() -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(*[_Mlp(width=32, dropout=0.2) for _ in range(6)])
+    x = torch.randn(16, 32)
+    plain = copy.deepcopy(model)
+    torch.manual_seed(0)
+    plain(x).sum().backward()
+    marked = copy.deepcopy(model)
+    remat.mark(marked[1])
+    remat.mark(marked[3])
+    torch.manual_seed(0)
+    with remat.recompute_elementwise():
+        loss = marked(x).sum()
+    loss.backward()
+    for a, b in zip(plain.parameters(), marked.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+    planned = remat.Checkpointable(copy.deepcopy(model), 0.5)
+    for _ in range(2):
+        planned.zero_grad()
+        torch.manual_seed(0)
+        with remat.recompute_elementwise():
+            loss = planned(x).sum()
+        with remat.MemoryTracker() as tracker:
+            loss.backward()
+    for a, b in zip(plain.parameters(), planned.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    torch.manual_seed(0)
+    planned.zero_grad()
+    with remat.MemoryTracker() as tracker:
+        with remat.recompute_elementwise():
+            loss = planned(x).sum()
+        loss.backward()
+    assert tracker.peak_bytes <= planned.plan.predicted_peak_bytes
+
+
+def test_the_context_leaves_nothing_behind_after_an_error() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ZeroDivisionError):
+        with remat.recompute_elementwise():
+            _ = x * x
+            raise ZeroDivisionError
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [({"max_operations": 0}, ValueError), ({"max_operations": True}, ValueError), ({"operations": [1]}, TypeError)],
+)
+def test_bad_options_are_refused(options: dict, error: type) -> None:
+    with pytest.raises(error, match="max_operations|operations"):
+        with remat.recompute_elementwise(**options):
+            pass
+
+
+_BINARY = [torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum]
+_UNARY = [torch.neg, torch.abs, torch.relu, torch.square, lambda t: torch.clamp(t, -1.0, 1.0), lambda t: t * 0.5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=12))
+def test_random_elementwise_programs_give_plain_gradients(program: list[tuple[int, int, int]]) -> None:
+    torch.manual_seed(7)
+    leaves = [torch.randn(6, requires_grad=True) for _ in range(2)]
+
+    def run() -> torch.Tensor:
+        values = list(leaves)
+        for op, i, j in program:
+            a, b = values[-1 - i % len(values)], values[-1 - j % len(values)]
+            values.append(_BINARY[op](a, b) if op < len(_BINARY) else _UNARY[op - len(_BINARY)](a))
+        return sum((v * v).sum() for v in values[2:])  # type: ignore[return-value]
+
+    expected = torch.autograd.grad(run(), leaves, allow_unused=True, materialize_grads=True)
+    with remat.recompute_elementwise():
+        out = run()
+    for a, b in zip(expected, torch.autograd.grad(out, leaves, allow_unused=True, materialize_grads=True), strict=True):
+        assert torch.equal(a, b)
