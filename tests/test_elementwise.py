@@ -372,3 +372,27 @@ def test_random_elementwise_programs_give_plain_gradients(program: list[tuple[in
         out = run()
     for a, b in zip(expected, torch.autograd.grad(out, leaves, allow_unused=True, materialize_grads=True), strict=True):
         assert torch.equal(a, b)
+
+
+def test_under_autocast_the_casts_are_made_again_and_gradients_stay_exact() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(*[_Mlp(width=32, gated=True) for _ in range(2)])
+    x = torch.randn(8, 32)
+
+    def run(m: nn.Module, elementwise: bool) -> tuple[torch.Tensor, remat.ElementwiseRecompute | None]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if elementwise:
+                with remat.recompute_elementwise() as state:
+                    loss = m(x).float().square().sum()
+            else:
+                loss, state = m(x).float().square().sum(), None
+        loss.backward()
+        return loss, state
+
+    plain = copy.deepcopy(model)
+    expected, _ = run(plain, False)
+    loss, state = run(model, True)
+    assert torch.equal(expected, loss)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert state is not None and state.tensors_recomputed > 0

@@ -68,11 +68,12 @@ from remat.errors import RecomputeInputModified
 __all__ = ["CHEAP_OPERATIONS", "ElementwiseRecompute", "recompute_elementwise"]
 
 #: Elementwise operations cheap enough to run again in backward: arithmetic, comparisons,
-#: selections and clamps, by ATen name (each costs about one pass over memory on a CPU,
-#: where a ``tanh``, ``exp`` or ``erf`` costs twenty).
+#: selections, clamps and casts on one device (``_to_copy``, what autocast runs), by ATen
+#: name (each costs about one pass over memory on a CPU, where a ``tanh``, ``exp`` or
+#: ``erf`` costs twenty).
 CHEAP_OPERATIONS = frozenset(
     {
-        "abs", "add", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "clamp",
+        "_to_copy", "abs", "add", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "clamp",
         "clamp_max", "clamp_min", "clone", "div", "eq", "ge", "gt", "hardtanh", "le",
         "leaky_relu", "logical_and", "logical_not", "logical_or", "lt", "masked_fill",
         "maximum", "minimum", "mul", "ne", "neg", "pow", "reciprocal", "relu", "rsqrt", "rsub",
@@ -145,7 +146,7 @@ class _Noting(TorchDispatchMode):
             and not owner.running
             and type(out) is torch.Tensor
             and func._opname in owner.operations
-            and torch.Tag.pointwise in func.tags
+            and (torch.Tag.pointwise in func.tags or _is_cast(func, args, out))
             and not out._is_view()
         ):
             owner.note(out, func, args, kwargs)
@@ -313,6 +314,16 @@ class ElementwiseRecompute:
     def active(self) -> Iterator[ElementwiseRecompute]:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _Noting(self):
             yield self
+
+
+def _is_cast(func: Any, args: Any, out: torch.Tensor) -> bool:
+    """A copy to another type on the same device (``_to_copy``, not tagged elementwise)."""
+    return (
+        func is torch.ops.aten._to_copy.default
+        and isinstance(args[0], torch.Tensor)
+        and args[0].device == out.device
+        and args[0].shape == out.shape
+    )
 
 
 class _Subclass(Exception):
