@@ -25,8 +25,16 @@ For each: the exact peak of one training step (forward, loss, backward) from
 and every parameter gradient are ``torch.equal`` to plain autograd's (same seed, so the
 dropout masks are the same).
 
-Run ``python benchmarks/elementwise.py [--workloads gpt2 llama] [--steps 7]``; it writes
-``results/elementwise.json`` and ``.md``.
+Then, for every architecture of :func:`remat.models.hugging_face_architectures` (at
+``--scale``, random weights, the loss the model computes from ``labels``): plain autograd
+against ``recompute_elementwise()``, and against it with the transcendental operations
+named too (``tanh``, ``exp``, ``erf``, ``sigmoid``, ``silu``, ``gelu``): the exact peaks,
+the median step time of ``--rounds`` interleaved rounds, how much was left to backward,
+and whether the loss, every parameter gradient and every buffer are ``torch.equal`` to
+plain autograd's.
+
+Run ``python benchmarks/elementwise.py [--workloads gpt2 llama] [--steps 7] [--scale 2]
+[--rounds 5]``; it writes ``results/elementwise.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import remat
+from remat.manual.elementwise import CHEAP_OPERATIONS
+from remat.models import hugging_face_architectures
 from remat.units import MIB
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -198,6 +208,63 @@ def run_workload(name: str, steps: int) -> dict[str, Any]:
     return {"workload": name, "description": workload.description, "rows": rows}
 
 
+#: The transcendental operations the architectures' third column lets backward run again too.
+TRANSCENDENTAL = frozenset({"tanh", "exp", "erf", "sigmoid", "silu", "gelu"})
+
+
+def _architecture_step(model: nn.Module, kwargs: dict[str, Any], operations: frozenset[str] | None) -> Any:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with remat.recompute_elementwise(operations=operations) if operations else contextlib.nullcontext() as state:
+        loss = model(**kwargs).loss
+    loss.backward()
+    return loss.detach(), state
+
+
+def run_architecture(name: str, scale: int, rounds: int) -> dict[str, Any]:
+    factory, kwargs = hugging_face_architectures(scale)[name]()
+    torch.manual_seed(0)
+    reference = factory().train()
+    variants: dict[str, frozenset[str] | None] = {
+        "plain": None,
+        "elementwise": CHEAP_OPERATIONS,
+        "with transcendental": CHEAP_OPERATIONS | TRANSCENDENTAL,
+    }
+    models = {label: copy.deepcopy(reference) for label in variants}
+    row: dict[str, Any] = {"architecture": name}
+    expected = None
+    for label, operations in variants.items():
+        model = models[label]
+        loss, state = _architecture_step(model, kwargs, operations)
+        outcome = (loss, [p.grad for p in model.parameters()], list(model.buffers()))
+        if expected is None:
+            expected = outcome
+        with remat.MemoryTracker() as tracker:
+            _architecture_step(model, kwargs, operations)
+        row[label] = {
+            "peak_bytes": tracker.peak_bytes,
+            "exact": torch.equal(loss, expected[0])
+            and all(
+                (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(outcome[1], expected[1], strict=True)
+            )
+            and all(torch.equal(a, b) for a, b in zip(outcome[2], expected[2], strict=True)),
+            "tensors_recomputed": state.tensors_recomputed if state is not None else None,
+            "saved_bytes_recomputed": state.saved_bytes_recomputed if state is not None else None,
+        }
+    samples: dict[str, list[float]] = {label: [] for label in variants}
+    labels = list(variants)
+    for round_index in range(rounds):
+        for label in labels[round_index % 3 :] + labels[: round_index % 3]:
+            started = time.perf_counter()
+            _architecture_step(models[label], kwargs, variants[label])
+            samples[label].append(time.perf_counter() - started)
+    for label in labels:
+        row[label]["median_step_s"] = statistics.median(samples[label])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def markdown(results: list[dict[str, Any]], steps: int) -> str:
     lines = [
         "# Saved elementwise results made again in backward",
@@ -236,18 +303,56 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(lines)
 
 
+def architectures_markdown(rows: list[dict[str, Any]], scale: int, rounds: int) -> str:
+    lines = [
+        f"## Hugging Face architectures (scale {scale}, median of {rounds} interleaved rounds)",
+        "",
+        "Peak and step time against plain autograd's; made again: saved tensors left to backward "
+        "(their storage); equal: loss, parameter gradients and buffers torch.equal to plain autograd's.",
+        "",
+        "| architecture | plain peak | elementwise: peak | step | made again | equal "
+        "| with transcendental: peak | step | made again | equal |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        plain = row["plain"]
+        cells = [row["architecture"], f"{plain['peak_bytes'] / MIB:.2f} MiB"]
+        for label in ("elementwise", "with transcendental"):
+            r = row[label]
+            cells += [
+                f"{r['peak_bytes'] / plain['peak_bytes']:.1%}",
+                f"x{r['median_step_s'] / plain['median_step_s']:.3f}",
+                f"{r['tensors_recomputed']} ({r['saved_bytes_recomputed'] / MIB:.2f} MiB)",
+                "yes" if r["exact"] else "NO",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(ALL_WORKLOADS), default=["gpt2", "llama"])
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--scale", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--architectures", nargs="*", default=None, help="default: all of them")
     options = parser.parse_args()
     torch.set_num_threads(1)
     results = [run_workload(name, options.steps) for name in options.workloads]
+    names = options.architectures if options.architectures is not None else list(hugging_face_architectures())
+    rows = [run_architecture(name, options.scale, options.rounds) for name in names]
     RESULTS.mkdir(exist_ok=True)
-    summary = {"torch": torch.__version__, "machine": platform.machine(), "steps": options.steps, "results": results}
+    summary = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "steps": options.steps,
+        "results": results,
+        "architectures": {"scale": options.scale, "rounds": options.rounds, "rows": rows},
+    }
     (RESULTS / "elementwise.json").write_text(json.dumps(summary, indent=2))
-    (RESULTS / "elementwise.md").write_text(markdown(results, options.steps))
-    print(markdown(results, options.steps))
+    text = markdown(results, options.steps) + "\n" + architectures_markdown(rows, options.scale, options.rounds)
+    (RESULTS / "elementwise.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
