@@ -23,7 +23,10 @@ Strategies, each on its own copy of the same weights:
    and at the peak strategy 2 measured, in bytes; with ``--nested``, the same points again
    with ``nested=True`` (blocks split into their submodules), in the same run; with
    ``--policy``, the same points again with ``policy=save_matmuls`` (the planner may store
-   any stage under the policy).
+   any stage under the policy); with ``--elementwise``, the same points again with
+   ``elementwise=True`` (each stored stage leaves what cheap elementwise operations can make
+   again to backward), its fractions given in bytes of the plain peak (a fraction would be of
+   its own step storing everything, which keeps less).
 
 Peaks are those of one training step (forward, loss, backward), parameter gradients
 excluded, from the exact tracker :class:`remat.MemoryTracker`, except for compiled code:
@@ -43,7 +46,7 @@ copy running the graph compiled last. Inductor's cache is a fresh directory per 
 first point compiles from cold, later ones may reuse the kernels earlier ones compiled.
 
 Run ``python benchmarks/planner.py --workload gpt2|resnet|mlp [--steps 7] [--nested]
-[--no-compile] [--policy] [--compiled-blocks] [--compiled-model]``; it writes
+[--no-compile] [--policy] [--elementwise] [--compiled-blocks] [--compiled-model]``; it writes
 ``results/planner_<workload>.json`` and ``.md``, and the curve as
 ``docs/planner_<workload>.png`` (``planner_<workload>_nested`` with ``--nested``, and so on).
 ``--compiled-model`` adds ``torch.compile`` of the remat model itself, whose plan runs in the
@@ -89,7 +92,8 @@ REMAT_NESTED = "remat nested"
 REMAT_COMPILED = "remat, compiled blocks"
 REMAT_POLICY = "remat + save_matmuls"
 REMAT_GRAPH = "remat, compiled model"
-REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED, REMAT_POLICY, REMAT_GRAPH)
+REMAT_ELEMENTWISE = "remat + elementwise"
+REMAT_FAMILIES = ("remat", REMAT_NESTED, REMAT_COMPILED, REMAT_POLICY, REMAT_GRAPH, REMAT_ELEMENTWISE)
 COMPILED_FAMILIES = ("torch.compile", REMAT_COMPILED, REMAT_GRAPH)
 TRACKER = "MemoryTracker"
 ALLOCATOR = "allocator (torch.profiler)"
@@ -275,8 +279,9 @@ def rematerialized(workload: Workload, budget: float | int | str, label: str, *,
         for block in workload.blocks(model):
             block.compile(dynamic=False)
     wrapped = remat.Checkpointable(
-        model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested, policy=policy
-    )
+        model, budget, loss_fn=workload.loss_fn, output_kept=False, nested=nested, policy=policy,
+        elementwise=family == REMAT_ELEMENTWISE,
+    )  # fmt: skip
     row = row_of(family, label, budget)
     # REMAT_GRAPH: the whole model compiled (inductor); its first call measures at a graph
     # break and plans stage by stage, the next compiles that plan into the graph
@@ -456,6 +461,7 @@ def build_strategies(
     compiled_blocks: bool = False,
     with_policy: bool = False,
     compiled_model: bool = False,
+    elementwise: bool = False,
 ) -> tuple[list[Strategy], dict[str, Any]]:
     plain = Strategy(row_of("plain", PLAIN), functools.partial(workload.call, workload.model), workload.model)
     second = recompute_sequentially(workload)
@@ -476,9 +482,16 @@ def build_strategies(
     families = ["remat"] + ([REMAT_NESTED] if nested else []) + ([REMAT_COMPILED] if compiled_blocks else [])
     families += [REMAT_POLICY] if with_policy else []
     families += [REMAT_GRAPH] if compiled_model else []
+    families += [REMAT_ELEMENTWISE] if elementwise else []
+    plain_bytes = plain.row["measured_peak_bytes"]
     for family in families:
         for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
+            fraction = budget if family == REMAT_ELEMENTWISE and isinstance(budget, float) else None
+            if fraction is not None:
+                budget = int(fraction * plain_bytes)  # of the plain peak, not of its own step storing everything
             strategy = rematerialized(workload, budget, label, family=family)
+            if fraction is not None:
+                strategy.row["budget"] = fraction
             print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
             strategies.append(strategy)
     compile_info = {"frames_compiled": dynamo_frames() - frames_before}
@@ -680,6 +693,7 @@ def markdown(result: dict[str, Any]) -> str:
         ("targets", "targets"),
         ("targets_nested", f"targets of {REMAT_NESTED}"),
         ("targets_policy", f"targets of {REMAT_POLICY}"),
+        ("targets_elementwise", f"targets of {REMAT_ELEMENTWISE}"),
     ):
         if key not in result:
             continue
@@ -776,6 +790,7 @@ def main() -> None:
     parser.add_argument(
         "--policy", action="store_true", help="remat storing stages under save_matmuls too, in the same run"
     )
+    parser.add_argument("--elementwise", action="store_true", help="remat with elementwise=True too, in the same run")
     parser.add_argument(
         "--compiled-blocks", action="store_true", help="remat over blocks compiled one by one too, in the same run"
     )
@@ -804,6 +819,7 @@ def main() -> None:
             compiled_blocks=options.compiled_blocks,
             with_policy=options.policy,
             compiled_model=options.compiled_model,
+            elementwise=options.elementwise,
         )
         timed = [s for s in strategies if s.row["feasible"]]
         frames_before = dynamo_frames()
@@ -831,9 +847,12 @@ def main() -> None:
         result["targets_nested"] = targets(workload.name, rows, REMAT_NESTED)
     if options.policy:
         result["targets_policy"] = targets(workload.name, rows, REMAT_POLICY)
+    if options.elementwise:
+        result["targets_elementwise"] = targets(workload.name, rows, REMAT_ELEMENTWISE)
     RESULTS.mkdir(exist_ok=True)
     name = workload.name + ("_nested" if options.nested else "") + ("_compiled" if options.compiled_blocks else "")
     name += "_policy" if options.policy else ""
+    name += "_elementwise" if options.elementwise else ""
     name += "_graph" if options.compiled_model else ""
     stem = RESULTS / f"planner_{name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))

@@ -396,3 +396,170 @@ def test_under_autocast_the_casts_are_made_again_and_gradients_stay_exact() -> N
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     assert state is not None and state.tensors_recomputed > 0
+
+
+# -- planned: Checkpointable(..., elementwise=True) (NOTE [elementwise saves in planned stages])
+
+
+def _planned_case() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(9)
+    return nn.Sequential(*[_Mlp(width=32, dropout=0.2) for _ in range(8)]), torch.randn(32, 32)
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def _planned_steps(model: nn.Module, x: torch.Tensor, budget: object, elementwise: bool, steps: int = 2):
+    planned = remat.Checkpointable(model, budget, elementwise=elementwise, output_kept=False, loss_fn=_loss)
+    for _ in range(steps):
+        planned.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with remat.MemoryTracker() as tracker:
+            loss = _loss(planned(x))
+            loss.backward()
+    return planned, loss.detach(), tracker.peak_bytes
+
+
+def _plain_peak(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    plain = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with remat.MemoryTracker() as tracker:
+        loss = _loss(plain(x))
+        loss.backward()
+    return loss.detach(), [p.grad for p in plain.parameters()], tracker.peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.35, 0.25, "min"])
+def test_planned_with_elementwise_the_prediction_is_the_measured_peak_and_gradients_are_exact(fraction: object) -> None:
+    model, x = _planned_case()
+    loss, grads, plain_peak = _plain_peak(model, x)
+    budget = fraction if fraction == "min" else int(fraction * plain_peak)  # type: ignore[operator]
+    planned, planned_loss, peak = _planned_steps(copy.deepcopy(model), x, budget, True)
+    assert torch.equal(loss, planned_loss)
+    for a, b in zip(grads, planned.parameters(), strict=True):
+        assert torch.equal(a, b.grad)
+    plan = planned.plan
+    assert peak == plan.predicted_peak_bytes <= plan.budget_bytes
+    if fraction in (0.35, 0.25):
+        # regions whose replays store stages: the recompute frames hold recipes there too
+        assert any(count > 1 for count in plan.forward_counts)
+        assert any(count == 1 for count in plan.forward_counts)
+
+
+def test_planned_with_elementwise_recomputes_fewer_stages_at_the_same_budget() -> None:
+    model, x = _planned_case()
+    _, _, plain_peak = _plain_peak(model, x)
+    budget = plain_peak // 2
+    without, _, _ = _planned_steps(copy.deepcopy(model), x, budget, False, steps=1)
+    with_it, _, _ = _planned_steps(copy.deepcopy(model), x, budget, True, steps=1)
+    recomputed = [sum(count > 1 for count in p.plan.forward_counts) for p in (without, with_it)]
+    assert recomputed[1] < recomputed[0]
+    # each block stores 4 of the 6 tensors of 32 x 128 its GELU keeps as recipes... of which the
+    # factors and the product (3) leave the stage: the plan stores the stage smaller
+    stored = [p.plan.measurement.profile.saved_bytes[0] for p in (without, with_it)]  # type: ignore[union-attr]
+    assert stored[0] - stored[1] == 3 * 32 * 128 * 4
+
+
+def test_planned_sizes_on_fake_tensors_are_those_of_a_real_step() -> None:
+    model, x = _planned_case()
+    sizes = []
+    for measure in ("sized", "plain"):
+        planned = remat.Checkpointable(copy.deepcopy(model), 1.0, elementwise=True, measure=measure)
+        measurement = planned.measure(x)
+        sizes.append((measurement.profile.saved_bytes, measurement.measured_peak_bytes))
+    assert sizes[0] == sizes[1]
+
+
+def test_planned_with_elementwise_on_a_hugging_face_gpt2() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 64))
+    plain = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with remat.MemoryTracker() as tracker:
+        expected = plain(ids, labels=ids).loss
+        expected.backward()
+    for budget in (tracker.peak_bytes // 2, "min"):
+        planned = remat.Checkpointable(copy.deepcopy(model), budget, elementwise=True)
+        for _ in range(2):
+            planned.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            with remat.MemoryTracker() as step:
+                loss = planned(ids, labels=ids).loss
+                loss.backward()
+        assert torch.equal(loss, expected)
+        for a, b in zip(plain.parameters(), planned.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        assert step.peak_bytes <= planned.plan.predicted_peak_bytes <= planned.plan.budget_bytes
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"policy": remat.policies.save_matmuls}, NotImplementedError),
+        ({"offload": 1e9}, NotImplementedError),
+        ({"measure": "frugal"}, NotImplementedError),
+        ({"elementwise": 1}, TypeError),
+    ],
+)
+def test_planned_with_elementwise_refuses_what_is_not_built(options: dict, error: type) -> None:
+    model, _ = _planned_case()
+    with pytest.raises(error, match="elementwise"):
+        remat.Checkpointable(model, 0.5, **{"elementwise": True, **options})
+
+
+def test_measuring_leaves_no_scope_behind_after_an_error() -> None:
+    from remat.manual.elementwise import filling, planning
+
+    class Failing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ZeroDivisionError
+
+    model = nn.Sequential(_Mlp(width=8), Failing())
+    with pytest.raises(ZeroDivisionError):
+        remat.Checkpointable(model, 0.5, elementwise=True)(torch.randn(2, 8))
+    assert planning() is None and filling() is None
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+class _Product(nn.Module):
+    """A stage whose output is a product of two tensors it saves: the next stage saves it too."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(x)
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.45, 0.3])
+def test_a_recipe_reads_only_what_its_own_stage_saved(fraction: float) -> None:
+    # Were the product made again from the factors of the stage before, a stage would keep
+    # less only while the stage before is stored: the plan, sizing each stage once, would
+    # not hold where the stage before is recomputed.
+    torch.manual_seed(10)
+    model, x = nn.Sequential(*[_Product() for _ in range(10)]), torch.randn(64, 32)
+    loss, grads, plain_peak = _plain_peak(model, x)
+    planned, planned_loss, peak = _planned_steps(copy.deepcopy(model), x, int(fraction * plain_peak), True)
+    assert torch.equal(loss, planned_loss)
+    for a, b in zip(grads, planned.parameters(), strict=True):
+        assert torch.equal(a, b.grad)
+    assert peak == planned.plan.predicted_peak_bytes
+
+
+def test_a_plan_runs_only_as_it_was_made_with_or_without_elementwise_saves(tmp_path: object) -> None:
+    model, x = _planned_case()
+    planned = remat.Checkpointable(copy.deepcopy(model), 0.5, elementwise=True, loss_fn=_loss)
+    _loss(planned(x)).backward()
+    assert planned.plan.schedule.profile.metadata["elementwise"] is True
+    path = tmp_path / "plan.json"  # type: ignore[operator]
+    path.write_text(planned.plan.to_json())
+    with pytest.raises(remat.RematError, match="made with elementwise=True"):
+        remat.Checkpointable(copy.deepcopy(model), plan=path, loss_fn=_loss)(x)
+    again = remat.Checkpointable(copy.deepcopy(model), plan=path, elementwise=True, loss_fn=_loss)
+    _loss(again(x)).backward()

@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Hashable, Iterator
 from types import EllipsisType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from torch import nn
 from remat.budget import MINIMUM, Budget, budget_too_small, parse_budget, warn_default_cpu_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
+from remat.manual.elementwise import ElementwiseRecompute, marked, planned, planned_elementwise, refuse_other_plan
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
@@ -34,7 +35,7 @@ from remat.measure.real import measured_for_real
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
-from remat.plan.key import signature, what_changed
+from remat.plan.key import PlanOptions, signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
@@ -58,19 +59,6 @@ logger = logging.getLogger("remat")
 
 #: Fraction of the budget kept free when the prediction is not exact by construction.
 DEFAULT_PLANNING_MARGIN = 0.02
-
-#: The ways of measuring stages (see ``measure`` in :class:`Checkpointable`).
-
-
-class _PlanOptions(NamedTuple):
-    """Everything a plan depends on besides the measurement (the key of the plan cache)."""
-
-    mem_limit: Budget
-    mem_limit_form: str  # 1 (one byte) and 1.0 (all of it) are equal values, but not equal budgets
-    solver_name: str
-    slots: int | None
-    margin: float | None
-    output_kept: bool
 
 
 class Checkpointable(ModelStandIn):
@@ -168,6 +156,9 @@ class Checkpointable(ModelStandIn):
             ``"auto"`` also lets the planner keep a stage's collective outputs and recompute the rest
             of it (the store option ``save_collectives``, and each ``policy=`` option with it),
             from their measured bytes and times (NOTE [planned collectives]).
+        elementwise: each stored stage leaves what it saves and cheap elementwise operations
+            can make again to backward (:func:`remat.recompute_elementwise`), and the plan is
+            made with it (NOTE [elementwise saves in planned stages]).
 
     .. warning::
        The forward must run the chain's stages once each, in the same order, at every
@@ -196,6 +187,7 @@ class Checkpointable(ModelStandIn):
         agree_ranks: bool = True,
         offload: bool | float = False,
         comm: str = "recompute",
+        elementwise: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -212,10 +204,10 @@ class Checkpointable(ModelStandIn):
         self._loss_fn = loss_fn
         self._chains: dict[Hashable, Chain] = {}
         self._measurements: dict[Hashable, ChainMeasurement] = {}
-        self._plans: dict[tuple[Hashable, _PlanOptions], Plan] = {}
+        self._plans: dict[tuple[Hashable, PlanOptions], Plan] = {}
         self._executors: dict[tuple[Hashable, Plan], ChainExecutor] = {}
         self._forced_plan: Plan | None = Plan.pinned(plan)
-        self._minimums: dict[tuple[Hashable, _PlanOptions], list[int]] = {}
+        self._minimums: dict[tuple[Hashable, PlanOptions], list[int]] = {}
         self._last_key: Hashable | None = None
         if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
@@ -231,6 +223,9 @@ class Checkpointable(ModelStandIn):
         planned = mem_limit is not None or plan is not None or policy is None  # (else: SelectiveRuns)
         self._policies = named_policies(policy, comm, planned=planned)
         self._selective = None if policy is None or self._policies else SelectiveRuns(policy, preserve_rng_state)
+        self.elementwise = planned_elementwise(
+            elementwise, policy=policy, offload=self.offload, measure=self.measure_mode
+        )
 
     # ------------------------------------------------------------------ public
     def measure(self, *sample_inputs: Any, **sample_kwargs: Any) -> ChainMeasurement:
@@ -253,6 +248,12 @@ class Checkpointable(ModelStandIn):
         return kwargs
 
     def _measure(
+        self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
+    ) -> ChainMeasurement:
+        with planned(ElementwiseRecompute() if self.elementwise else None):  # NOTE [elementwise saves in ...]
+            return self._measure_now(sample_inputs, sample_kwargs, training=training)
+
+    def _measure_now(
         self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
     ) -> ChainMeasurement:
         if training:
@@ -320,7 +321,7 @@ class Checkpointable(ModelStandIn):
             time.perf_counter() - started,
             format_bytes(measurement.measured_peak_bytes),
         )
-        self._measurements[key] = measurement
+        measurement = self._measurements[key] = marked(measurement, self.elementwise)
         if is_partial(measurement) and not self._coverage_warned:
             self._coverage_warned = True
             warnings.warn(partial_coverage(chain, measurement), UserWarning, stacklevel=4)
@@ -471,9 +472,9 @@ class Checkpointable(ModelStandIn):
         exact = (self._loss_fn is not None or measurement.loss_from_output) and not autocast
         return 0.0 if exact else DEFAULT_PLANNING_MARGIN
 
-    def _options(self, mem_limit: Budget) -> _PlanOptions:
+    def _options(self, mem_limit: Budget) -> PlanOptions:
         form = type(mem_limit).__name__
-        return _PlanOptions(mem_limit, form, self.solver_name, self.slots, self._margin_option, self.output_kept)
+        return PlanOptions(mem_limit, form, self.solver_name, self.slots, self._margin_option, self.output_kept)
 
     def _measured_key(self) -> Hashable:
         if self._last_key is None:
@@ -518,11 +519,13 @@ class Checkpointable(ModelStandIn):
         executor = self._executors.get((key, plan))
         if executor is None:
             refuse_meta_training(self.model)
+            refuse_other_plan(plan, self.elementwise)
             ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
             taken = taken_again(plan, self._measurements.get(key))
             executor = self._executors[(key, plan)] = ChainExecutor(
-                chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken
-            )
+                chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken,
+                elementwise=self.elementwise,
+            )  # fmt: skip
         return executor
 
     def _prepared(self, key: Hashable) -> Planning:

@@ -58,6 +58,7 @@ from remat.manual._recording import RegionRecording
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._state import hold_hooks
 from remat.manual._tensors import graph_retained
+from remat.manual.elementwise import ElementwiseRecompute
 from remat.manual.offload import StageOffloads
 from remat.manual.policies import Policy, as_policy
 from remat.manual.recompute import recompute
@@ -194,6 +195,7 @@ class _Run:
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
         self.earlier = EarlierInputs(executor.taken_again) if executor.taken_again else None
+        self.elementwise = ElementwiseRecompute() if executor.elementwise else None
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -210,7 +212,8 @@ class _Run:
         if step.option is not None:  # NOTE [stored under a policy]
             out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(step.option))
         elif kind in _STORES:
-            out = call_original(module, args, kwargs)
+            with self.elementwise.stage_call() if self.elementwise else contextlib.nullcontext():
+                out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
         self.offloads.after(index, out)
@@ -337,7 +340,8 @@ class _Run:
             if option is not None:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
             else:
-                out = call_stage(module, args, kwargs)
+                with self.elementwise.stage_call(replay=True) if self.elementwise else contextlib.nullcontext():
+                    out = call_stage(module, args, kwargs)
             if stage == len(self.executor.chain) - 1:  # the chain's last stage: nothing follows it
                 return (out,), {}
             glue = self._glue_for_replay(stage)
@@ -426,6 +430,8 @@ class ChainExecutor:
         taken_again: ``(stage, glue's stage)`` stage calls whose glue takes what the first
             took as its input, or what its glue made, from the replay (NOTE [constants an earlier stage takes] in
             remat.discover.glue); the schedule's regions must allow it.
+        elementwise: each stored stage call leaves what it saves and cheap elementwise
+            operations can make again to backward (NOTE [elementwise saves in planned stages]).
 
     Raises:
         RematError: the operations are not a schedule of the chain's stage calls.
@@ -440,8 +446,9 @@ class ChainExecutor:
         observer: Callable[[RegionSpan], Any] | None = None,
         policies: Mapping[str, Policy] | None = None,
         taken_again: frozenset[tuple[int, int]] = frozenset(),
+        elementwise: bool = False,
     ) -> None:
-        self.chain = chain
+        self.chain, self.elementwise = chain, elementwise
         self.taken_again = taken_again
         self.policies = dict(policies or {})
         ops = [item for item in schedule if isinstance(item, Operation)]
@@ -460,11 +467,11 @@ class ChainExecutor:
                 f"pass them as policy= (the options given: {sorted(self.policies)})"
             )
         # How the first forward runs each stage call, and the region it belongs to.
-        self.first_forward: list[tuple[OperationKind, _Step]] = []
-        for step in level.steps:
-            for call in range(step.start, step.stop):
-                kind = _DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind
-                self.first_forward.append((kind, step))
+        self.first_forward: list[tuple[OperationKind, _Step]] = [
+            (_DISCARD if step.kind is _CHECKPOINT and call > step.start else step.kind, step)
+            for step in level.steps
+            for call in range(step.start, step.stop)
+        ]
         compiled = compiled_stages(chain)
         if compiled:
             offloaded = [chain.names[call] for call in compiled if self.first_forward[call][0] is _OFFLOAD]
@@ -473,14 +480,8 @@ class ChainExecutor:
                     f"the plan offloads stages compiled with torch.compile ({', '.join(offloaded)}): offload of "
                     "compiled code is not built. Plan without offload, or compile the whole model instead"
                 )
-            refuse_compiled_state(
-                chain,
-                [
-                    call
-                    for call in compiled
-                    if self.first_forward[call][0] not in _STORES or self.first_forward[call][1].option
-                ],
-            )
+            kinds = self.first_forward
+            refuse_compiled_state(chain, [c for c in compiled if kinds[c][0] not in _STORES or kinds[c][1].option])
             hold_hooks(self)  # the compiled stages' code guards on them (see hold_hooks)
 
         # NOTE [nothing to recompute]
@@ -488,7 +489,7 @@ class ChainExecutor:
         # step fits in) is the plain step: the model runs its own forward, with no stage
         # intercepted, so such a plan costs no time at all. What the executor would check
         # (every stage called once, in order) matters only to a replay, and there is none.
-        self.plain = all(kind is _STORE and step.option is None for kind, step in self.first_forward)
+        self.plain = not elementwise and all(kind is _STORE and not step.option for kind, step in self.first_forward)
         self.gathering: UnitGathering | None = None  # the FSDP2 units of the model it first runs
 
     def recomputes(self) -> bool:

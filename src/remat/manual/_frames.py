@@ -17,15 +17,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from remat.errors import (
-    NondeterministicRecompute,
-    RecomputeInputModified,
-    RematError,
-)
+from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
 from remat.manual import _debug, _selective, _state
 from remat.manual._outputs import OutputOf, lazy_output, register_outputs
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
+from remat.manual.elementwise import filling, read_held
 from remat.memory import note_kept_for_backward
 
 __all__ = ["active_mode", "recompute_with_hooks"]
@@ -390,8 +387,10 @@ def _pack(tensor: torch.Tensor) -> Any:
                 f"#{index - frame.start}); the block must compute the same thing when recomputed"
             )
         # A tensor that does not require grad is kept as itself (often the very object the
-        # original forward saved: a constant, a buffer, an input without grad).
-        filled.value = tensor.detach() if tensor.requires_grad else tensor
+        # original forward saved: a constant, a buffer, an input without grad); a planned
+        # replay may hold a recipe instead (NOTE [elementwise saves in planned stages]).
+        value = tensor.detach() if tensor.requires_grad else tensor
+        filled.value = value if (planned := filling()) is None else planned.hold(tensor, value)
         filled.filler = frame
         root.owners[index] = None
     if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
@@ -425,7 +424,7 @@ def _unpack(handle: Any) -> torch.Tensor:
                 f"the recompute of block {owner.name!r} stopped before producing saved tensor "
                 f"#{handle.index - owner.start}; the block must run the same operations when recomputed"
             )
-    value = handle.value
+    value = read_held(handle.value)
     if root.observer is not None:
         root.observer.on_unpacked(handle.index, value)
     if handle.filler is not None and graph_retained():

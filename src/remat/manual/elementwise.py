@@ -46,6 +46,23 @@ when it holds the tensor itself; a tensor saved through ``saved_tensors_hooks`` 
 checked. So each tensor this context saves as it is goes with its version, and backward
 raises :class:`~remat.errors.RecomputeInputModified` where autograd would have raised.
 
+NOTE [elementwise saves in planned stages]
+With ``elementwise=True``, a planned model (:class:`remat.Checkpointable`,
+:func:`remat.enable`) leaves to backward what each stage it stores saves and can make
+again, and the planner plans with it: the measuring step runs each stage call inside
+:meth:`ElementwiseRecompute.stage_call`, so the sizes are those of the stages as they will
+run. A stage is sized once and planned wherever it is stored, so a recipe reads only what
+its own stage call saved (and parameters): what a stage keeps does not depend on whether
+the stage before it is stored or recomputed. The executor runs every stored stage call so:
+in the first forward with hooks over the active ones; in a replay, where the recompute
+frame filling the replay holds what autograd saves, the frame asks :func:`filling` and
+holds a recipe in place of the tensor (:meth:`ElementwiseRecompute.hold`), made again by
+:func:`read_held` when backward reads it. The frame holds a detached alias of each tensor
+saved as it is, so a recipe reads that alias: the saved entries keep the value held,
+and an argument is known by its weak reference once the tensor itself is gone. The model's
+own code between stages (its glue) runs outside any stage call and saves as usual, when
+measured and when run.
+
 Memory. A recipe holds only tensors that autograd holds anyway (or parameters, or tensors
 of one element); it may hold one of them a little longer than autograd would, until the
 node that saved the recipe runs its backward. Tensor subclasses are never recomputed.
@@ -53,17 +70,32 @@ node that saved the recipe runs its backward. Tensor subclasses are never recomp
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.errors import RecomputeInputModified
+from remat.errors import RecomputeInputModified, RematError
 
-__all__ = ["CHEAP_OPERATIONS", "ElementwiseRecompute", "recompute_elementwise"]
+__all__ = [
+    "marked",
+    "planned_elementwise",
+    "refuse_other_plan",
+    "planning",
+    "CHEAP_OPERATIONS",
+    "ElementwiseRecompute",
+    "filling",
+    "planned",
+    "read_held",
+    "recompute_elementwise",
+    "stage_call",
+]
 
 #: Elementwise operations cheap enough to run again in backward: arithmetic, comparisons,
 #: selections, clamps and casts on one device (``_to_copy``, what autocast runs), by ATen
@@ -95,10 +127,11 @@ class _Made:
 class _Argument:
     """A tensor argument of a noted operation: the tensor (weakly), its version then, how it was made."""
 
-    __slots__ = ("ref", "version", "made")
+    __slots__ = ("key", "ref", "version", "made")
 
     def __init__(self, tensor: torch.Tensor, made: _Made | None) -> None:
-        self.ref = weakref.ref(tensor)
+        self.key = id(tensor)
+        self.ref = weakref.ref(tensor)  # the one weak reference to it, so also its identity once dead
         self.version = tensor._version
         self.made = made
 
@@ -117,9 +150,17 @@ class _Step:
 class _Recipe:
     """What autograd holds in place of a saved tensor: how to make it again."""
 
-    __slots__ = ("step", "view", "tensors", "ref", "version", "changed", "__weakref__")
+    __slots__ = ("owner", "step", "view", "tensors", "ref", "version", "changed", "__weakref__")
 
-    def __init__(self, step: _Step, tensors: list[tuple[torch.Tensor, int]], tensor: torch.Tensor, view: bool) -> None:
+    def __init__(
+        self,
+        owner: ElementwiseRecompute,
+        step: _Step,
+        tensors: list[tuple[torch.Tensor, int]],
+        tensor: torch.Tensor,
+        view: bool,
+    ) -> None:
+        self.owner = owner
         self.step = step
         # a view of what the recipe makes: its size, strides and offset
         self.view = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()) if view else None
@@ -129,8 +170,25 @@ class _Recipe:
         self.changed = False
 
 
+class _Kept:
+    """A tensor saved as it is: what holds it, and its version then.
+
+    Under other hooks (`value` is what they packed), the tensor itself is held too: recipes
+    read it. Its memory is the same but for hooks that move what they pack elsewhere.
+    """
+
+    __slots__ = ("value", "tensor", "version")
+
+    def __init__(self, value: Any, tensor: torch.Tensor) -> None:
+        self.value = value
+        self.tensor = tensor
+        self.version = tensor._version
+
+
 _OTHER, _WRITES, _ELEMENTWISE, _CAST = range(4)
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_NOTED_TYPES = (torch.Tensor, FakeTensor)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+_LOCAL = threading.local()
 
 
 class _Noting(TorchDispatchMode):
@@ -164,7 +222,7 @@ class _Noting(TorchDispatchMode):
         if kind == _WRITES:
             owner.written(func, args, kwargs or {})
         elif (
-            type(out) is torch.Tensor
+            type(out) in _NOTED_TYPES
             and not owner.running
             and torch.is_grad_enabled()
             and not out._is_view()
@@ -177,13 +235,17 @@ class _Noting(TorchDispatchMode):
 class ElementwiseRecompute:
     """The state of one :func:`recompute_elementwise` context; ``saved_bytes_recomputed`` reports."""
 
-    def __init__(self, *, max_operations: int, operations: frozenset[str]) -> None:
+    def __init__(self, *, max_operations: int = 4, operations: frozenset[str] = CHEAP_OPERATIONS) -> None:
         self.max_operations = max_operations
         self.operations = operations
         # Kept while the context is active, by id, each with a weak reference that tells a
         # live entry from one whose tensor died (and whose id may be taken again)
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], _Made]] = {}
-        self._saved: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # saved as is, with its version
+        # saved as is: its version, the stage call that saved it, and the value held (a
+        # recompute frame holds a detached alias of it: NOTE [elementwise saves in planned stages])
+        self._saved: dict[int, tuple[weakref.ref[torch.Tensor], int, int | None, weakref.ref[torch.Tensor]]] = {}
+        self.stage: int | None = None  # the stage call running (automatic mode), whose saves alone recipes read
+        self._stages = 0
         self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
         self.running = False
         self.tensors_recomputed = 0
@@ -240,13 +302,17 @@ class ElementwiseRecompute:
                     if recipe is not None and recipe.ref() is not None:
                         recipe.changed = True
 
-    def _available(self, tensor: torch.Tensor, version: int) -> bool:
-        if tensor._version != version:
-            return False
-        entry = self._saved.get(id(tensor))
-        if entry is not None and entry[0]() is tensor and entry[1] == version:
-            return True
-        return (tensor.is_leaf and tensor.requires_grad) or tensor.numel() <= 1
+    def _available(self, argument: _Argument) -> torch.Tensor | None:
+        """What a recipe reads for `argument`: the tensor saved (or the value held for it), a
+        parameter, a tensor of one element; None if it must be made again itself."""
+        entry = self._saved.get(argument.key)
+        if entry is not None and entry[0] is argument.ref and entry[1] == argument.version and entry[2] == self.stage:
+            held = entry[3]()  # (held by autograd, or by a recompute frame: never by this entry)
+            return held if held is not None and held._version == argument.version else None
+        tensor = argument.ref()
+        if tensor is None or tensor._version != argument.version:
+            return None
+        return tensor if (tensor.is_leaf and tensor.requires_grad) or tensor.numel() <= 1 else None
 
     def _step(self, made: _Made, tensors: list[tuple[torch.Tensor, int]], budget: list[int]) -> _Step | None:
         budget[0] -= 1
@@ -269,47 +335,106 @@ class ElementwiseRecompute:
     def _resolve(self, value: Any, tensors: list[tuple[torch.Tensor, int]], budget: list[int]) -> Any:
         if not isinstance(value, _Argument):
             return value
-        tensor = value.ref()
-        if tensor is not None and self._available(tensor, value.version):
+        tensor = self._available(value)
+        if tensor is not None:
             tensors.append((tensor, value.version))
             return tensor
         step = None if value.made is None else self._step(value.made, tensors, budget)
         return _FAILED if step is None else step
 
-    def pack(self, tensor: torch.Tensor) -> Any:
+    def recipe_for(self, tensor: torch.Tensor) -> _Recipe | None:
+        """A recipe for a tensor being saved, if it is made of what is available."""
         made = None
-        if type(tensor) is torch.Tensor:
+        if type(tensor) in _NOTED_TYPES:
             # a view (a reshape for a matrix product) is made again from what it views
             made_from = tensor._base if tensor._is_view() else tensor
             if made_from is not None and made_from._base is None:
                 made = self._made_of(made_from)
-        if made is not None:
-            tensors: list[tuple[torch.Tensor, int]] = []
-            step = self._step(made, tensors, [self.max_operations])
-            if step is not None:
-                recipe = _Recipe(step, tensors, tensor, tensor._is_view())
-                self._recipes.setdefault(_storage(tensor), []).append(weakref.ref(recipe))
-                self.tensors_recomputed += 1
-                self.saved_bytes_recomputed += tensor.untyped_storage().nbytes()
-                return recipe
-        self._saved[id(tensor)] = (weakref.ref(tensor), tensor._version)
+        if made is None:
+            return None
+        tensors: list[tuple[torch.Tensor, int]] = []
+        step = self._step(made, tensors, [self.max_operations])
+        if step is None:
+            return None
+        recipe = _Recipe(self, step, tensors, tensor, tensor._is_view())
+        self._recipes.setdefault(_storage(tensor), []).append(weakref.ref(recipe))
+        self.tensors_recomputed += 1
+        self.saved_bytes_recomputed += tensor.untyped_storage().nbytes()
+        return recipe
+
+    def saved_as_is(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """`tensor` is saved as it is (`value`: what holds it), so recipes may read it."""
+        self._saved[id(tensor)] = (weakref.ref(tensor), tensor._version, self.stage, weakref.ref(value))
         self.tensors_saved += 1
-        return (tensor, tensor._version)
+
+    def hold(self, tensor: torch.Tensor, value: torch.Tensor) -> Any:
+        """What a recompute frame filling a planned replay holds for `tensor` (NOTE
+        [elementwise saves in planned stages]): a recipe, or `value`."""
+        recipe = self.recipe_for(tensor)
+        if recipe is not None:
+            return recipe
+        self.saved_as_is(tensor, value)
+        return value
+
+    def hooks(self, outer: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+        """Pack and unpack hooks that keep recipes, and pass what is saved as it is to
+        `outer` (the hooks that were active, if any)."""
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            recipe = self.recipe_for(tensor)
+            if recipe is not None:
+                return recipe
+            self.saved_as_is(tensor, tensor)
+            return _Kept(tensor if outer_pack is None else outer_pack(tensor), tensor)
+
+        def unpack(packed: Any) -> Any:
+            if isinstance(packed, _Recipe):
+                return self.unpack(packed)
+            # NOTE [versions of tensors saved through hooks]: autograd does not check the
+            # version of a tensor saved through hooks, so the check is made here
+            tensor = packed.tensor
+            if tensor._version != packed.version:
+                raise RecomputeInputModified(
+                    f"one of the tensors saved for backward (shape {tuple(tensor.shape)}) was modified by an "
+                    f"in-place operation: it is at version {tensor._version}, it was saved at version "
+                    f"{packed.version} (autograd raises for this too). Clone it before changing it."
+                )
+            return packed.value if outer_unpack is None else outer_unpack(packed.value)
+
+        return pack, unpack
+
+    @contextmanager
+    def stage_call(self, *, replay: bool = False) -> Iterator[None]:
+        """A stage call of a planned model runs: its recipes read only what it saves itself.
+
+        In the first forward (and when measuring), the hooks go over those active; in a
+        replay, the recompute frame filling it asks :func:`filling` (NOTE [elementwise
+        saves in planned stages]).
+        """
+        previous = self.stage
+        self._stages += 1
+        self.stage = self._stages
+        try:
+            if replay:
+                before = getattr(_LOCAL, "filling", None)
+                _LOCAL.filling = self
+                try:
+                    with _Noting(self):
+                        yield
+                finally:
+                    _LOCAL.filling = before
+            else:
+                outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                with torch.autograd.graph.saved_tensors_hooks(*self.hooks(outer)), _Noting(self):
+                    yield
+        finally:
+            self.stage = previous
 
     # -- backward: reading
 
-    def unpack(self, packed: Any) -> Any:
-        if not isinstance(packed, _Recipe):
-            # NOTE [versions of tensors saved through hooks]: autograd does not check the
-            # version of a tensor saved through hooks, so the check is made here
-            tensor, version = packed
-            if tensor._version != version:
-                raise RecomputeInputModified(
-                    f"one of the tensors saved for backward (shape {tuple(tensor.shape)}) was modified by an "
-                    f"in-place operation: it is at version {tensor._version}, it was saved at version {version} "
-                    "(autograd raises for this too). Clone it before changing it."
-                )
-            return tensor
+    def unpack(self, packed: _Recipe) -> torch.Tensor:
+        """Makes a tensor held as a recipe (or returns it, alive)."""
         tensor = packed.ref()
         if packed.changed or (tensor is not None and tensor._version != packed.version):
             raise RecomputeInputModified(
@@ -343,7 +468,7 @@ class ElementwiseRecompute:
     @contextmanager
     def active(self) -> Iterator[ElementwiseRecompute]:
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _Noting(self):
+            with torch.autograd.graph.saved_tensors_hooks(*self.hooks()), _Noting(self):
                 yield self
         finally:
             # what was noted serves the forward's saves only; recipes hold what they read
@@ -362,6 +487,87 @@ class _NotNoted(Exception):
 
 
 _FAILED = object()  # a recipe's argument that cannot be made again
+
+
+@contextmanager
+def planned(state: ElementwiseRecompute | None) -> Iterator[None]:
+    """The stage calls of a planned model that run inside are scoped by `state` (None: not)."""
+    before = getattr(_LOCAL, "planned", None)
+    _LOCAL.planned = state
+    try:
+        yield
+    finally:
+        _LOCAL.planned = before
+
+
+def planned_elementwise(elementwise: bool, *, policy: Any, offload: Any, measure: str) -> bool:
+    """Checks ``elementwise=`` of the automatic mode against its other options.
+
+    Raises:
+        TypeError: `elementwise` is not a bool.
+        NotImplementedError: with store policies, offload, or a frugal measuring step.
+    """
+    if not isinstance(elementwise, bool):
+        raise TypeError(f"elementwise is True or False, got {elementwise!r}")
+    if not elementwise:
+        return False
+    refused = [
+        what
+        for what, given in (
+            ("policy=", policy is not None),
+            ("offload=", offload is not False),
+            ('measure="frugal"', measure == "frugal"),
+        )
+        if given
+    ]
+    if refused:
+        raise NotImplementedError(
+            f"elementwise=True with {' and '.join(refused)} is not built: a stage stored under a policy, "
+            "offloaded, or replayed by the frugal measuring step is not sized with what it leaves to "
+            "backward. Use one or the other"
+        )
+    return True
+
+
+def marked(measurement: Any, elementwise: bool) -> Any:
+    """The measurement with ``metadata["elementwise"]`` set when its stages were sized so."""
+    if not elementwise:
+        return measurement
+    profile = measurement.profile
+    profile = dataclasses.replace(profile, metadata={**profile.metadata, "elementwise": True})
+    return dataclasses.replace(measurement, profile=profile)
+
+
+def refuse_other_plan(plan: Any, elementwise: bool) -> None:
+    """A pinned plan must have been made as the model runs: with or without elementwise saves."""
+    made_with = bool(plan.schedule.profile.metadata.get("elementwise", False))
+    if made_with != elementwise:
+        raise RematError(
+            f"the plan was made {'with' if made_with else 'without'} elementwise=True and the model runs "
+            f"{'with' if elementwise else 'without'} it: its stages would not keep what it planned. "
+            f"Pass elementwise={made_with}, or plan again"
+        )
+
+
+def stage_call() -> AbstractContextManager[None]:
+    """The scope of a stage call stored by a planned model's first forward (or measured)."""
+    state = getattr(_LOCAL, "planned", None)
+    return nullcontext() if state is None else state.stage_call()
+
+
+def planning() -> ElementwiseRecompute | None:
+    """The state scoping the stage calls of the planned model being measured, if any."""
+    return getattr(_LOCAL, "planned", None)
+
+
+def filling() -> ElementwiseRecompute | None:
+    """The state of the planned replay a recompute frame is filling, if any."""
+    return getattr(_LOCAL, "filling", None)
+
+
+def read_held(value: Any) -> Any:
+    """What a recompute frame held for a saved tensor, made again if it is a recipe."""
+    return value.owner.unpack(value) if isinstance(value, _Recipe) else value
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -28,6 +28,7 @@ from remat.discover.chain import Chain, StageLinks
 from remat.discover.glue import GlueRecorder, StageInputs
 from remat.discover.intercept import call_original, out_of_order
 from remat.manual._tensors import storage_key
+from remat.manual.elementwise import stage_call
 from remat.memory import MemoryTracker
 
 __all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "Work", "tensors_in", "work_between", "work_mark"]
@@ -290,7 +291,8 @@ class StageWatch:
             if self._run is not None and torch.is_grad_enabled():
                 out = self._run.call(index, module, args, kwargs)
             else:
-                out = call_original(module, args, kwargs)
+                with stage_call():  # NOTE [elementwise saves in planned stages]
+                    out = call_original(module, args, kwargs)
         except BaseException:
             self.current = None
             raise

@@ -22,6 +22,7 @@ from torch import nn
 
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
+from remat.manual.elementwise import planning
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.step import measure_on_device
 from remat.units import format_bytes
@@ -40,6 +41,8 @@ def measured_for_real(
     """The measurement of a model whose run on fake tensors failed (`error` says why), and
     how it was measured (``"frugal"`` or ``"plain"``); see the NOTE."""
     try:
+        if planning() is not None:  # NOTE [elementwise saves in planned stages]: not sized by replays
+            raise UnsupportedModel("elementwise=True is sized by a step that stores every stage")
         measurement = measure_on_device(model, chain, args, kwargs, loss_fn, frugal=True)
         how, step = "frugal", "a step with every stage recomputed (measure='frugal')"
     except UnsupportedModel as refusal:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages, missing_stages
 from remat.manual._state import learning_state
+from remat.manual.elementwise import planning
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
@@ -199,6 +200,11 @@ def measure_on_device(
     except torch.OutOfMemoryError:
         if frugal:
             raise
+        if planning() is not None:  # NOTE [elementwise saves in planned stages]
+            raise NotImplementedError(
+                "remat: a plain measuring step does not fit in memory, and a model planned with "
+                "elementwise=True is measured by one (a frugal step is not built for it)"
+            ) from None
     # A plain step does not fit the device: measure frugally instead (the model, its
     # gradients and buffers were put back as they were).
     warnings.warn(

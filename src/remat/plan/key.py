@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["shape_family", "signature", "what_changed"]
+from remat.budget import Budget
+
+__all__ = ["PlanOptions", "shape_family", "signature", "what_changed"]
+
+
+class PlanOptions(NamedTuple):
+    """Everything a plan depends on besides the measurement (the key of the plan cache)."""
+
+    mem_limit: Budget
+    mem_limit_form: str  # 1 (one byte) and 1.0 (all of it) are equal values, but not equal budgets
+    solver_name: str
+    slots: int | None
+    margin: float | None
+    output_kept: bool
+
 
 # NOTE [what a plan depends on]
 # A plan is made for the costs of one step. They change with the inputs (structure,
