@@ -12,8 +12,9 @@ partitioner does this for the graphs it compiles; :func:`recompute_elementwise` 
 eager code.
 
 How. While the context is active, a dispatch mode notes, for each output of a *cheap*
-elementwise operation (an arithmetic one: the names in :data:`CHEAP_OPERATIONS`; no random
-one, no transcendental one, no in-place one, no view), how it was made: the operation, its
+elementwise operation (an arithmetic one or a cast on one device: the names in
+:data:`CHEAP_OPERATIONS`; no random one, no transcendental one, no in-place one, no view),
+how it was made: the operation, its
 arguments, and for each tensor argument a weak reference, its version then, and how *it*
 was made. When autograd saves such a tensor, the pack hook looks for a recipe: each tensor
 argument must be one autograd already saved in this context (and unchanged since), a
@@ -58,14 +59,16 @@ in the first forward with hooks over the active ones; in a replay, where the rec
 frame filling the replay holds what autograd saves, the frame asks :func:`filling` and
 holds a recipe in place of the tensor (:meth:`ElementwiseRecompute.hold`), made again by
 :func:`read_held` when backward reads it. The frame holds a detached alias of each tensor
-saved as it is, so a recipe reads that alias: the saved entries keep the value held,
-and an argument is known by its weak reference once the tensor itself is gone. The model's
+saved as it is, so a recipe reads that alias: the saved entries point, weakly, at the value
+held, and an argument is known by its weak reference once the tensor itself is gone. The model's
 own code between stages (its glue) runs outside any stage call and saves as usual, when
 measured and when run.
 
 Memory. A recipe holds only tensors that autograd holds anyway (or parameters, or tensors
 of one element); it may hold one of them a little longer than autograd would, until the
-node that saved the recipe runs its backward. Tensor subclasses are never recomputed.
+node that saved the recipe runs its backward. Under other saved-tensor hooks, a tensor
+saved as it is stays held itself beside what those hooks packed (recipes read it). Tensor
+subclasses are never recomputed (but for the fake tensors remat sizes steps with).
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ class _Noting(TorchDispatchMode):
     def __init__(self, owner: ElementwiseRecompute) -> None:
         super().__init__()
         self.owner = owner
-        self.kinds: dict[Any, int] = {}  # operation -> what it is to this mode
+        self.kinds = owner.kinds
 
     def _kind(self, func: Any) -> int:
         if func._schema.is_mutable:
@@ -247,6 +250,7 @@ class ElementwiseRecompute:
         self.stage: int | None = None  # the stage call running (automatic mode), whose saves alone recipes read
         self._stages = 0
         self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
+        self.kinds: dict[Any, int] = {}  # operation -> what it is to the noting mode
         self.running = False
         self.tensors_recomputed = 0
         self.saved_bytes_recomputed = 0
