@@ -25,7 +25,7 @@ from torch import nn
 from remat.budget import MINIMUM, Budget, budget_too_small, parse_budget, warn_default_cpu_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
-from remat.manual.elementwise import ElementwiseRecompute, marked, planned, planned_elementwise, refuse_other_plan
+from remat.manual.elementwise import ElementwiseRecompute, planned
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
@@ -35,6 +35,7 @@ from remat.measure.real import measured_for_real
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
+from remat.plan.elementwise import marked, planned_elementwise, refuse_other_plan
 from remat.plan.key import PlanOptions, signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
