@@ -167,6 +167,8 @@ def _not_traceable(controller: Checkpointable) -> str | None:
         return "the plan offloads"
     if controller._policies:
         return "the plan may store stages under policies"
+    if controller.elementwise:
+        return "its stages leave elementwise saves to backward (elementwise=True)"
     if controller._forced_plan is not None:
         return "a pinned plan runs as it is"
     if controller._ranks is not None and agreement_group_active():  # (planning here would be one rank's)
