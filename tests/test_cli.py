@@ -220,6 +220,31 @@ def test_plan_with_policies_sizes_their_store_options(tiny_catalogue: str, capsy
     assert code != cli.EXIT_OK and "nonsense_op" in err
 
 
+def test_plan_and_bench_with_elementwise_saves(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    model = ["--hf", "gpt2", "--hf-config", "n_layer=2,n_embd=32"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the use_cache note
+        documents = []
+        for extra in ([], ["--elementwise"]):
+            code, out, _ = run(["plan", *model, "--budget", "1.0", "--json", *extra], capsys)
+            assert code == cli.EXIT_OK
+            documents.append(json.loads(out))
+        json_path = tmp_path / "bench.json"
+        argv = ["bench", *model, "--budgets", "0.5", "--steps", "1", "--elementwise", "--json", str(json_path)]
+        code, out, _ = run(argv, capsys)
+    # each block leaves its GELU's factors and product, and its dropout's output, to backward
+    plain, elementwise = (document["profile"]["saved_bytes"] for document in documents)
+    assert sum(elementwise) < sum(plain)
+    assert documents[1]["profile"]["metadata"]["elementwise"] is True
+    assert code == cli.EXIT_OK and "remat @ 0.5" in out
+    assert json.loads(json_path.read_text())["metadata"]["elementwise"] is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, _, err = run(["plan", *model, "--elementwise", "--policy", "save_matmuls"], capsys)
+    assert code == cli.EXIT_USAGE and "--elementwise with --policy" in err
+
+
 def test_plan_nested_splits_the_blocks_into_their_submodules(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     argv = ["plan", "--hf", "gpt2", "--hf-config", "n_layer=2,n_embd=32", "--budget", "0.4", "--json", "--nested"]

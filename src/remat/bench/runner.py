@@ -179,6 +179,7 @@ def run_benchmark(
     nested: bool = False,
     policies: Sequence[Any] = (),
     distributed: bool = False,
+    elementwise: bool = False,
 ) -> BenchmarkResult:
     """Measures peak memory and step time of no recompute, checkpoint_sequential and remat.
 
@@ -208,6 +209,8 @@ def run_benchmark(
         model_name: a name for the metadata and tables.
         nested: remat with ``nested=True`` (blocks split into their submodules).
         policies: policies remat may store stages under (``policy=`` with the budget).
+        elementwise: remat with ``elementwise=True`` (stored stages leave cheap elementwise
+            saves to backward).
         distributed: train every strategy through DistributedDataParallel, each remat budget
             planned on all ranks at once (NOTE [the benchmark on several ranks] in
             :mod:`remat.bench.data_parallel`): every rank of the initialised process group
@@ -237,7 +240,7 @@ def run_benchmark(
             if not agreement_group_active():
                 raise ValueError("distributed=True needs an initialised process group of more than one rank")
             benchmark.ranks = DataParallelSteps(model, benchmark.device)
-        benchmark.nested = nested
+        benchmark.nested, benchmark.elementwise = nested, elementwise
         benchmark.policies = list(policies)
         return benchmark.run(
             list(budgets),
@@ -278,6 +281,7 @@ class _Benchmark:
         self.steps = steps
         self.warmup = warmup
         self.nested = False  # remat's nested=True
+        self.elementwise = False  # remat's elementwise=True
         self.policies: list[Any] = []  # remat's policy= with the budget
         self.progress = progress
         self.rows: list[BenchmarkRow] = []
@@ -373,6 +377,7 @@ class _Benchmark:
             output_kept=False,
             nested=self.nested,
             policy=self.policies or None,
+            elementwise=self.elementwise,
         )
         self.measurement = call_with(wrapper.measure, self.runner.inputs)
         return wrapper
@@ -439,6 +444,7 @@ class _Benchmark:
             "warmup": self.warmup,
             "solver": solver,
             "nested": self.nested,
+            "elementwise": self.elementwise,
             "policies": [repr(policy).removeprefix("remat.policies.") for policy in self.policies],
             "input_shapes": [list(x.shape) for x in input_tensors(self.runner.inputs)],
             "torch": torch.__version__,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import importlib
@@ -17,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.cli.codes import (
     EXIT_BAD_MODEL,
+    EXIT_OK,
     EXIT_OUT_OF_MEMORY,
     EXIT_UNKNOWN_MODEL,
     EXIT_USAGE,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BATCH",
     "Workload",
+    "command_models",
     "first_line",
     "is_out_of_memory",
     "load_workload",
@@ -330,6 +333,7 @@ def measure_workload(
     nested: bool,
     estimate: bool = False,
     policies: list[Any] | None = None,
+    elementwise: bool = False,
 ) -> tuple[Any, Any]:
     """A ``Checkpointable`` of the workload's model measured on its batch, and that batch.
 
@@ -346,8 +350,9 @@ def measure_workload(
     # (a budget makes the policies store options; plans for other budgets come from plan_for)
     budget, policy = (1.0, policies) if policies else (None, None)
     wrapper = Checkpointable(
-        workload.model, budget, solver=solver, loss_fn=loss_fn, nested=nested, measure=how, policy=policy
-    )
+        workload.model, budget, solver=solver, loss_fn=loss_fn, nested=nested, measure=how, policy=policy,
+        elementwise=elementwise,
+    )  # fmt: skip
     with measuring_progress(workload.name, output) as progress:
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             if not estimate:
@@ -374,3 +379,20 @@ def _shapes(inputs: Any) -> str:
 
     shapes = [tuple(t.shape) for t in input_tensors(inputs)]
     return ", ".join(str(s) for s in shapes) or "()"
+
+
+def command_models(args: argparse.Namespace, output: Output) -> int:
+    """``remat models``: the catalogue, with parameter counts."""
+    from rich.table import Table
+
+    from remat.models import CATALOGUE
+
+    table = Table(title="remat models", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("parameters", justify="right")
+    table.add_column("description")
+    for name, spec in CATALOGUE.items():
+        table.add_row(name, human_count(parameter_count(spec)), spec.description)
+    output.out.print(table)
+    output.text("Use a name with `remat plan NAME` or `remat bench NAME`, or give package.module:function.")
+    return EXIT_OK

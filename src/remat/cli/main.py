@@ -41,13 +41,12 @@ from remat.cli.launch import torchrun_group
 from remat.cli.loading import (
     DEFAULT_BATCH,
     Workload,
+    command_models,
     first_line,
-    human_count,
     is_out_of_memory,
     load_workload,
     measure_workload,
     model_failures,
-    parameter_count,
     resolve_device,
 )
 from remat.cli.render import Output, bytes_and_mib, print_bench, print_plan, require_matplotlib
@@ -170,6 +169,9 @@ def _add_policy_argument(parser: argparse.ArgumentParser) -> None:
         metavar="POLICY",
         help=f"a policy remat's plans may store stages under ({POLICY_FORMS}); repeat for several",
     )
+    parser.add_argument(
+        "--elementwise", action="store_true", help="stored stages leave cheap elementwise saves to backward"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,22 +282,6 @@ def _add_bench_arguments(parser: argparse.ArgumentParser, *, budgets: str, steps
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="pin torch's thread count")
 
 
-def _command_models(args: argparse.Namespace, output: Output) -> int:
-    from rich.table import Table
-
-    from remat.models import CATALOGUE
-
-    table = Table(title="remat models", title_justify="left")
-    table.add_column("name", style="bold")
-    table.add_column("parameters", justify="right")
-    table.add_column("description")
-    for name, spec in CATALOGUE.items():
-        table.add_row(name, human_count(parameter_count(spec)), spec.description)
-    output.out.print(table)
-    output.text("Use a name with `remat plan NAME` or `remat bench NAME`, or give package.module:function.")
-    return EXIT_OK
-
-
 # ---------------------------------------------------------------------- plan
 def _budget(text: str, *, allow_minimum: bool) -> int | float | str:
     """A budget from the command line, read by the library's one parser."""
@@ -326,13 +312,21 @@ def _workload(args: argparse.Namespace) -> Workload:
     )
 
 
+def _remat_options(args: argparse.Namespace) -> list[Any]:
+    """The policies of ``--policy``; with ``--elementwise``, a usage error (not built together)."""
+    if args.policy and args.elementwise:
+        fail(EXIT_USAGE, "--elementwise with --policy is not built: use one or the other")
+    return [policy_from_text(text) for text in args.policy or []]
+
+
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
     workload = _workload(args)
-    policies = [policy_from_text(text) for text in args.policy or []]
+    policies = _remat_options(args)
     wrapper, inputs = measure_workload(
-        workload, args.solver, output, nested=args.nested, estimate=args.estimate, policies=policies
-    )
+        workload, args.solver, output, nested=args.nested, estimate=args.estimate, policies=policies,
+        elementwise=args.elementwise,
+    )  # fmt: skip
     try:
         plan = wrapper.plan_for(budget)
     except BudgetTooSmall as error:
@@ -372,6 +366,7 @@ def _run_bench(
     solver: str,
     nested: bool = False,
     policies: Sequence[Any] = (),
+    elementwise: bool = False,
     shown: bool = True,
     distributed: bool = False,
 ) -> BenchmarkResult:
@@ -408,6 +403,7 @@ def _run_bench(
                 model_name=workload.name,
                 nested=nested,
                 policies=policies,
+                elementwise=elementwise,
                 distributed=distributed,
             )
 
@@ -480,7 +476,8 @@ def _command_bench(args: argparse.Namespace, output: Output) -> int:
             threads=args.threads,
             solver=args.solver,
             nested=args.nested,
-            policies=[policy_from_text(text) for text in args.policy or []],
+            policies=_remat_options(args),
+            elementwise=args.elementwise,
             shown=not rank,
             distributed=rank is not None,
         )
@@ -519,7 +516,7 @@ def _command_demo(args: argparse.Namespace, output: Output) -> int:
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
-    "models": _command_models,
+    "models": command_models,
     "plan": _command_plan,
     "bench": _command_bench,
     "demo": _command_demo,
