@@ -563,3 +563,23 @@ def test_a_plan_runs_only_as_it_was_made_with_or_without_elementwise_saves(tmp_p
         remat.Checkpointable(copy.deepcopy(model), plan=path, loss_fn=_loss)(x)
     again = remat.Checkpointable(copy.deepcopy(model), plan=path, elementwise=True, loss_fn=_loss)
     _loss(again(x)).backward()
+
+
+def test_a_recipe_finds_what_was_saved_when_ids_are_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A recompute frame holds a detached alias of what it saves, and the tensor itself dies at
+    # once: its id may go to a tensor saved later. Here every tensor of a replay is filed under
+    # one key: the replays must still make again what the measuring step made again.
+    from remat.manual.elementwise import filling
+
+    monkeypatch.setattr(remat.manual.elementwise, "_key", lambda tensor: 0 if filling() else id(tensor))
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 64))
+    planned = remat.Checkpointable(model, "min", elementwise=True)
+    for _ in range(2):
+        planned.zero_grad(set_to_none=True)
+        with remat.MemoryTracker() as step:
+            planned(ids, labels=ids).loss.backward()
+    assert step.peak_bytes <= planned.plan.predicted_peak_bytes

@@ -129,7 +129,7 @@ class _Argument:
     __slots__ = ("key", "ref", "version", "made")
 
     def __init__(self, tensor: torch.Tensor, made: _Made | None) -> None:
-        self.key = id(tensor)
+        self.key = _key(tensor)
         self.ref = weakref.ref(tensor)  # the one weak reference to it, so also its identity once dead
         self.version = tensor._version
         self.made = made
@@ -241,8 +241,9 @@ class ElementwiseRecompute:
         # live entry from one whose tensor died (and whose id may be taken again)
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], _Made]] = {}
         # saved as is: its version, the stage call that saved it, and the value held (a
-        # recompute frame holds a detached alias of it: NOTE [elementwise saves in planned stages])
-        self._saved: dict[int, tuple[weakref.ref[torch.Tensor], int, int | None, weakref.ref[torch.Tensor]]] = {}
+        # recompute frame holds a detached alias of it: NOTE [elementwise saves in planned stages]).
+        # A list per id: a tensor a frame saved dies at once, and its id may be a later one's.
+        self._saved: dict[int, list[tuple[weakref.ref[torch.Tensor], int, int | None, weakref.ref[torch.Tensor]]]] = {}
         self.stage: int | None = None  # the stage call running (automatic mode), whose saves alone recipes read
         self._stages = 0
         self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
@@ -305,10 +306,10 @@ class ElementwiseRecompute:
     def _available(self, argument: _Argument) -> torch.Tensor | None:
         """What a recipe reads for `argument`: the tensor saved (or the value held for it), a
         parameter, a tensor of one element; None if it must be made again itself."""
-        entry = self._saved.get(argument.key)
-        if entry is not None and entry[0] is argument.ref and entry[1] == argument.version and entry[2] == self.stage:
-            held = entry[3]()  # (held by autograd, or by a recompute frame: never by this entry)
-            return held if held is not None and held._version == argument.version else None
+        for saved, version, stage, value in self._saved.get(argument.key, ()):
+            if saved is argument.ref and version == argument.version and stage == self.stage:
+                held = value()  # (held by autograd, or by a recompute frame: never by this entry)
+                return held if held is not None and held._version == argument.version else None
         tensor = argument.ref()
         if tensor is None or tensor._version != argument.version:
             return None
@@ -364,7 +365,8 @@ class ElementwiseRecompute:
 
     def saved_as_is(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """`tensor` is saved as it is (`value`: what holds it), so recipes may read it."""
-        self._saved[id(tensor)] = (weakref.ref(tensor), tensor._version, self.stage, weakref.ref(value))
+        entry = (weakref.ref(tensor), tensor._version, self.stage, weakref.ref(value))
+        self._saved.setdefault(_key(tensor), []).append(entry)
         self.tensors_saved += 1
 
     def hold(self, tensor: torch.Tensor, value: torch.Tensor) -> Any:
@@ -519,6 +521,11 @@ def filling() -> ElementwiseRecompute | None:
 def read_held(value: Any) -> Any:
     """What a recompute frame held for a saved tensor, made again if it is a recipe."""
     return value.owner.unpack(value) if isinstance(value, _Recipe) else value
+
+
+def _key(tensor: torch.Tensor) -> int:
+    """What the saved entries are filed under: an id, which a later tensor may take again."""
+    return id(tensor)
 
 
 def _storage(tensor: torch.Tensor) -> int:
