@@ -62,7 +62,7 @@ from remat.models import hugging_face_architectures
 from remat.units import MIB
 
 sys.path.insert(0, str(Path(__file__).parent))
-from planner import WORKLOADS, Workload  # noqa: E402
+from planner import WORKLOADS, Workload, causal_lm_workload  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -84,19 +84,11 @@ def llama_workload() -> Workload:
         vocab_size=512,
         max_position_embeddings=256,
     )
-    model = transformers.LlamaForCausalLM(config).train()
-    tokens = torch.randint(0, config.vocab_size, (4, 256))
-    return Workload(
-        "llama",
+    described = (
         "Hugging Face LlamaForCausalLM, 6 layers, width 256, gated MLP 688, 4 heads (2 for keys and values), "
-        "vocabulary 512, random weights; 4 x 256 tokens, labels = input_ids",
-        model,
-        (),
-        {"input_ids": tokens, "labels": tokens, "use_cache": False},
-        lambda output: output.loss,
-        _llama_blocks,
-        hugging_face=True,
+        "vocabulary 512"
     )
+    return causal_lm_workload("llama", described, transformers.LlamaForCausalLM(config), 512, _llama_blocks)
 
 
 ALL_WORKLOADS = {"gpt2": WORKLOADS["gpt2"], "llama": llama_workload}

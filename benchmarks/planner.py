@@ -141,24 +141,31 @@ def mlp_blocks(model: Any) -> list[nn.Module]:
     return list(model)
 
 
+def causal_lm_workload(
+    name: str, described: str, model: nn.Module, vocab_size: int, blocks: Callable[[Any], list[nn.Module]]
+) -> Workload:
+    """A Hugging Face causal language model (seeded before it was built) on 4 x 256 random
+    tokens, trained on the loss it computes from ``labels=input_ids``."""
+    tokens = torch.randint(0, vocab_size, (4, 256))
+    return Workload(
+        name,
+        f"{described}, random weights; 4 x 256 tokens, labels = input_ids",
+        model.train(),
+        (),
+        {"input_ids": tokens, "labels": tokens, "use_cache": False},
+        lambda output: output.loss,
+        blocks,
+        hugging_face=True,
+    )
+
+
 def gpt2_workload() -> Workload:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=512, n_positions=256)
-    model = transformers.GPT2LMHeadModel(config).train()
-    tokens = torch.randint(0, config.vocab_size, (4, 256))
-    return Workload(
-        "gpt2",
-        "Hugging Face GPT2LMHeadModel, 8 layers, width 256, 4 heads, vocabulary 512, random weights; "
-        "4 x 256 tokens, labels = input_ids",
-        model,
-        (),
-        {"input_ids": tokens, "labels": tokens, "use_cache": False},
-        lambda output: output.loss,
-        gpt2_blocks,
-        hugging_face=True,
-    )
+    described = "Hugging Face GPT2LMHeadModel, 8 layers, width 256, 4 heads, vocabulary 512"
+    return causal_lm_workload("gpt2", described, transformers.GPT2LMHeadModel(config), config.vocab_size, gpt2_blocks)
 
 
 def resnet_workload() -> Workload:
@@ -486,12 +493,12 @@ def build_strategies(
     plain_bytes = plain.row["measured_peak_bytes"]
     for family in families:
         for budget, label in [(budget, f"{family} {text}") for budget, text in points]:
-            fraction = budget if family == REMAT_ELEMENTWISE and isinstance(budget, float) else None
-            if fraction is not None:
-                budget = int(fraction * plain_bytes)  # of the plain peak, not of its own step storing everything
+            of_plain = budget if family == REMAT_ELEMENTWISE and isinstance(budget, float) else None
+            if of_plain is not None:
+                budget = int(of_plain * plain_bytes)  # of the plain peak, not of its own step storing everything
             strategy = rematerialized(workload, budget, label, family=family)
-            if fraction is not None:
-                strategy.row["budget"] = fraction
+            if of_plain is not None:
+                strategy.row["budget"] = of_plain
             print(f"{label}: {'planned' if strategy.row['feasible'] else 'infeasible'}", flush=True)
             strategies.append(strategy)
     compile_info = {"frames_compiled": dynamo_frames() - frames_before}

@@ -33,6 +33,14 @@ class _Mlp(nn.Module):
         return x + self.dropout(self.down(h))
 
 
+def _tiny_gpt2(n_layer: int, tokens: int) -> tuple[nn.Module, torch.Tensor]:
+    """A Hugging Face GPT-2 of width 64 with random weights, in training, and 2 sequences of token ids."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(3)
+    return transformers.GPT2LMHeadModel(config).train(), torch.randint(0, 128, (2, tokens))
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -95,11 +103,7 @@ def test_the_step_keeps_less_memory() -> None:
 
 
 def test_a_hugging_face_gpt2_trains_exactly() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-    torch.manual_seed(3)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 128, (2, 32))
+    model, ids = _tiny_gpt2(2, 32)
     plain = copy.deepcopy(model)
     losses = []
     for m, elementwise in ((plain, False), (model, True)):
@@ -455,8 +459,8 @@ def test_planned_with_elementwise_recomputes_fewer_stages_at_the_same_budget() -
     with_it, _, _ = _planned_steps(copy.deepcopy(model), x, budget, True, steps=1)
     recomputed = [sum(count > 1 for count in p.plan.forward_counts) for p in (without, with_it)]
     assert recomputed[1] < recomputed[0]
-    # each block stores 4 of the 6 tensors of 32 x 128 its GELU keeps as recipes... of which the
-    # factors and the product (3) leave the stage: the plan stores the stage smaller
+    # each block's GELU leaves its two factors and its product (3 tensors of 32 x 128 floats) to
+    # backward: the plan sizes the stored stage smaller by that
     stored = [p.plan.measurement.profile.saved_bytes[0] for p in (without, with_it)]  # type: ignore[union-attr]
     assert stored[0] - stored[1] == 3 * 32 * 128 * 4
 
@@ -472,11 +476,7 @@ def test_planned_sizes_on_fake_tensors_are_those_of_a_real_step() -> None:
 
 
 def test_planned_with_elementwise_on_a_hugging_face_gpt2() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-    torch.manual_seed(3)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 128, (2, 64))
+    model, ids = _tiny_gpt2(4, 64)
     plain = copy.deepcopy(model)
     torch.manual_seed(0)
     with remat.MemoryTracker() as tracker:
@@ -572,11 +572,7 @@ def test_a_recipe_finds_what_was_saved_when_ids_are_taken_again(monkeypatch: pyt
     from remat.manual.elementwise import filling
 
     monkeypatch.setattr(remat.manual.elementwise, "_key", lambda tensor: 0 if filling() else id(tensor))
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-    torch.manual_seed(3)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 128, (2, 64))
+    model, ids = _tiny_gpt2(4, 64)
     planned = remat.Checkpointable(model, "min", elementwise=True)
     for _ in range(2):
         planned.zero_grad(set_to_none=True)

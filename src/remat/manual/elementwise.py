@@ -86,11 +86,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat.errors import RecomputeInputModified
 
 __all__ = [
-    "planning",
     "CHEAP_OPERATIONS",
     "ElementwiseRecompute",
     "filling",
     "planned",
+    "planning",
     "read_held",
     "recompute_elementwise",
     "stage_call",
@@ -370,8 +370,9 @@ class ElementwiseRecompute:
         self.tensors_saved += 1
 
     def hold(self, tensor: torch.Tensor, value: torch.Tensor) -> Any:
-        """What a recompute frame filling a planned replay holds for `tensor` (NOTE
-        [elementwise saves in planned stages]): a recipe, or `value`."""
+        """What holds `tensor` once saved: a recipe, or `value` (what holds it as it is: the
+        tensor under hooks, a detached alias in a recompute frame filling a planned replay,
+        NOTE [elementwise saves in planned stages])."""
         recipe = self.recipe_for(tensor)
         if recipe is not None:
             return recipe
@@ -384,10 +385,9 @@ class ElementwiseRecompute:
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(tensor: torch.Tensor) -> Any:
-            recipe = self.recipe_for(tensor)
-            if recipe is not None:
-                return recipe
-            self.saved_as_is(tensor, tensor)
+            held = self.hold(tensor, tensor)
+            if isinstance(held, _Recipe):
+                return held
             return _Kept(tensor if outer_pack is None else outer_pack(tensor), tensor)
 
         def unpack(packed: Any) -> Any:
@@ -502,15 +502,15 @@ def planned(state: ElementwiseRecompute | None) -> Iterator[None]:
         _LOCAL.planned = before
 
 
-def stage_call() -> AbstractContextManager[None]:
-    """The scope of a stage call stored by a planned model's first forward (or measured)."""
-    state = getattr(_LOCAL, "planned", None)
-    return nullcontext() if state is None else state.stage_call()
-
-
 def planning() -> ElementwiseRecompute | None:
     """The state scoping the stage calls of the planned model being measured, if any."""
     return getattr(_LOCAL, "planned", None)
+
+
+def stage_call() -> AbstractContextManager[None]:
+    """The scope of a stage call stored by a planned model's first forward (or measured)."""
+    state = planning()
+    return nullcontext() if state is None else state.stage_call()
 
 
 def filling() -> ElementwiseRecompute | None:
@@ -557,7 +557,8 @@ def recompute_elementwise(
     Args:
         max_operations: the most operations one saved tensor may take to make again.
         operations: the ATen names of the operations that may run again (default
-            :data:`CHEAP_OPERATIONS`); each must be an elementwise one (``torch.Tag.pointwise``).
+            :data:`CHEAP_OPERATIONS`); only elementwise ones (``torch.Tag.pointwise``) and
+            ``_to_copy`` on one device are ever run again.
 
     Yields:
         An :class:`ElementwiseRecompute`, whose ``tensors_recomputed`` and
