@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -512,7 +513,8 @@ def test_planned_with_elementwise_refuses_what_is_not_built(options: dict, error
 
 
 def test_measuring_leaves_no_scope_behind_after_an_error() -> None:
-    from remat.manual.elementwise import filling, planning
+    from remat.manual._planned_scope import planning
+    from remat.manual.elementwise import filling
 
     class Failing(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -579,3 +581,93 @@ def test_a_recipe_finds_what_was_saved_when_ids_are_taken_again(monkeypatch: pyt
         with remat.MemoryTracker() as step:
             planned(ids, labels=ids).loss.backward()
     assert step.peak_bytes <= planned.plan.predicted_peak_bytes
+
+
+# -- NOTE [stages that make no recipe]
+
+
+class _OneOperationGelu(nn.Module):
+    """A block whose GELU is one ATen operation: nothing it saves is made by a cheap one."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+def _mixed_case() -> tuple[nn.Module, torch.Tensor]:
+    """Blocks 1, 3 and 6 write their GELU out (recipes); the others keep only what one operation made."""
+    torch.manual_seed(5)
+    blocks = [_Mlp(width=32) if i in (1, 3, 6) else _OneOperationGelu(32) for i in range(8)]
+    return nn.Sequential(*blocks), torch.randn(32, 32)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.4, "min"])
+def test_only_the_stages_that_make_a_recipe_run_in_the_scope(fraction: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.manual._planned_scope import planning
+
+    entered: list[tuple[int | None, str]] = []
+    stage_call = remat.ElementwiseRecompute.stage_call
+
+    def noted(self: remat.ElementwiseRecompute, index: int | None = None, *, replay: bool = False):  # type: ignore[no-untyped-def]
+        measuring = planning() is self
+        entered.append((index, "executor" if not measuring else "sizing" if self.scoped_stages is None else "timing"))
+        return stage_call(self, index, replay=replay)
+
+    monkeypatch.setattr(remat.ElementwiseRecompute, "stage_call", noted)
+    model, x = _mixed_case()
+    loss, grads, plain_peak = _plain_peak(model, x)
+    budget = fraction if fraction == "min" else int(fraction * plain_peak)  # type: ignore[operator]
+    planned, planned_loss, peak = _planned_steps(copy.deepcopy(model), x, budget, True)
+    assert planned.plan.schedule.profile.metadata["elementwise_stages"] == [1, 3, 6]
+    assert "elementwise:     stage calls 1, 3, 6 leave saves to backward" in str(planned.plan.schedule)
+    assert torch.equal(loss, planned_loss)
+    for a, b in zip(grads, planned.parameters(), strict=True):
+        assert torch.equal(a, b.grad)
+    assert peak == planned.plan.predicted_peak_bytes <= planned.plan.budget_bytes
+    # the sizing step scopes every stage call; the timing pass and the steps, those three alone
+    scoped = {
+        phase: {index for index, where in entered if where == phase} for phase in ("sizing", "timing", "executor")
+    }
+    assert scoped == {"sizing": set(range(8)), "timing": {1, 3, 6}, "executor": {1, 3, 6}}
+
+
+def test_a_model_that_makes_no_recipe_runs_its_own_forward_at_a_full_budget() -> None:
+    torch.manual_seed(5)
+    model, x = nn.Sequential(*[_OneOperationGelu(32) for _ in range(6)]), torch.randn(32, 32)
+    loss, grads, plain_peak = _plain_peak(model, x)
+    planned, planned_loss, peak = _planned_steps(copy.deepcopy(model), x, 1.0, True)
+    assert planned.plan.schedule.profile.metadata["elementwise_stages"] == []
+    assert "elementwise:     no stage call leaves saves to backward" in str(planned.plan.schedule)
+    (executor,) = planned._executors.values()
+    assert executor.plain  # NOTE [nothing to recompute]: no stage intercepted
+    assert torch.equal(loss, planned_loss) and peak == plain_peak
+
+
+def _without_key(data: object, key: str) -> object:
+    if isinstance(data, dict):
+        return {k: _without_key(v, key) for k, v in data.items() if k != key}
+    if isinstance(data, list):
+        return [_without_key(v, key) for v in data]
+    return data
+
+
+def test_a_plan_that_does_not_name_its_scoped_stages_scopes_every_one() -> None:
+    from remat.plan.elementwise import elementwise_stages
+
+    model, x = _mixed_case()
+    planned, _, _ = _planned_steps(copy.deepcopy(model), x, 0.6, True, steps=1)
+    plan = planned.plan
+    assert elementwise_stages(plan, 8) == (1, 3, 6)
+    metadata = {k: v for k, v in plan.schedule.profile.metadata.items() if k != "elementwise_stages"}
+    older = remat.Plan.from_json(json.dumps(_without_key(json.loads(plan.to_json()), "elementwise_stages")))
+    assert dict(older.schedule.profile.metadata) == metadata
+    assert elementwise_stages(older, 8) == tuple(range(8))
+    again = remat.Checkpointable(copy.deepcopy(model), plan=older, elementwise=True, loss_fn=_loss)
+    _loss(again(x)).backward()
+    (executor,) = again._executors.values()
+    assert executor.elementwise == frozenset(range(8))
+    without, _, _ = _planned_steps(copy.deepcopy(model), x, 0.6, False, steps=1)
+    assert elementwise_stages(without.plan, 8) == ()

@@ -25,7 +25,8 @@ from torch import nn
 from remat.budget import MINIMUM, Budget, budget_too_small, parse_budget, warn_default_cpu_budget
 from remat.discover.chain import Chain, discover_chain
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
-from remat.manual.elementwise import ElementwiseRecompute, planned
+from remat.manual._planned_scope import planned, planning
+from remat.manual.elementwise import ElementwiseRecompute
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
@@ -35,7 +36,7 @@ from remat.measure.real import measured_for_real
 from remat.measure.scale import ShapeTimings
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
-from remat.plan.elementwise import marked, planned_elementwise, refuse_other_plan
+from remat.plan.elementwise import elementwise_stages, marked, planned_elementwise, refuse_other_plan
 from remat.plan.key import PlanOptions, signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
@@ -322,7 +323,7 @@ class Checkpointable(ModelStandIn):
             time.perf_counter() - started,
             format_bytes(measurement.measured_peak_bytes),
         )
-        measurement = self._measurements[key] = marked(measurement, self.elementwise)
+        measurement = self._measurements[key] = marked(measurement, planning())
         if is_partial(measurement) and not self._coverage_warned:
             self._coverage_warned = True
             warnings.warn(partial_coverage(chain, measurement), UserWarning, stacklevel=4)
@@ -525,7 +526,7 @@ class Checkpointable(ModelStandIn):
             taken = taken_again(plan, self._measurements.get(key))
             executor = self._executors[(key, plan)] = ChainExecutor(
                 chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken,
-                elementwise=self.elementwise,
+                elementwise=elementwise_stages(plan, len(chain)),
             )  # fmt: skip
         return executor
 

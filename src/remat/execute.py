@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -195,7 +195,7 @@ class _Run:
         self._open: tuple[Any, GlueRecorder, _Step] | None = None
         self.offloads = StageOffloads()
         self.earlier = EarlierInputs(executor.taken_again) if executor.taken_again else None
-        self.elementwise = ElementwiseRecompute() if executor.elementwise else None
+        self.elementwise = ElementwiseRecompute(scoped_stages=executor.elementwise)  # (none: nothing scoped)
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
@@ -212,7 +212,7 @@ class _Run:
         if step.option is not None:  # NOTE [stored under a policy]
             out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(step.option))
         elif kind in _STORES:
-            with self.elementwise.stage_call() if self.elementwise else contextlib.nullcontext():
+            with self.elementwise.scoped(index):
                 out = call_original(module, args, kwargs)
         else:
             out = self._call_in_region(index, kind, step, module, args, kwargs)
@@ -340,7 +340,7 @@ class _Run:
             if option is not None:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
             else:
-                with self.elementwise.stage_call(replay=True) if self.elementwise else contextlib.nullcontext():
+                with self.elementwise.scoped(stage, replay=True):
                     out = call_stage(module, args, kwargs)
             if stage == len(self.executor.chain) - 1:  # the chain's last stage: nothing follows it
                 return (out,), {}
@@ -430,7 +430,7 @@ class ChainExecutor:
         taken_again: ``(stage, glue's stage)`` stage calls whose glue takes what the first
             took as its input, or what its glue made, from the replay (NOTE [constants an earlier stage takes] in
             remat.discover.glue); the schedule's regions must allow it.
-        elementwise: each stored stage call leaves what it saves and cheap elementwise
+        elementwise: the stage calls that, stored, leave what they save and cheap elementwise
             operations can make again to backward (NOTE [elementwise saves in planned stages]).
 
     Raises:
@@ -446,9 +446,9 @@ class ChainExecutor:
         observer: Callable[[RegionSpan], Any] | None = None,
         policies: Mapping[str, Policy] | None = None,
         taken_again: frozenset[tuple[int, int]] = frozenset(),
-        elementwise: bool = False,
+        elementwise: Collection[int] = (),
     ) -> None:
-        self.chain, self.elementwise = chain, elementwise
+        self.chain, self.elementwise = chain, frozenset(elementwise)
         self.taken_again = taken_again
         self.policies = dict(policies or {})
         ops = [item for item in schedule if isinstance(item, Operation)]
@@ -489,7 +489,8 @@ class ChainExecutor:
         # step fits in) is the plain step: the model runs its own forward, with no stage
         # intercepted, so such a plan costs no time at all. What the executor would check
         # (every stage called once, in order) matters only to a replay, and there is none.
-        self.plain = not elementwise and all(kind is _STORE and not step.option for kind, step in self.first_forward)
+        stored = all(kind is _STORE and not step.option for kind, step in self.first_forward)
+        self.plain = stored and not self.elementwise
         self.gathering: UnitGathering | None = None  # the FSDP2 units of the model it first runs
 
     def recomputes(self) -> bool:

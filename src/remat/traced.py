@@ -167,7 +167,9 @@ def _not_traceable(controller: Checkpointable) -> str | None:
         return "the plan offloads"
     if controller._policies:
         return "the plan may store stages under policies"
-    if controller.elementwise:
+    if controller.elementwise and controller._measurements[controller._last_key].profile.metadata.get(
+        "elementwise_stages", True
+    ):  # (a measurement without the stages named: every one may)
         return "its stages leave elementwise saves to backward (elementwise=True)"
     if controller._forced_plan is not None:
         return "a pinned plan runs as it is"

@@ -54,7 +54,9 @@ again, and the planner plans with it: the measuring step runs each stage call in
 :meth:`ElementwiseRecompute.stage_call`, so the sizes are those of the stages as they will
 run. A stage is sized once and planned wherever it is stored, so a recipe reads only what
 its own stage call saved (and parameters): what a stage keeps does not depend on whether
-the stage before it is stored or recomputed. The executor runs every stored stage call so:
+the stage before it is stored or recomputed. The executor runs every stored stage call so
+(every one that made a recipe when sized: NOTE [stages that make no recipe] in
+:mod:`remat.plan.elementwise`):
 in the first forward with hooks over the active ones; in a replay, where the recompute
 frame filling the replay holds what autograd saves, the frame asks :func:`filling` and
 holds a recipe in place of the tensor (:meth:`ElementwiseRecompute.hold`), made again by
@@ -89,11 +91,8 @@ __all__ = [
     "CHEAP_OPERATIONS",
     "ElementwiseRecompute",
     "filling",
-    "planned",
-    "planning",
     "read_held",
     "recompute_elementwise",
-    "stage_call",
 ]
 
 #: Elementwise operations cheap enough to run again in backward: arithmetic, comparisons,
@@ -234,7 +233,13 @@ class _Noting(TorchDispatchMode):
 class ElementwiseRecompute:
     """The state of one :func:`recompute_elementwise` context; ``saved_bytes_recomputed`` reports."""
 
-    def __init__(self, *, max_operations: int = 4, operations: frozenset[str] = CHEAP_OPERATIONS) -> None:
+    def __init__(
+        self,
+        *,
+        max_operations: int = 4,
+        operations: frozenset[str] = CHEAP_OPERATIONS,
+        scoped_stages: frozenset[int] | None = None,
+    ) -> None:
         self.max_operations = max_operations
         self.operations = operations
         # Kept while the context is active, by id, each with a weak reference that tells a
@@ -246,6 +251,10 @@ class ElementwiseRecompute:
         self._saved: dict[int, list[tuple[weakref.ref[torch.Tensor], int, int | None, weakref.ref[torch.Tensor]]]] = {}
         self.stage: int | None = None  # the stage call running (automatic mode), whose saves alone recipes read
         self._stages = 0
+        self._index: int | None = None  # the chain index of that call, when known
+        #: chain indices of the stage calls that made a recipe (NOTE [stages that make no recipe])
+        self.stages_with_recipes: set[int] = set()
+        self.scoped_stages = scoped_stages  # the stage calls that run scoped; None: all (till sized)
         self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
         self.kinds: dict[Any, int] = {}  # operation -> what it is to the noting mode
         self.running = False
@@ -361,6 +370,8 @@ class ElementwiseRecompute:
         self._recipes.setdefault(_storage(tensor), []).append(weakref.ref(recipe))
         self.tensors_recomputed += 1
         self.saved_bytes_recomputed += tensor.untyped_storage().nbytes()
+        if self._index is not None:
+            self.stages_with_recipes.add(self._index)
         return recipe
 
     def saved_as_is(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -406,17 +417,24 @@ class ElementwiseRecompute:
 
         return pack, unpack
 
+    def scoped(self, index: int, *, replay: bool = False) -> AbstractContextManager[None]:
+        """:meth:`stage_call` if stage call `index` runs scoped (NOTE [stages that make no recipe])."""
+        if self.scoped_stages is None or index in self.scoped_stages:
+            return self.stage_call(index, replay=replay)
+        return nullcontext()
+
     @contextmanager
-    def stage_call(self, *, replay: bool = False) -> Iterator[None]:
+    def stage_call(self, index: int | None = None, *, replay: bool = False) -> Iterator[None]:
         """A stage call of a planned model runs: its recipes read only what it saves itself.
 
         In the first forward (and when measuring), the hooks go over those active; in a
         replay, the recompute frame filling it asks :func:`filling` (NOTE [elementwise
-        saves in planned stages]).
+        saves in planned stages]). `index`: the call's place in the chain, noted in
+        ``stages_with_recipes`` when it makes a recipe.
         """
-        previous = self.stage
+        previous, previous_index = self.stage, self._index
         self._stages += 1
-        self.stage = self._stages
+        self.stage, self._index = self._stages, index
         try:
             if replay:
                 before = getattr(_LOCAL, "filling", None)
@@ -431,7 +449,7 @@ class ElementwiseRecompute:
                 with torch.autograd.graph.saved_tensors_hooks(*self.hooks(outer)), _Noting(self):
                     yield
         finally:
-            self.stage = previous
+            self.stage, self._index = previous, previous_index
 
     # -- backward: reading
 
@@ -489,28 +507,6 @@ class _NotNoted(Exception):
 
 
 _FAILED = object()  # a recipe's argument that cannot be made again
-
-
-@contextmanager
-def planned(state: ElementwiseRecompute | None) -> Iterator[None]:
-    """The stage calls of a planned model that run inside are scoped by `state` (None: not)."""
-    before = getattr(_LOCAL, "planned", None)
-    _LOCAL.planned = state
-    try:
-        yield
-    finally:
-        _LOCAL.planned = before
-
-
-def planning() -> ElementwiseRecompute | None:
-    """The state scoping the stage calls of the planned model being measured, if any."""
-    return getattr(_LOCAL, "planned", None)
-
-
-def stage_call() -> AbstractContextManager[None]:
-    """The scope of a stage call stored by a planned model's first forward (or measured)."""
-    state = planning()
-    return nullcontext() if state is None else state.stage_call()
 
 
 def filling() -> ElementwiseRecompute | None:

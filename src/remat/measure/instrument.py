@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_leaves
 from remat.discover.chain import Chain, StageLinks
 from remat.discover.glue import GlueRecorder, StageInputs
 from remat.discover.intercept import call_original, out_of_order
+from remat.manual._planned_scope import stage_call
 from remat.manual._tensors import storage_key
-from remat.manual.elementwise import stage_call
 from remat.memory import MemoryTracker
 
 __all__ = ["InPlaceProbe", "StageMeasurement", "StageWatch", "Work", "tensors_in", "work_between", "work_mark"]
@@ -291,7 +291,7 @@ class StageWatch:
             if self._run is not None and torch.is_grad_enabled():
                 out = self._run.call(index, module, args, kwargs)
             else:
-                with stage_call():  # NOTE [elementwise saves in planned stages]
+                with stage_call(index):  # NOTE [elementwise saves in planned stages]
                     out = call_original(module, args, kwargs)
         except BaseException:
             self.current = None

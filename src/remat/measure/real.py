@@ -22,7 +22,7 @@ from torch import nn
 
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
-from remat.manual.elementwise import planning
+from remat.manual._planned_scope import planning
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.step import measure_on_device
 from remat.units import format_bytes

@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages, missing_stages
+from remat.manual._planned_scope import planning, settle_scopes
 from remat.manual._state import learning_state
-from remat.manual.elementwise import planning
 from remat.measure.assemble import ChainMeasurement, TrackedStep, assemble, with_times
 from remat.measure.estimate import Estimator
 from remat.measure.fake import on_fake_tensors
@@ -313,6 +313,7 @@ def _sized_measurement(
     # now, not held through the timing pass
     del fake, fake_args, fake_kwargs
     sized = assemble(chain, tracked)
+    settle_scopes()  # NOTE [stages that make no recipe]
     # The timing pass rehearsed on fake tensors: what each group will need, the suffix, and
     # what the model's own code holds between stages (an input it keeps until its block
     # returns). The budget must hold that, and the pass itself (its peak with no backward

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.discover.chain import Chain
 from remat.discover.intercept import call_original, intercept_stages, missing_stages, out_of_order
-from remat.manual.elementwise import stage_call
+from remat.manual._planned_scope import stage_call
 from remat.manual.recompute import recompute
 from remat.measure.instrument import StageMeasurement, tensors_in
 from remat.memory import MemoryTracker
@@ -177,7 +177,7 @@ class _GroupTimer:
                 self.tracker.__enter__()
                 self.tracking = True
         started = self._now()
-        with stage_call():  # NOTE [elementwise saves in planned stages]: timed as it runs
+        with stage_call(index):  # NOTE [elementwise saves in planned stages]: timed as it runs
             out = call_original(module, args, kwargs)
         forward_s = self._now() - started
         if cut:

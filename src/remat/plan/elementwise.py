@@ -1,6 +1,21 @@
 """The automatic mode's ``elementwise=True``: its options checked, and what a plan records of it.
 
 See NOTE [elementwise saves in planned stages] in :mod:`remat.manual.elementwise`.
+
+NOTE [stages that make no recipe]
+The scope costs its dispatch mode's few microseconds on every operation of a stage call,
+and a stage whose saves no cheap operation made (a block whose activation is one
+operation, a convolution with its normalization and ReLU) pays them for nothing. So the
+sizing step notes the stage calls that made a recipe (``stages_with_recipes``, by their
+place in the chain); once it is done (``settle_scopes`` in
+:mod:`remat.manual._planned_scope`), the timing pass scopes those alone, the plan names
+them (``metadata["elementwise_stages"]``) and the executor scopes those alone. A stage
+call that made no recipe saves the same tensors without the scope, so its sizes stand. A
+plan in which none does runs as the plain step at a full budget (NOTE [nothing to
+recompute] in :mod:`remat.execute`). A step measured for real sizes and times at once:
+there every stage is timed in the scope (its time a little high where it made no recipe).
+A plan that does not name them (made before they were named) scopes every stored stage
+call.
 """
 
 from __future__ import annotations
@@ -10,7 +25,7 @@ from typing import Any
 
 from remat.errors import RematError
 
-__all__ = ["marked", "planned_elementwise", "refuse_other_plan"]
+__all__ = ["elementwise_stages", "marked", "planned_elementwise", "refuse_other_plan"]
 
 
 def planned_elementwise(elementwise: bool, *, policy: Any, offload: Any, measure: str) -> bool:
@@ -42,13 +57,29 @@ def planned_elementwise(elementwise: bool, *, policy: Any, offload: Any, measure
     return True
 
 
-def marked(measurement: Any, elementwise: bool) -> Any:
-    """The measurement with ``metadata["elementwise"]`` set when its stages were sized so."""
-    if not elementwise:
+def marked(measurement: Any, state: Any) -> Any:
+    """The measurement with ``metadata["elementwise"]`` set when its stages were sized in the
+    scope of `state` (an ``ElementwiseRecompute``; None: not), and ``"elementwise_stages"``,
+    the stage calls that made a recipe (NOTE [stages that make no recipe])."""
+    if state is None:
         return measurement
-    profile = measurement.profile
-    profile = dataclasses.replace(profile, metadata={**profile.metadata, "elementwise": True})
+    metadata = {
+        **measurement.profile.metadata,
+        "elementwise": True,
+        "elementwise_stages": sorted(state.stages_with_recipes),
+    }
+    profile = dataclasses.replace(measurement.profile, metadata=metadata)
     return dataclasses.replace(measurement, profile=profile)
+
+
+def elementwise_stages(plan: Any, n_calls: int) -> tuple[int, ...]:
+    """The stage calls (of `n_calls`) a plan runs scoped: those its profile names, every one
+    for a profile made before it named them, none for a plan made without elementwise=True."""
+    metadata = plan.schedule.profile.metadata
+    if not metadata.get("elementwise", False):
+        return ()
+    stages = metadata.get("elementwise_stages")
+    return tuple(range(n_calls)) if stages is None else tuple(int(stage) for stage in stages)
 
 
 def refuse_other_plan(plan: Any, elementwise: bool) -> None:

@@ -134,6 +134,7 @@ class PlanReport:
             "baseline_peak_bytes": self.baseline.peak_bytes,
             "baseline_time_s": self.baseline.time_s,
             "times": schedule.profile.metadata.get("times", "measured"),
+            "elementwise_stages": schedule.profile.metadata.get("elementwise_stages"),
             "plan": plan_to_data(schedule.items),
             "region_breaks": list(schedule.profile.region_breaks),
             "pinned_stages": list(schedule.profile.pinned_stages),
@@ -169,6 +170,10 @@ class PlanReport:
         ]
         if "times" in schedule.profile.metadata:
             lines.append(f"  stage times:     {schedule.profile.metadata['times']}")
+        if "elementwise_stages" in schedule.profile.metadata:  # NOTE [stages that make no recipe]
+            calls = _spans(schedule.profile.metadata["elementwise_stages"])
+            which = f"stage calls {calls} leave" if calls else "no stage call leaves"
+            lines.append(f"  elementwise:     {which} saves to backward")
         if schedule.offloaded_stages:
             simulation = schedule.simulation
             lines.append(
@@ -281,3 +286,14 @@ def _percent(fraction: float) -> str:
     if math.isinf(fraction) or math.isnan(fraction):
         return "n/a"
     return f"{fraction * 100:.1f}%"
+
+
+def _spans(indices: list[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``"1-3, 7"``."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
