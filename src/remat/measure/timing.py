@@ -185,7 +185,9 @@ class _GroupTimer:
         stage = self.stages[index]
         if stage.forward_work.flops < REPEATED_BELOW_FLOPS and not stage.modifies_input:
             samples = [forward_s]
-            with torch.no_grad():  # nothing kept: only the repeat's outputs, freed at once
+            # nothing kept: only the repeat's outputs, freed at once (in the elementwise
+            # mode where the stage runs in it: its cost per operation is the stage's too)
+            with torch.no_grad(), stage_call(index):
                 for _ in range(FORWARD_REPEATS):
                     started = self._now()
                     call_original(module, args, kwargs)
