@@ -17,7 +17,7 @@ The assembly runs in named steps:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -223,12 +223,15 @@ class ChainMeasurement:
             out.append(GlueConstant(nbytes, keepers, stage, profile.saves_input[stage], kept_before, saved))
         return tuple(out)
 
-    def _later_takers(self, index: int, until: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    def _later_takers(
+        self, index: int, until: int, flowing: Collection[int] = ()
+    ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """The later planned stages, up to stage call `until`, that take part of what stage
         call `index` takes (NOTE [side inputs kept by later stages] in
-        ``remat.plan.lifetimes``); those of them that save some; the bytes taken."""
+        ``remat.plan.lifetimes``), but for the allocations `flowing`; those of them that save
+        some; the bytes taken."""
         group_of = self.group_of()
-        held = self.stages[index].input_storages
+        held = {key: nbytes for key, nbytes in self.stages[index].input_storages.items() if key not in flowing}
         takers: dict[int, bool] = {}
         taken: dict[int, int] = {}
         for later in range(index + 1, until + 1):
@@ -275,8 +278,14 @@ class ChainMeasurement:
                         later_takers=takers, later_bytes=later_bytes, later_savers=savers, after_chain=after_chain
                     )
                 )
-            else:
-                out.append(HeldInput(start, end, nbytes, False, after_chain=after_chain))
+            else:  # it passes between two calls inside the planned stage
+                stop = self.groups[start][1]
+                # (changed in place, it may be the stage's output too: the next stage's input)
+                flowing = self.stages[stop].input_storages.keys() if stop < calls else set()
+                takers, savers, later_bytes = self._later_takers(index, until, flowing)
+                saved = any(not storages.keys().isdisjoint(self.stages[c].saved_storages) for c in range(index, stop))
+                held = HeldInput(start, end, nbytes, False, saved, later_takers=takers, later_bytes=later_bytes)
+                out.append(held._replace(later_savers=savers, after_chain=after_chain))
         for index, until, nbytes, saved in self.held_outputs:
             if group_of[until] != group_of[index]:
                 out.append(HeldInput(group_of[index], group_of[until], nbytes, False, kept_by_stage=saved))

@@ -58,8 +58,8 @@ class HeldInput(NamedTuple):
         is_stage_input: whether it is the planned stage's input ``x_stage`` (the schedule
             may keep it anyway); otherwise it passes between two stage calls inside it,
             or the stage made it (a U-Net's skip).
-        kept_by_stage: whether the stage saves it (its input, or what it made) for its
-            backward.
+        kept_by_stage: whether the stage saves it (its input, what passes between its
+            calls, or what it made) for its backward.
         kept_by_previous: whether the stage before saves its output for its backward.
         later_takers: the later planned stages, up to ``until``, that take part of it as
             it is (NOTE [side inputs kept by later stages]).
@@ -365,7 +365,10 @@ class _Alive:
 # of the first taker makes the tensor again (the glue before it runs again): that one is
 # counted until the replay's backward, and with the later takers of the replay that keep
 # it; a replay that starts at a later taker's checkpoint takes the tensor that checkpoint
-# holds.
+# holds. The first taker may be a call inside a planned stage of several (a frozen
+# embedding and first layer, planned as one, whose glue makes rotary tables for every
+# layer): a replay of that stage makes the tensor again unless the stage is stored and
+# saves it, and what passes on to the next stage as its input is not a side input.
 class _SideInputs:
     """The side inputs of ``Lifetimes.held_inputs`` that later takers keep, along a schedule."""
 
@@ -396,7 +399,10 @@ class _SideInputs:
 
     def _replayed(self, index: int, held: HeldInput, kind: OperationKind, stage: int) -> None:
         if stage == held.stage:
-            if _replay_keeps_input(kind, held.kept_by_stage):
+            # (what passes between two calls inside the stage is made again by every replay
+            # of it, unless the stage is stored and saves it)
+            stored = kind is OperationKind.FORWARD_STORE and held.kept_by_stage
+            if stored if not held.is_stage_input else _replay_keeps_input(kind, held.kept_by_stage):
                 self.source.pop(index, None)
                 return
             self.replays += 1
