@@ -26,7 +26,6 @@ from remat.budget import MINIMUM, Budget, budget_too_small, parse_budget, warn_d
 from remat.discover.chain import Chain, discover_chain
 from remat.execute import ChainExecutor, SelectiveRuns, expand_operations
 from remat.manual._planned_scope import planned, planning
-from remat.manual.elementwise import ElementwiseRecompute
 from remat.measure import ChainMeasurement, isolated_inputs, measure_chain, preserved_model_state
 from remat.measure.estimate import step_estimator
 from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_training
@@ -249,11 +248,12 @@ class Checkpointable(ModelStandIn):
             warnings.warn(CACHE_TURNED_OFF, UserWarning, stacklevel=5)
         return kwargs
 
-    def _measure(
-        self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool
-    ) -> ChainMeasurement:
-        with planned(ElementwiseRecompute() if self.elementwise else None):  # NOTE [elementwise saves in ...]
-            return self._measure_now(sample_inputs, sample_kwargs, training=training)
+    def _measure(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, training: bool) -> ChainMeasurement:
+        with planned(self.elementwise):  # NOTE [elementwise saves in planned stages]
+            try:
+                return self._measure_now(inputs, kwargs, training=training)
+            finally:  # NOTE [autocast's cache after measuring] in remat.measure.step
+                torch.clear_autocast_cache()
 
     def _measure_now(
         self, sample_inputs: tuple[Any, ...], sample_kwargs: dict[str, Any], *, training: bool

@@ -16,10 +16,10 @@ _LOCAL = threading.local()
 
 
 @contextmanager
-def planned(state: ElementwiseRecompute | None) -> Iterator[None]:
-    """The stage calls of a planned model that run inside are scoped by `state` (None: not)."""
+def planned(elementwise: bool) -> Iterator[None]:
+    """The stage calls of a planned model measured inside are scoped by a new state, if `elementwise`."""
     before = getattr(_LOCAL, "planned", None)
-    _LOCAL.planned = state
+    _LOCAL.planned = ElementwiseRecompute() if elementwise else None
     try:
         yield
     finally:

@@ -22,9 +22,8 @@ from torch import nn
 
 from remat.discover.chain import Chain
 from remat.errors import UnsupportedModel
-from remat.manual._planned_scope import planning
 from remat.measure.assemble import ChainMeasurement
-from remat.measure.step import measure_on_device
+from remat.measure.step import frugal_refused, measure_on_device, step_device
 from remat.units import format_bytes
 
 __all__ = ["measured_for_real"]
@@ -41,8 +40,9 @@ def measured_for_real(
     """The measurement of a model whose run on fake tensors failed (`error` says why), and
     how it was measured (``"frugal"`` or ``"plain"``); see the NOTE."""
     try:
-        if planning() is not None:  # NOTE [elementwise saves in planned stages]: not sized by replays
-            raise UnsupportedModel("elementwise=True is sized by a step that stores every stage")
+        refused = frugal_refused(step_device(model, args, kwargs).type)
+        if refused:
+            raise UnsupportedModel(refused)
         measurement = measure_on_device(model, chain, args, kwargs, loss_fn, frugal=True)
         how, step = "frugal", "a step with every stage recomputed (measure='frugal')"
     except UnsupportedModel as refusal:
