@@ -820,6 +820,10 @@ def test_checkpointable_matches_plain_autograd(
             # a chain input changed in place that the frugal measurement cannot keep
             assert step == 0 and any(refusal in str(error) for refusal in CHECKPOINTABLE_REFUSALS), error
             reject()
+        except NotImplementedError as error:
+            # NOTE [autocast's cache after measuring]: no frugal measuring step under autocast
+            assert step == 0 and frugal_measure and autocast and "under autocast" in str(error), error
+            reject()
         assert_same_step(reference, actual, step)
 
 

@@ -114,7 +114,9 @@ def _phase(phase: int, what: str) -> None:
 # casts that step made: a CLIP under bf16 autocast measured its first step 141,056 bytes
 # (22%) over its budget, the later ones within it. The automatic mode empties the cache
 # once it has measured (as the timing pass does after each group): what the caller's
-# code cast before is cast again when it is used, to the same values.
+# code cast before is cast again when it is used, to the same values. A frugal step under
+# autocast is refused (`frugal_refused`): its replays cast the weights apart from the steps
+# it plans, and its plans went 21% over their budget on every step.
 def measure_chain(
     model: nn.Module,
     chain: Chain,
@@ -237,7 +239,7 @@ def frugal_refused(device_type: str) -> str | None:
     if planning() is not None:  # NOTE [elementwise saves in planned stages]
         return "a model planned with elementwise=True is sized by a step that stores every stage"
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        # its replays cast the weights apart from the steps it plans: its plans went 21% over
+        # NOTE [autocast's cache after measuring]
         return "under autocast, a frugal step does not see the weights' casts as the planned steps make them"
     return None
 
