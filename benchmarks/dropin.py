@@ -76,13 +76,19 @@ def plain_pytorch_case(name: str, batch: int = 8) -> Case:
     return spec.factory, inputs, lambda output: spec.loss_fn(output, target)
 
 
-def run(case: Case) -> dict[str, Any]:
-    factory, inputs, loss_of = case
+def _plain_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    """The model in training, from seed 0, with a Hugging Face cache off as remat's training calls run."""
     torch.manual_seed(0)
     plain = factory().train()
     config = getattr(plain, "config", None)
     if getattr(config, "use_cache", False):
-        config.use_cache = False  # as remat's training calls run
+        config.use_cache = False
+    return plain
+
+
+def run(case: Case) -> dict[str, Any]:
+    factory, inputs, loss_of = case
+    plain = _plain_model(factory)
     model = copy.deepcopy(plain)
     control = remat.enable(model, 0.5, loss_fn=loss_of)
     _call(control.measure, inputs)
@@ -135,11 +141,7 @@ def _exact(plain: nn.Module, model: nn.Module, inputs: Any, loss_of: Callable[[A
 def run_elementwise(case: Case) -> dict[str, Any]:
     """Half the plain peak in bytes, planned without and with elementwise=True, timed together."""
     factory, inputs, loss_of = case
-    torch.manual_seed(0)
-    plain = factory().train()
-    config = getattr(plain, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    plain = _plain_model(factory)
     _step(plain, inputs, loss_of)
     plain_peak = _peak(plain, inputs, loss_of)
     row: dict[str, Any] = {"plain_peak_bytes": plain_peak}
