@@ -528,3 +528,28 @@ def test_a_recomputed_compiled_block_with_running_statistics_is_refused() -> Non
     with pytest.raises(NotImplementedError, match="running statistics"):
         wrapped(torch.randn(6, 8)).pow(2).mean().backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
+
+
+class _WrittenOutBlock(Block):
+    """The block with its GELU written out: what it saves leaves cheap products to backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        return x + self.down(self.drop(0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * h * h * h)))))
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_elementwise_saves_keep_a_compiled_plan_eager_only_where_a_stage_makes_them(written_out: bool) -> None:
+    # NOTE [stages that make no recipe]: blocks whose saves no cheap operation made run as
+    # without elementwise=True, in the graph; blocks that leave products run the plan eagerly
+    def blocks() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*((_WrittenOutBlock if written_out else Block)() for _ in range(6)))
+
+    model, reference = blocks(), blocks()
+    control = remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean(), elementwise=True)
+    told = "keep running the plan eagerly .*elementwise saves" if written_out else "run a plan in the graph"
+    with pytest.warns(UserWarning, match=told):
+        _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(2), "aot_eager")
+    assert bool(control.plan.schedule.profile.metadata["elementwise_stages"]) is written_out
+    assert bool(control._traced.plans) is not written_out

@@ -660,14 +660,14 @@ def test_a_plan_that_does_not_name_its_scoped_stages_scopes_every_one() -> None:
     model, x = _mixed_case()
     planned, _, _ = _planned_steps(copy.deepcopy(model), x, 0.6, True, steps=1)
     plan = planned.plan
-    assert elementwise_stages(plan, 8) == (1, 3, 6)
+    assert elementwise_stages(plan.schedule.profile, 8) == (1, 3, 6)
     metadata = {k: v for k, v in plan.schedule.profile.metadata.items() if k != "elementwise_stages"}
     older = remat.Plan.from_json(json.dumps(_without_key(json.loads(plan.to_json()), "elementwise_stages")))
     assert dict(older.schedule.profile.metadata) == metadata
-    assert elementwise_stages(older, 8) == tuple(range(8))
+    assert elementwise_stages(older.schedule.profile, 8) == tuple(range(8))
     again = remat.Checkpointable(copy.deepcopy(model), plan=older, elementwise=True, loss_fn=_loss)
     _loss(again(x)).backward()
     (executor,) = again._executors.values()
     assert executor.elementwise == frozenset(range(8))
     without, _, _ = _planned_steps(copy.deepcopy(model), x, 0.6, False, steps=1)
-    assert elementwise_stages(without.plan, 8) == ()
+    assert elementwise_stages(without.plan.schedule.profile, 8) == ()

@@ -526,7 +526,7 @@ class Checkpointable(ModelStandIn):
             taken = taken_again(plan, self._measurements.get(key))
             executor = self._executors[(key, plan)] = ChainExecutor(
                 chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken,
-                elementwise=elementwise_stages(plan, len(chain)),
+                elementwise=elementwise_stages(plan.schedule.profile, len(chain)),
             )  # fmt: skip
         return executor
 

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.errors import BudgetTooSmall
 from remat.manual.marking import traced_stage, untraced_stage
+from remat.plan.elementwise import elementwise_stages
 from remat.plan.step import Plan
 from remat.ranks import agreement_group_active
 from remat.units import format_bytes
@@ -167,9 +168,8 @@ def _not_traceable(controller: Checkpointable) -> str | None:
         return "the plan offloads"
     if controller._policies:
         return "the plan may store stages under policies"
-    if controller.elementwise and controller._measurements[controller._last_key].profile.metadata.get(
-        "elementwise_stages", True
-    ):  # (a measurement without the stages named: every one may)
+    measurement = controller._measurements[controller._last_key]
+    if elementwise_stages(measurement.profile, len(measurement.stages)):
         return "its stages leave elementwise saves to backward (elementwise=True)"
     if controller._forced_plan is not None:
         return "a pinned plan runs as it is"

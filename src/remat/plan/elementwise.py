@@ -72,10 +72,10 @@ def marked(measurement: Any, state: Any) -> Any:
     return dataclasses.replace(measurement, profile=profile)
 
 
-def elementwise_stages(plan: Any, n_calls: int) -> tuple[int, ...]:
-    """The stage calls (of `n_calls`) a plan runs scoped: those its profile names, every one
-    for a profile made before it named them, none for a plan made without elementwise=True."""
-    metadata = plan.schedule.profile.metadata
+def elementwise_stages(profile: Any, n_calls: int) -> tuple[int, ...]:
+    """The stage calls (of `n_calls`) a plan of `profile` runs scoped: those the profile names,
+    every one for a profile made before it named them, none for one made without elementwise=True."""
+    metadata = profile.metadata
     if not metadata.get("elementwise", False):
         return ()
     stages = metadata.get("elementwise_stages")
