@@ -5,7 +5,6 @@ These run only where a CUDA device is present (they skip on the CPU-only CI).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import importlib
@@ -111,10 +110,35 @@ def test_cuda_prediction_matches_the_step(measure: str, fraction: float | str) -
     wrapped.zero_grad(set_to_none=True)
     with remat.MemoryTracker(device="cuda") as tracker:
         wrapped(**batch).loss.backward()
+    allocator = _allocator_peak(wrapped, lambda: wrapped(**batch).loss.backward())
     plan = wrapped.plan
-    print(measure, fraction, plan.predicted_peak_bytes, tracker.peak_bytes, plan.budget_bytes)
-    assert tracker.peak_bytes <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - tracker.peak_bytes) <= 0.05 * tracker.peak_bytes
+    print(measure, fraction, plan.predicted_peak_bytes, tracker.peak_bytes, allocator, plan.budget_bytes)
+    _within_the_plan(wrapped, plan, tracker.peak_bytes, allocator)
+
+
+def _allocator_peak(model: nn.Module, step: Any) -> int:
+    """``torch.cuda.max_memory_allocated`` during a step, above what is allocated before it,
+    with the parameter gradients allocated before it (the budget leaves them out)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    model.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _within_the_plan(model: nn.Module, plan: Any, tracker_peak: int, allocator_peak: int) -> None:
+    """The tracker within the budget; the allocator too, but for one parameter's gradient
+    alive twice while autograd adds it into the one before (README: what the budget counts)
+    and its rounding of each block to 512 bytes; the prediction within 5% of the allocator."""
+    largest_gradient = max(p.numel() * p.element_size() for p in model.parameters())
+    assert tracker_peak <= plan.budget_bytes
+    assert allocator_peak <= plan.budget_bytes + largest_gradient + 512 * 1024
+    assert abs(plan.predicted_peak_bytes - allocator_peak) <= 0.05 * allocator_peak
 
 
 def test_the_link_to_host_memory_is_measured() -> None:
@@ -160,17 +184,12 @@ def _offloading_step(
         torch.manual_seed(7)
         plain(**batch).loss.backward()
         with wrapped.executing(plan):
-            for tracked in (False, True):  # the allocator's peak, then the tracker's
-                wrapped.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                torch.manual_seed(7)
-                with remat.MemoryTracker(device="cuda") if tracked else contextlib.nullcontext() as tracker:
-                    wrapped(**batch).loss.backward()
-                torch.cuda.synchronize()
-                if not tracked:
-                    allocator = torch.cuda.max_memory_allocated() - base
+            wrapped.zero_grad(set_to_none=True)
+            torch.manual_seed(7)
+            with remat.MemoryTracker(device="cuda") as tracker:
+                wrapped(**batch).loss.backward()
+            gradients = [p.grad.clone() for p in wrapped.parameters()]
+            allocator = _allocator_peak(wrapped, lambda: wrapped(**batch).loss.backward())
     finally:
         torch.use_deterministic_algorithms(False)
     offloaded = plan.schedule.offloaded_stages
@@ -178,10 +197,9 @@ def _offloading_step(
         f"{mem_limit}: {len(offloaded)} stages offloaded, predicted {plan.predicted_peak_bytes}, tracker "
         f"{tracker.peak_bytes}, allocator {allocator}, budget {plan.budget_bytes}, host {remat.host_memory().peak_bytes}"
     )
-    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-    assert tracker.peak_bytes <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - tracker.peak_bytes) <= 0.05 * tracker.peak_bytes
+    for a, b in zip(plain.parameters(), gradients, strict=True):
+        assert torch.equal(a.grad, b)
+    _within_the_plan(wrapped, plan, tracker.peak_bytes, allocator)
 
 
 @pytest.mark.parametrize("mem_limit", [0.5, "min"])
@@ -218,17 +236,21 @@ def test_the_timing_pass_runs_twice_on_a_gpu(monkeypatch: pytest.MonkeyPatch) ->
     # times are discarded (the rehearsal on fake tensors is not a timing pass)
     step = importlib.import_module("remat.measure.step")
     passes: list[bool] = []
+    probed: list[bool] = []
     timed = step.time_groups
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         passes.append(kwargs.get("rehearsal", False))
+        if not passes[-1]:
+            probed.append(kwargs.get("workspace") is not None)
         return timed(*args, **kwargs)
 
     monkeypatch.setattr(step, "time_groups", counted)
     torch.manual_seed(0)
     wrapped = remat.Checkpointable(_mlp(p=0.0).cuda(), 0.5)
     wrapped(torch.randn(64, 512, device="cuda")).sum().backward()
-    assert passes.count(False) == 2 and passes.count(True) == 1
+    assert passes.count(False) == 2  # (and its rehearsals on fake tensors)
+    assert probed == [True, False]  # NOTE [device workspaces]: on the pass whose times are dropped
 
 
 @pytest.mark.parametrize("fraction", [0.6, 0.35])
@@ -260,3 +282,116 @@ def test_stages_stored_under_a_policy_on_cuda_are_exact_and_fit_the_plan(fractio
         twin(x).square().mean().backward()
     print(f"options taken: {sum(op.option is not None for op in plan.schedule.operations)}; ratio {check.ratio:.4f}")
     assert check.within_budget
+
+
+class _ConvNet(nn.Module):
+    """Convolutions with BatchNorm: cuDNN takes workspaces outside any tensor."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("cudnn_benchmark", [False, True])
+@pytest.mark.parametrize("mem_limit", [0.5, "min"])
+def test_convolution_workspaces_stay_within_the_budget(mem_limit: float | str, cudnn_benchmark: bool) -> None:
+    # NOTE [device workspaces]: the allocator's peak, which counts cuDNN's workspaces, within
+    # the budget on every step, the first (which measures) included; BatchNorm updated once
+    torch.manual_seed(0)
+    model = _ConvNet().cuda().train()
+    plain = copy.deepcopy(model)
+    x = torch.randn(32, 3, 96, 96, device="cuda")
+    labels = torch.randint(0, 10, (32,), device="cuda")
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, labels)
+
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        wrapped = remat.Checkpointable(model, mem_limit, loss_fn=loss_fn, output_kept=False)
+        peaks = []
+        for _ in range(3):
+            wrapped.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss_fn(wrapped(x)).backward()
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        for _ in range(3):
+            plain.zero_grad(set_to_none=True)
+            loss_fn(plain(x)).backward()
+    finally:
+        torch.backends.cudnn.benchmark = previous
+    plan = wrapped.plan
+    assert plan is not None
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"{mem_limit} benchmark={cudnn_benchmark}: allocator {peaks}, budget {plan.budget_bytes}, predicted "
+        f"{plan.predicted_peak_bytes}, workspace {plan.schedule.profile.metadata.get('workspace_bytes', 0)}"
+    )
+    # The budget leaves parameter gradients out: they come as the step's allocations do.
+    # The first step measures: its pass that finds the workspaces is kept to the budget by
+    # the tensors alone, and may go over by a workspace; with cuDNN's benchmark, the first
+    # call of each shape tries algorithms in workspaces as large as the free memory allows,
+    # outside any budget (README: Known limits, GPU).
+    allowed = plan.budget_bytes + gradient_bytes + 512 * 1024
+    assert max(peaks[1:]) <= allowed
+    if not cudnn_benchmark:
+        assert peaks[0] <= allowed + plan.schedule.profile.metadata.get("workspace_bytes", 0)
+    for a, b in zip(model.buffers(), plain.buffers(), strict=True):
+        # running statistics updated once per step (the benchmark's algorithms may round apart)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) if cudnn_benchmark else torch.equal(a, b)
+
+
+def test_elementwise_plans_on_cuda_are_exact_and_fit_the_plan() -> None:
+    model, batch = _gpt(layers=3, width=256)
+    plain = copy.deepcopy(model)
+    wrapped = remat.Checkpointable(
+        copy.deepcopy(model), 0.5, loss_fn=lambda out: out.loss, output_kept=False, elementwise=True
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        for module in (plain, wrapped):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(7)
+            with remat.MemoryTracker(device="cuda") as tracker:
+                module(**batch).loss.backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    plan = wrapped.plan
+    assert plan is not None
+    print(
+        f"elementwise: tracker {tracker.peak_bytes}, predicted {plan.predicted_peak_bytes}, budget {plan.budget_bytes}"
+    )
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert tracker.peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("mem_limit", [0.5, "min"])
+def test_bf16_autocast_steps_on_cuda_fit_the_budget(mem_limit: float | str) -> None:
+    # NOTE [autocast's cache after measuring]: the first step, which measures, too
+    model, batch = _gpt(layers=3, width=256)
+    wrapped = remat.Checkpointable(model, mem_limit, loss_fn=lambda out: out.loss, output_kept=False)
+    peaks = []
+    for _ in range(3):
+        wrapped.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16), remat.MemoryTracker(device="cuda") as tracker:
+            wrapped(**batch).loss.backward()
+        peaks.append(tracker.peak_bytes)
+    plan = wrapped.plan
+    assert plan is not None
+    print(f"bf16 {mem_limit}: tracker {peaks}, predicted {plan.predicted_peak_bytes}, budget {plan.budget_bytes}")
+    assert max(peaks) <= plan.budget_bytes

@@ -24,6 +24,7 @@ fused with the stage before it. Which activations each stage keeps (``saves_inpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -56,6 +57,7 @@ from remat.measure.losses import (
 )
 from remat.measure.spans import frugal_spans
 from remat.measure.timing import TimingPass, time_groups
+from remat.measure.workspace import probe_for, timing_passes, with_workspaces
 from remat.memory import MemoryTracker
 
 __all__ = [
@@ -276,9 +278,11 @@ def _plain_measurement(
     with preserved_model_state(model, devices):
         _phase(1, "a step tracked byte for byte")
         spans = frugal_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
-        tracked = _tracked_step(
-            model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
-        )
+        probe = probe_for(device)  # NOTE [device workspaces]: the step's largest, for every stage
+        with probe if probe is not None else contextlib.nullcontext():
+            tracked = _tracked_step(
+                model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
+            )
         for p in model.parameters():
             p.grad = None
         _phase(2, "a step timed")
@@ -287,6 +291,8 @@ def _plain_measurement(
                 model, chain, *isolated_inputs(args, kwargs), loss_fn=loss_fn, device=device, spans=spans
             )
         measurement = assemble(chain, tracked, watched_times(tracked, timing, end_time))
+        if probe is not None:
+            measurement = with_workspaces(measurement, *[[probe.largest_seen] * len(chain)] * 2)
         _phase(3, "what the model holds across stages (a forward without grad)")
         # What the model's own code holds across stages (NOTE [inputs the model holds]):
         # a forward without grad, tracked, shows it, as the timing pass does for the sized mode.
@@ -417,22 +423,19 @@ def _sized_measurement(
         backward_groups = before_timing(sized, tuple(max(need, peak) for need in needs))
     # NOTE [a cold device]: a GPU's first call of each kernel and shape (loading the kernel,
     # building cuDNN's plan) takes up to a hundred times its later calls; on a GPU the pass
-    # runs twice, and the second one's times are kept.
+    # runs twice (or thrice, NOTE [device workspaces]), and the last one's times are kept.
+    passes, probed = timing_passes(device)
     with preserved_model_state(model, devices), learning_state():
-        for _ in range(2 if device.type == "cuda" else 1):
+        for run in range(passes):
             pass_args, pass_kwargs = isolated_inputs(args, kwargs, copied=changed)
             timing = time_groups(
-                model,
-                chain,
-                sized.stages,
-                sized.groups,
-                pass_args,
-                pass_kwargs,
-                device,
-                backward_groups,
-                run_loss=run_loss,
-                policies=policies,
-            )
+                model, chain, sized.stages, sized.groups, pass_args, pass_kwargs, device, backward_groups,
+                run_loss=run_loss, policies=policies, workspace=probe_for(device) if run == probed else None,
+            )  # fmt: skip
+            if run == probed:
+                workspaces = (timing.forward_workspace_bytes, timing.backward_workspace_bytes)
+    if probed is not None:
+        sized = with_workspaces(sized, *workspaces)
     measurement = dataclasses.replace(
         with_times(sized, timing.times),
         input_held_until=rehearsal.input_held_until,

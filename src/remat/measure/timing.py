@@ -39,6 +39,7 @@ from remat.discover.intercept import call_original, intercept_stages, missing_st
 from remat.manual._planned_scope import stage_call
 from remat.manual.recompute import recompute
 from remat.measure.instrument import StageMeasurement, tensors_in
+from remat.measure.workspace import WorkspaceProbe
 from remat.memory import MemoryTracker
 
 __all__ = ["BACKWARD_PER_FORWARD", "FORWARD_REPEATS", "REPEATED_BELOW_FLOPS", "TimingPass", "time_groups"]
@@ -82,6 +83,11 @@ class TimingPass(NamedTuple):
             whether the stage also saves it for its backward)``.
         option_extra_s: for each stage call, the seconds each policy (by name) adds to its
             forward and backward (NOTE [timing store options]); empty where not timed.
+        forward_workspace_bytes: with a probe, the largest workspace of each stage call's
+            forward and the code after it (NOTE [device workspaces]); empty without one.
+        backward_workspace_bytes: likewise of each stage call's backward: of the group's,
+            charged to its last stage call (the last group's with the code after the
+            chain); a group whose backward is not run gets the largest of the pass.
     """
 
     times: list[tuple[float, float]]
@@ -90,6 +96,8 @@ class TimingPass(NamedTuple):
     input_held_until: tuple[int, ...] = ()
     held_outputs: tuple[tuple[int, int, int, bool], ...] = ()
     option_extra_s: tuple[dict[str, float], ...] = ()
+    forward_workspace_bytes: tuple[int, ...] = ()
+    backward_workspace_bytes: tuple[int, ...] = ()
 
 
 class _GroupTimer:
@@ -107,8 +115,12 @@ class _GroupTimer:
         track_suffix: bool,
         policies: Mapping[str, Any] | None = None,
         rehearsal: bool = False,
+        workspace: WorkspaceProbe | None = None,
     ) -> None:
         self.chain = chain
+        self.workspace = workspace
+        self.forward_workspace = [0] * len(chain)
+        self.backward_workspace = [0] * len(chain)
         self.policies = dict(policies or {})
         self.rehearsal = rehearsal
         self.option_extra_s: list[dict[str, float]] = [{} for _ in range(len(chain))]
@@ -163,6 +175,7 @@ class _GroupTimer:
             # product between two nested projections is most of a block's work).
             before_s, before_backward_s = self.times[index - 1]
             self.times[index - 1] = (before_s + entered - self._returned, before_backward_s)
+        self._note_workspace(self.forward_workspace, max(index - 1, 0))  # the code before it
         suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
         if self.track_all and index in self.first_stages:
             self._group_start = self._event()
@@ -193,11 +206,13 @@ class _GroupTimer:
                     call_original(module, args, kwargs)
                     samples.append(self._now() - started)
             forward_s = statistics.median(samples)
+        self._note_workspace(self.forward_workspace, index)
         backward_s = 0.0
         if suffix_follows:
             self._watch_output_gradient(out)  # grad stays on: the pass's no_grad block puts it back
         elif index in self.last:
             out, backward_s = self._group_backward(index, module, args, kwargs, out)
+            self._note_workspace(self.backward_workspace, index)
         if index in self.last_stages and not suffix_follows:
             # Autocast's cache would keep every group's casts of weights to the end of the
             # pass; emptied, only one group's are alive at a time (a weight used again later
@@ -209,6 +224,10 @@ class _GroupTimer:
         self.times[index] = (forward_s, backward_s)
         self._returned = self._now()
         return out
+
+    def _note_workspace(self, into: list[int], index: int) -> None:
+        if self.workspace is not None:
+            into[index] = max(into[index], self.workspace.take())
 
     def _group_backward(
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -390,6 +409,7 @@ def time_groups(
     track_all: bool = False,
     rehearsal: bool = False,
     policies: Mapping[str, Any] | None = None,
+    workspace: WorkspaceProbe | None = None,
 ) -> TimingPass:
     """The seconds of each stage call from one timing pass (see the module), and its suffix's bytes.
 
@@ -411,18 +431,22 @@ def time_groups(
         rehearsal: a pass on fake tensors of ``device``: nothing to synchronise (its
             trackers count that device's storages all the same).
         policies: policies to time the stages under, by name (NOTE [timing store options]).
+        workspace: a probe of the device's allocator, run over the whole pass (NOTE
+            [device workspaces]): the pass then gives each stage call's workspaces.
     """
     on_device = device.type == "cuda" and not rehearsal
     synchronize = (lambda: torch.cuda.synchronize(device)) if on_device else None
     every = frozenset(range(len(groups)))
     chosen = every if backward_groups is None else backward_groups
     timer = _GroupTimer(
-        chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None, policies, rehearsal
-    )
+        chain, stages, groups, synchronize, chosen, device.type, track_all, run_loss is not None, policies, rehearsal,
+        workspace,
+    )  # fmt: skip
     everything = timer.everything if timer.everything is not None else contextlib.nullcontext()
     # what each group saves, to tell a tensor the model holds from one its stage keeps anyway
     saving = timer.everything.saved_tensors_hooks() if timer.everything is not None else contextlib.nullcontext()
-    with everything, saving, torch.no_grad():
+    probing = workspace if workspace is not None else contextlib.nullcontext()
+    with probing, everything, saving, torch.no_grad():
         try:
             with intercept_stages(chain, timer):
                 holder = [model(*args, **kwargs)]
@@ -434,6 +458,7 @@ def time_groups(
                 run_loss(holder, leaves=lambda loss: _window_leaves([loss], timer._graph_seen)[0])
             holder.clear()
             ended = timer._now()
+            timer._note_workspace(timer.backward_workspace, len(chain) - 1)  # the code after the chain
         finally:
             if timer.tracking and timer.tracker is not None:
                 timer.tracker.__exit__(None, None, None)
@@ -450,13 +475,27 @@ def time_groups(
         )  # fmt: skip
         held_outputs = _held_outputs(timer.everything, timer.stage_starts, timer.input_allocations)
     options = tuple(timer.option_extra_s)
+    workspaces = _workspaces(timer, groups, chosen)
     if timer.tracker is None or timer.gradient_event is None:
-        return TimingPass(times, None, peaks, held, held_outputs, options)
+        return TimingPass(times, None, peaks, held, held_outputs, options, *workspaces)
     # the last group's backward: from its output's gradient to the end of the step
     last = len(chain) - 1
     times[last] = (times[last][0], ended - timer.gradient_time)
     suffix = timer.tracker.window(timer.suffix_start_event, timer.gradient_event)
-    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held, held_outputs, options)
+    return TimingPass(times, suffix.peak_bytes - suffix.before_bytes, peaks, held, held_outputs, options, *workspaces)
+
+
+def _workspaces(
+    timer: _GroupTimer, groups: list[tuple[int, int]], timed: frozenset[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each stage call's largest workspaces, forward and backward (NOTE [device workspaces])."""
+    if timer.workspace is None:
+        return (), ()
+    backward = list(timer.backward_workspace)
+    for group, (first, stop) in enumerate(groups):
+        if group not in timed:  # not run: the largest the pass saw stands for it
+            backward[first:stop] = [timer.workspace.largest_seen] * (stop - first)
+    return tuple(timer.forward_workspace), tuple(backward)
 
 
 # NOTE [inputs the model holds]

@@ -135,6 +135,7 @@ class PlanReport:
             "baseline_time_s": self.baseline.time_s,
             "times": schedule.profile.metadata.get("times", "measured"),
             "elementwise_stages": schedule.profile.metadata.get("elementwise_stages"),
+            "workspace_bytes": schedule.profile.metadata.get("workspace_bytes", 0),
             "plan": plan_to_data(schedule.items),
             "region_breaks": list(schedule.profile.region_breaks),
             "pinned_stages": list(schedule.profile.pinned_stages),
@@ -174,6 +175,9 @@ class PlanReport:
             calls = _spans(schedule.profile.metadata["elementwise_stages"])
             which = f"stage calls {calls} leave" if calls else "no stage call leaves"
             lines.append(f"  elementwise:     {which} saves to backward")
+        if schedule.profile.metadata.get("workspace_bytes"):  # NOTE [device workspaces]
+            workspace = format_bytes(schedule.profile.metadata["workspace_bytes"])
+            lines.append(f"  workspaces:      up to {workspace} above a stage's tensors (the device's kernels)")
         if schedule.offloaded_stages:
             simulation = schedule.simulation
             lines.append(

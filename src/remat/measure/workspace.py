@@ -1,0 +1,172 @@
+"""Memory a device's allocator hands out inside one operator and takes back before it returns.
+
+NOTE [device workspaces]
+A CUDA kernel library can ask the caching allocator for scratch memory that is no tensor:
+cuDNN's convolutions take a workspace for the length of one call. The exact tracker follows
+tensors and does not see it, and neither does a step sized on fake tensors;
+``torch.cuda.max_memory_allocated`` does. On a ResNet-50 at its smallest budget the
+allocator went 39 MiB (3.7%) over a budget the tensors kept.
+
+:class:`WorkspaceProbe` reads the allocator around every operator of a real pass: what is
+allocated before and after it, and the most allocated during it (the allocator's peak,
+started again at the call). A workspace the library keeps between calls (cuBLAS's own,
+made once per stream) is still allocated when the operator returns: part of what is live
+before every later step, not of a step's transient. A workspace matters where it stands
+above the stretch's peak: taken at a moment with less allocated, it adds nothing. The
+probe gives, for each stretch of the pass (a stage's forward, a group's backward), how far
+the most allocated during an operator rose above the most allocated between operators;
+the stage's transient bytes take that on top (what else is alive is the same all through
+the stretch in a planned step as in the pass). Counted instead as the sum of what each
+call allocated and gave back (which leaves the peak statistics alone), a stack of
+convolutions came out at twice its workspace: cuDNN allocates more than once in a call.
+
+The timing pass runs the probe on its first pass over a GPU (whose times are dropped, NOTE
+[a cold device]); with ``torch.backends.cudnn.benchmark`` on, that first call of each
+shape tries cuDNN's algorithms, with workspaces of their own, and the probe runs on a
+second pass, before a third is timed (:func:`with_workspaces` adds what it found). A
+plain measuring step (``measure="plain"``) has no stretch of its own per stage: it adds
+the largest workspace of the step to every stage (the safe side).
+
+What this leaves: the allocator's peak statistics count from the probe's last operator
+after measuring. The pass that finds the workspaces runs before they are known, kept to
+the budget by the tensors alone: on a model with convolutions the first step (the
+measuring one) can go over its budget by a workspace, the steps after it within it. A
+group whose backward that pass does not run (it would not fit the budget) is charged the
+largest workspace the pass saw, not its backward's own, which can be larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from remat.measure.assemble import ChainMeasurement
+
+__all__ = ["WorkspaceProbe", "allocator_counters", "probe_for", "timing_passes", "with_workspaces"]
+
+
+class AllocatorCounters(Protocol):
+    """What the probe reads of a device's allocator."""
+
+    def allocated(self) -> int:
+        """Bytes allocated now."""
+
+    def restart_peak(self) -> None:
+        """Starts the peak again from what is allocated now."""
+
+    def peak(self) -> int:
+        """The most bytes allocated at once since :meth:`restart_peak`."""
+
+
+class _CudaCounters:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def restart_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def allocator_counters(device: torch.device) -> AllocatorCounters | None:
+    """The counters of `device`'s allocator (None: none to read, as on the CPU)."""
+    return _CudaCounters(device) if device.type == "cuda" else None
+
+
+class WorkspaceProbe(TorchDispatchMode):
+    """Notes the workspaces of the operators run under it (NOTE [device workspaces]).
+
+    Around each operator the allocator's peak is started again, and read when it returns:
+    the most it held during the call. :meth:`take` gives how far the highest of these rose
+    above the highest allocated count between operators, since the last call: what the
+    workspaces add to the peak of that stretch of the pass (0 where none was taken at its
+    peak's height).
+
+    .. warning:: The allocator's peak statistics (``torch.cuda.max_memory_allocated``) are
+        started again at each operator: after the probe they count from its last one.
+
+    Args:
+        counters: the device allocator's counters (see :func:`allocator_counters`).
+    """
+
+    def __init__(self, counters: AllocatorCounters) -> None:
+        super().__init__()
+        self._counters = counters
+        self._peak_live = 0  # since the last take
+        self._peak_inside = 0
+        #: the most one operator held above what was allocated around it, since the probe began
+        self.largest_seen = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        counters = self._counters
+        live_before = counters.allocated()
+        counters.restart_peak()
+        out = func(*args, **(kwargs or {}))
+        inside, live_after = counters.peak(), counters.allocated()
+        around = max(live_before, live_after)
+        self._peak_live = max(self._peak_live, around)
+        self._peak_inside = max(self._peak_inside, inside)
+        self.largest_seen = max(self.largest_seen, inside - around)
+        return out
+
+    def take(self) -> int:
+        """Bytes the operators' peaks rose above the allocated peak since the last call."""
+        added = max(0, self._peak_inside - self._peak_live)
+        self._peak_live = self._peak_inside = 0
+        return added
+
+
+def timing_passes(device: torch.device) -> tuple[int, int | None]:
+    """How many times the timing pass runs on `device`, and which run carries the probe.
+
+    The last run's times are kept (NOTE [a cold device]); the probe runs on a run before it
+    (NOTE [device workspaces]), or on none (None) where the allocator cannot be read.
+    """
+    if device.type != "cuda":
+        return (1, 0) if allocator_counters(device) is not None else (1, None)
+    if torch.backends.cudnn.benchmark:
+        return 3, 1
+    return 2, 0
+
+
+def probe_for(device: torch.device) -> WorkspaceProbe | None:
+    """A probe of `device`'s allocator, or None where it cannot be read."""
+    counters = allocator_counters(device)
+    return WorkspaceProbe(counters) if counters is not None else None
+
+
+def with_workspaces(
+    measurement: ChainMeasurement,
+    forward_bytes: Sequence[int],
+    backward_bytes: Sequence[int],
+) -> ChainMeasurement:
+    """The measurement with each stage call's workspaces added to its group's transient bytes.
+
+    Args:
+        measurement: the measurement (its profile's stages are its groups of stage calls).
+        forward_bytes: the largest workspace of each stage call's forward.
+        backward_bytes: the largest workspace of each stage call's backward.
+    """
+    profile = measurement.profile
+    groups = measurement.groups
+    forward = [max(forward_bytes[a:b], default=0) for a, b in groups]
+    backward = [max(backward_bytes[a:b], default=0) for a, b in groups]
+    if not any(forward) and not any(backward):
+        return measurement
+    metadata = {**profile.metadata, "workspace_bytes": max(forward + backward)}
+    profile = dataclasses.replace(
+        profile,
+        forward_temp_bytes=tuple(t + w for t, w in zip(profile.forward_temp_bytes, forward, strict=True)),
+        backward_temp_bytes=tuple(t + w for t, w in zip(profile.backward_temp_bytes, backward, strict=True)),
+        metadata=metadata,
+    )
+    return dataclasses.replace(measurement, profile=profile)
