@@ -346,6 +346,7 @@ def test_convolution_workspaces_stay_within_the_budget(mem_limit: float | str, c
     # the tensors alone, and may go over by a workspace; with cuDNN's benchmark, the first
     # call of each shape tries algorithms in workspaces as large as the free memory allows,
     # outside any budget (README: Known limits, GPU).
+    assert plan.schedule.profile.metadata.get("workspace_bytes", 0) > 0  # cuDNN's are counted
     allowed = plan.budget_bytes + gradient_bytes + 512 * 1024
     assert max(peaks[1:]) <= allowed
     if not cudnn_benchmark:

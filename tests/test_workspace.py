@@ -270,3 +270,40 @@ def test_a_backward_the_pass_does_not_run_takes_the_largest_workspace_it_saw(sta
     plan = wrapped.plan
     assert plan is not None
     assert plan.schedule.profile.metadata["workspace_bytes"] == FORWARD_WORKSPACE
+
+
+def test_a_stretch_run_without_grad_counts_its_largest_workspace_whole() -> None:
+    # saved tensors do not pile up in a forward without grad as they do in the planned
+    # step's: the workspace is counted whole, not against that stretch's own peak
+    allocator = StandInAllocator()
+    probe = WorkspaceProbe(allocator)
+
+    @torch.library.custom_op("remat_test::allocates_then_scratches", mutates_args=())
+    def allocates_then_scratches(x: torch.Tensor, nbytes: int, scratch: int) -> torch.Tensor:
+        allocator.keep(nbytes)
+        allocator.scratch(scratch)
+        return x + 1
+
+    x = torch.ones(3)
+    with probe:
+        allocates_then_scratches(x, 1_000, 4_000)
+        allocates_then_scratches(x, 6_000, 0)
+        assert probe.take(stored=False) == 4_000  # where take() would say 0
+        allocates_then_scratches(x, 0, 3_000)
+        assert probe.take(stored=False) == 3_000  # each take starts a new stretch
+        assert probe.take(stored=False) == 0
+
+
+def test_a_shape_whose_times_are_scaled_takes_the_workspace_of_the_shape_timed(stand_in: StandInAllocator) -> None:
+    model, _ = _model_and_input()
+    wrapped = remat.Checkpointable(model, None, loss_fn=_loss)
+    for rows in (256, 384):  # the second is within the scaling range of the first: not timed
+        _loss(wrapped(torch.randn(rows, 64))).backward()
+        plan = wrapped.plan
+        assert plan is not None
+        metadata = plan.schedule.profile.metadata
+        if rows == 256:
+            assert metadata["workspace_largest_bytes"] == BACKWARD_WORKSPACE
+    assert wrapped.measure_counts["scaled"] == 1
+    # the largest, grown with the work (x1.5), for every stage
+    assert metadata["workspace_bytes"] == metadata["workspace_largest_bytes"] == BACKWARD_WORKSPACE * 3 // 2

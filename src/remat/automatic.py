@@ -8,7 +8,6 @@ schedule within the budget, and :mod:`remat.execute` runs it inside autograd.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
@@ -32,7 +31,7 @@ from remat.measure.fake import FakeRunFailed, on_fake_tensors, refuse_meta_train
 from remat.measure.options import named_policies, with_store_options
 from remat.measure.parameters import holds_collectives, refuse_sharded_training
 from remat.measure.real import measured_for_real
-from remat.measure.scale import ShapeTimings
+from remat.measure.scale import ShapeTimings, as_scaled_from
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.elementwise import elementwise_stages, marked, planned_elementwise, refuse_other_plan
@@ -306,8 +305,8 @@ class Checkpointable(ModelStandIn):
             measurement = measure_on_device(model, chain, sample_inputs, sample_kwargs, loss_fn, frugal=frugal)
         if self._policies:  # NOTE [sizing store options]
             measurement = with_store_options(model, chain, measurement, sample_inputs, sample_kwargs, self._policies)
-        if references:  # the same model code holds the same inputs at every shape
-            measurement = dataclasses.replace(measurement, input_held_until=references[0].input_held_until)
+        if references:
+            measurement = as_scaled_from(references[0], measurement, scaled[0])
         estimated = estimator is not None and how in ("sized", "estimated") and not scaled
         self._shapes.record(key, measurement, scaled=bool(scaled), estimated=estimated)
         if scaled:

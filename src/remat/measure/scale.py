@@ -10,6 +10,7 @@ sequence scales that way), else the bytes it produces and keeps (elementwise sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -21,11 +22,12 @@ from torch import nn
 
 from remat.measure.assemble import ChainMeasurement
 from remat.measure.instrument import StageMeasurement
+from remat.measure.workspace import with_reference_workspace
 from remat.plan.key import shape_family
 
 logger = logging.getLogger("remat")
 
-__all__ = ["SCALING_RANGE", "ShapeTimings", "scaled_times", "work_ratio"]
+__all__ = ["SCALING_RANGE", "ShapeTimings", "as_scaled_from", "scaled_times", "work_ratio"]
 
 
 def _work(stages: Sequence[StageMeasurement]) -> tuple[int, int]:
@@ -45,6 +47,15 @@ def _ratio(reference: Sequence[StageMeasurement], target: Sequence[StageMeasurem
     if bytes_a > 0 and bytes_b > 0:
         return bytes_b / bytes_a
     return 1.0
+
+
+def as_scaled_from(reference: ChainMeasurement, target: ChainMeasurement, ratio: float) -> ChainMeasurement:
+    """`target`, whose times were scaled from `reference` by `ratio` of its work, with what
+    no pass on its own shape measured taken from the reference: the inputs the model
+    holds (its code holds the same ones at every shape) and the device's workspaces (NOTE
+    [device workspaces])."""
+    target = dataclasses.replace(target, input_held_until=reference.input_held_until)
+    return with_reference_workspace(target, reference, ratio)
 
 
 def work_ratio(reference: ChainMeasurement, target: ChainMeasurement) -> float:

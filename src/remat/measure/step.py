@@ -292,7 +292,8 @@ def _plain_measurement(
             )
         measurement = assemble(chain, tracked, watched_times(tracked, timing, end_time))
         if probe is not None:
-            measurement = with_workspaces(measurement, *[[probe.largest_seen] * len(chain)] * 2)
+            largest = [probe.largest_seen] * len(chain)
+            measurement = with_workspaces(measurement, largest, largest, probe.largest_seen)
         _phase(3, "what the model holds across stages (a forward without grad)")
         # What the model's own code holds across stages (NOTE [inputs the model holds]):
         # a forward without grad, tracked, shows it, as the timing pass does for the sized mode.
@@ -433,7 +434,7 @@ def _sized_measurement(
                 run_loss=run_loss, policies=policies, workspace=probe_for(device) if run == probed else None,
             )  # fmt: skip
             if run == probed:
-                workspaces = (timing.forward_workspace_bytes, timing.backward_workspace_bytes)
+                workspaces = timing.workspaces
     if probed is not None:
         sized = with_workspaces(sized, *workspaces)
     measurement = dataclasses.replace(

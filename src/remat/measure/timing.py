@@ -83,11 +83,13 @@ class TimingPass(NamedTuple):
             whether the stage also saves it for its backward)``.
         option_extra_s: for each stage call, the seconds each policy (by name) adds to its
             forward and backward (NOTE [timing store options]); empty where not timed.
-        forward_workspace_bytes: with a probe, the largest workspace of each stage call's
-            forward and the code after it (NOTE [device workspaces]); empty without one.
+        forward_workspace_bytes: with a probe, what workspaces add to each stage call's
+            forward and the code after it (the first's, the code before it too; NOTE
+            [device workspaces]); empty without one.
         backward_workspace_bytes: likewise of each stage call's backward: of the group's,
             charged to its last stage call (the last group's with the code after the
             chain); a group whose backward is not run gets the largest of the pass.
+        largest_workspace_bytes: with a probe, the largest workspace of one operator.
     """
 
     times: list[tuple[float, float]]
@@ -98,6 +100,12 @@ class TimingPass(NamedTuple):
     option_extra_s: tuple[dict[str, float], ...] = ()
     forward_workspace_bytes: tuple[int, ...] = ()
     backward_workspace_bytes: tuple[int, ...] = ()
+    largest_workspace_bytes: int = 0
+
+    @property
+    def workspaces(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """The arguments of :func:`remat.measure.workspace.with_workspaces` after the measurement."""
+        return self.forward_workspace_bytes, self.backward_workspace_bytes, self.largest_workspace_bytes
 
 
 class _GroupTimer:
@@ -175,7 +183,8 @@ class _GroupTimer:
             # product between two nested projections is most of a block's work).
             before_s, before_backward_s = self.times[index - 1]
             self.times[index - 1] = (before_s + entered - self._returned, before_backward_s)
-        self._note_workspace(self.forward_workspace, max(index - 1, 0))  # the code before it
+        # the code since the stage before (before the chain: charged to the first stage)
+        self._note_workspace(self.forward_workspace, max(index - 1, 0), stored=torch.is_grad_enabled())
         suffix_follows = self.tracker is not None and index == len(self.chain) - 1 and index in self.last
         if self.track_all and index in self.first_stages:
             self._group_start = self._event()
@@ -206,13 +215,12 @@ class _GroupTimer:
                     call_original(module, args, kwargs)
                     samples.append(self._now() - started)
             forward_s = statistics.median(samples)
-        self._note_workspace(self.forward_workspace, index)
+        self._note_workspace(self.forward_workspace, index, stored=torch.is_grad_enabled())
         backward_s = 0.0
         if suffix_follows:
             self._watch_output_gradient(out)  # grad stays on: the pass's no_grad block puts it back
         elif index in self.last:
             out, backward_s = self._group_backward(index, module, args, kwargs, out)
-            self._note_workspace(self.backward_workspace, index)
         if index in self.last_stages and not suffix_follows:
             # Autocast's cache would keep every group's casts of weights to the end of the
             # pass; emptied, only one group's are alive at a time (a weight used again later
@@ -225,9 +233,9 @@ class _GroupTimer:
         self._returned = self._now()
         return out
 
-    def _note_workspace(self, into: list[int], index: int) -> None:
+    def _note_workspace(self, into: list[int], index: int, *, stored: bool) -> None:
         if self.workspace is not None:
-            into[index] = max(into[index], self.workspace.take())
+            into[index] = max(into[index], self.workspace.take(stored=stored))
 
     def _group_backward(
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -241,8 +249,11 @@ class _GroupTimer:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs], inputs=leaves)
             backward_s = self._now() - started
         del outputs, leaves
+        self._note_workspace(self.backward_workspace, index, stored=True)
         if self.policies and index in self.first and not self.stages[index].modifies_input:
             self._time_options(index, module, args, kwargs)
+            if self.workspace is not None:  # runs of the same operators, beside what the group holds
+                self.workspace.take()
         torch.set_grad_enabled(self._grad_mode)
         return _detached(out), backward_s
 
@@ -458,7 +469,8 @@ def time_groups(
                 run_loss(holder, leaves=lambda loss: _window_leaves([loss], timer._graph_seen)[0])
             holder.clear()
             ended = timer._now()
-            timer._note_workspace(timer.backward_workspace, len(chain) - 1)  # the code after the chain
+            # the code after the chain, with the last group's backward where the loss runs it
+            timer._note_workspace(timer.backward_workspace, len(chain) - 1, stored=False)
         finally:
             if timer.tracking and timer.tracker is not None:
                 timer.tracker.__exit__(None, None, None)
@@ -487,15 +499,16 @@ def time_groups(
 
 def _workspaces(
     timer: _GroupTimer, groups: list[tuple[int, int]], timed: frozenset[int]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each stage call's largest workspaces, forward and backward (NOTE [device workspaces])."""
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """What workspaces add to each stage call, forward and backward, and the largest of one
+    operator (NOTE [device workspaces])."""
     if timer.workspace is None:
-        return (), ()
+        return (), (), 0
     backward = list(timer.backward_workspace)
     for group, (first, stop) in enumerate(groups):
         if group not in timed:  # not run: the largest the pass saw stands for it
             backward[first:stop] = [timer.workspace.largest_seen] * (stop - first)
-    return tuple(timer.forward_workspace), tuple(backward)
+    return tuple(timer.forward_workspace), tuple(backward), timer.workspace.largest_seen
 
 
 # NOTE [inputs the model holds]

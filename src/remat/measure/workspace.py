@@ -16,7 +16,12 @@ above the stretch's peak: taken at a moment with less allocated, it adds nothing
 probe gives, for each stretch of the pass (a stage's forward, a group's backward), how far
 the most allocated during an operator rose above the most allocated between operators;
 the stage's transient bytes take that on top (what else is alive is the same all through
-the stretch in a planned step as in the pass). Counted instead as the sum of what each
+the stretch in a planned step as in the pass). A stretch the pass runs without grad (the
+forward of a group whose backward it does not run, the code after a group) does not hold
+what a planned forward keeps for its backward: there each operator's workspace is counted
+whole, which stands on at most the planned stretch's peak. The runs of a stage under each
+policy (NOTE [timing store options]) repeat its operators beside what the group holds, and
+are left out. Counted instead as the sum of what each
 call allocated and gave back (which leaves the peak statistics alone), a stack of
 convolutions came out at twice its workspace: cuDNN allocates more than once in a call.
 
@@ -25,19 +30,26 @@ The timing pass runs the probe on its first pass over a GPU (whose times are dro
 shape tries cuDNN's algorithms, with workspaces of their own, and the probe runs on a
 second pass, before a third is timed (:func:`with_workspaces` adds what it found). A
 plain measuring step (``measure="plain"``) has no stretch of its own per stage: it adds
-the largest workspace of the step to every stage (the safe side).
+the largest workspace of the step to every stage (the safe side; with cuDNN's benchmark on,
+that step is each shape's first call, and its trials make the figure far too high). A
+shape whose times are scaled from a timed one runs no pass: it takes the timed shape's
+largest workspace, grown with the work, for every stage (:func:`with_reference_workspace`).
 
 What this leaves: the allocator's peak statistics count from the probe's last operator
 after measuring. The pass that finds the workspaces runs before they are known, kept to
 the budget by the tensors alone: on a model with convolutions the first step (the
 measuring one) can go over its budget by a workspace, the steps after it within it. A
 group whose backward that pass does not run (it would not fit the budget) is charged the
-largest workspace the pass saw, not its backward's own, which can be larger.
+largest workspace the pass saw, not its backward's own, which can be larger; with cuDNN's
+benchmark on, that backward's algorithm is chosen at the first planned step, in a
+workspace as large as the free memory allows, and kept at every step after it.
+``measure="estimated"`` runs nothing real and counts no workspace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,7 +59,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from remat.measure.assemble import ChainMeasurement
 
-__all__ = ["WorkspaceProbe", "allocator_counters", "probe_for", "timing_passes", "with_workspaces"]
+__all__ = [
+    "WorkspaceProbe",
+    "allocator_counters",
+    "probe_for",
+    "timing_passes",
+    "with_reference_workspace",
+    "with_workspaces",
+]
 
 
 class AllocatorCounters(Protocol):
@@ -103,6 +122,7 @@ class WorkspaceProbe(TorchDispatchMode):
         self._counters = counters
         self._peak_live = 0  # since the last take
         self._peak_inside = 0
+        self._largest = 0
         #: the most one operator held above what was allocated around it, since the probe began
         self.largest_seen = 0
 
@@ -115,21 +135,31 @@ class WorkspaceProbe(TorchDispatchMode):
         around = max(live_before, live_after)
         self._peak_live = max(self._peak_live, around)
         self._peak_inside = max(self._peak_inside, inside)
-        self.largest_seen = max(self.largest_seen, inside - around)
+        self._largest = max(self._largest, inside - around)
+        self.largest_seen = max(self.largest_seen, self._largest)
         return out
 
-    def take(self) -> int:
-        """Bytes the operators' peaks rose above the allocated peak since the last call."""
-        added = max(0, self._peak_inside - self._peak_live)
-        self._peak_live = self._peak_inside = 0
+    def take(self, *, stored: bool = True) -> int:
+        """What the workspaces add to the peak of the stretch since the last call.
+
+        Args:
+            stored: the stretch ran as the planned step runs it (with grad, keeping what
+                its backward needs): the bytes the operators' peaks rose above the most
+                allocated between operators. Otherwise (a forward without grad, whose
+                saved tensors do not pile up as a planned one's do) the largest workspace
+                of one operator, which stands on at most the planned stretch's peak.
+        """
+        added = max(0, self._peak_inside - self._peak_live) if stored else self._largest
+        self._peak_live = self._peak_inside = self._largest = 0
         return added
 
 
 def timing_passes(device: torch.device) -> tuple[int, int | None]:
     """How many times the timing pass runs on `device`, and which run carries the probe.
 
-    The last run's times are kept (NOTE [a cold device]); the probe runs on a run before it
-    (NOTE [device workspaces]), or on none (None) where the allocator cannot be read.
+    The last run's times are kept (NOTE [a cold device]); on a GPU the probe runs on a run
+    before it (NOTE [device workspaces]), on none (None) where the allocator cannot be read,
+    and on the only one, the timed one, on another device whose allocator can (a stand-in's).
     """
     if device.type != "cuda":
         return (1, 0) if allocator_counters(device) is not None else (1, None)
@@ -148,21 +178,28 @@ def with_workspaces(
     measurement: ChainMeasurement,
     forward_bytes: Sequence[int],
     backward_bytes: Sequence[int],
+    largest_bytes: int = 0,
 ) -> ChainMeasurement:
     """The measurement with each stage call's workspaces added to its group's transient bytes.
 
     Args:
         measurement: the measurement (its profile's stages are its groups of stage calls).
-        forward_bytes: the largest workspace of each stage call's forward.
-        backward_bytes: the largest workspace of each stage call's backward.
+        forward_bytes: what workspaces add to each stage call's forward.
+        backward_bytes: what workspaces add to each stage call's backward.
+        largest_bytes: the largest workspace of one operator (kept in the profile's
+            metadata for shapes timed from this one, :func:`with_reference_workspace`).
     """
     profile = measurement.profile
     groups = measurement.groups
     forward = [max(forward_bytes[a:b], default=0) for a, b in groups]
     backward = [max(backward_bytes[a:b], default=0) for a, b in groups]
-    if not any(forward) and not any(backward):
+    if not any(forward) and not any(backward) and not largest_bytes:
         return measurement
-    metadata = {**profile.metadata, "workspace_bytes": max(forward + backward)}
+    metadata = {
+        **profile.metadata,
+        "workspace_bytes": max(forward + backward),
+        "workspace_largest_bytes": max(largest_bytes, *forward, *backward),
+    }
     profile = dataclasses.replace(
         profile,
         forward_temp_bytes=tuple(t + w for t, w in zip(profile.forward_temp_bytes, forward, strict=True)),
@@ -170,3 +207,17 @@ def with_workspaces(
         metadata=metadata,
     )
     return dataclasses.replace(measurement, profile=profile)
+
+
+def with_reference_workspace(
+    measurement: ChainMeasurement, reference: ChainMeasurement, work_ratio: float
+) -> ChainMeasurement:
+    """A measurement whose times were scaled from `reference` (no pass ran on its shape),
+    with the reference's largest workspace, grown with the work (not shrunk), charged to
+    every stage: the safe side (NOTE [device workspaces])."""
+    largest = reference.profile.metadata.get("workspace_largest_bytes", 0)
+    if not largest:
+        return measurement
+    nbytes = math.ceil(largest * max(1.0, work_ratio))
+    n_calls = len(measurement.stages)
+    return with_workspaces(measurement, [nbytes] * n_calls, [nbytes] * n_calls, nbytes)
