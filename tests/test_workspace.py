@@ -9,6 +9,7 @@ allocator; the probe reads the stand-in where it would read CUDA's.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -307,3 +308,30 @@ def test_a_shape_whose_times_are_scaled_takes_the_workspace_of_the_shape_timed(s
     assert wrapped.measure_counts["scaled"] == 1
     # the largest, grown with the work (x1.5), for every stage
     assert metadata["workspace_bytes"] == metadata["workspace_largest_bytes"] == BACKWARD_WORKSPACE * 3 // 2
+
+
+def test_a_measuring_pass_that_went_over_with_its_workspaces_is_warned(stand_in: StandInAllocator) -> None:
+    # The pass that finds the workspaces keeps to the budget by the tensors alone: 4 MiB
+    # fits the backward of blocks.2 without its 5 MiB workspace, not with it. Said at once;
+    # then no plan fits with the workspaces, and the error names the least budget that does.
+    model, x = _model_and_input()
+    before = [p.detach().clone() for p in model.parameters()]
+    wrapped = remat.Checkpointable(model, 4 << 20, loss_fn=_loss)
+    with (
+        pytest.warns(RuntimeWarning, match=r"went over the budget by up to 5\.00 MiB: workspaces"),
+        pytest.raises(remat.BudgetTooSmall) as refused,
+    ):
+        _loss(wrapped(x)).backward()
+    assert refused.value.minimum_bytes > BACKWARD_WORKSPACE > 4 << 20
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_pass_within_the_budget_with_its_workspaces_is_not_warned(stand_in: StandInAllocator) -> None:
+    model, x = _model_and_input()
+    wrapped = remat.Checkpointable(model, 64 << 20, loss_fn=_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loss(wrapped(x)).backward()
+    assert wrapped.plan is not None and wrapped.plan.schedule.profile.metadata["workspace_bytes"] > 0
+    assert not [w for w in caught if "went over the budget" in str(w.message)]

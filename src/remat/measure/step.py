@@ -57,7 +57,7 @@ from remat.measure.losses import (
 )
 from remat.measure.spans import frugal_spans
 from remat.measure.timing import TimingPass, time_groups
-from remat.measure.workspace import probe_for, timing_passes, with_workspaces
+from remat.measure.workspace import WorkspaceProbe, probe_for, timed_passes, with_workspaces
 from remat.memory import MemoryTracker
 
 __all__ = [
@@ -410,33 +410,34 @@ def _sized_measurement(
         )
     needs = tuple(peak + copies + loss_extra for peak in rehearsal.group_peak_bytes)
     sized = dataclasses.replace(sized, timing_pass_bytes=floor)
-    backward_groups = before_timing(sized, needs) if before_timing is not None else None
-    if before_timing is not None and backward_groups is not None and 0 < len(backward_groups) < len(needs):
+
+    def decided(sized: ChainMeasurement, needs: tuple[int, ...]) -> frozenset[int] | None:
+        assert before_timing is not None
+        groups = before_timing(sized, needs)
+        if groups is None or not 0 < len(groups) < len(needs):
+            return groups
         # NOTE [a mix of timed groups]
         # A group whose backward is not timed runs its forward after groups whose backward
         # was: what those leave alive (an output the model keeps, that their graph held) is
         # neither in the pass with every backward timed nor in the one with none. The mix
         # is rehearsed too; a mix whose peak does not fit times no backward (the floor fits).
         mixed = _rehearsal(
-            model, chain, sized, args, kwargs, device, devices, backward_groups, run_loss=run_loss, policies=policies
+            model, chain, sized, args, kwargs, device, devices, groups, run_loss=run_loss, policies=policies
         )
         peak = max(mixed.group_peak_bytes, default=0) + copies + loss_extra
-        backward_groups = before_timing(sized, tuple(max(need, peak) for need in needs))
-    # NOTE [a cold device]: a GPU's first call of each kernel and shape (loading the kernel,
-    # building cuDNN's plan) takes up to a hundred times its later calls; on a GPU the pass
-    # runs twice (or thrice, NOTE [device workspaces]), and the last one's times are kept.
-    passes, probed = timing_passes(device)
+        return before_timing(sized, tuple(max(need, peak) for need in needs))
+
+    def timing_pass(groups: frozenset[int] | None, workspace: WorkspaceProbe | None) -> TimingPass:
+        pass_args, pass_kwargs = isolated_inputs(args, kwargs, copied=changed)
+        return time_groups(
+            model, chain, sized.stages, sized.groups, pass_args, pass_kwargs, device, groups,
+            run_loss=run_loss, policies=policies, workspace=workspace,
+        )  # fmt: skip
+
+    # NOTE [a cold device]: a GPU's first call of each kernel and shape takes up to a hundred
+    # times its later calls: the pass runs twice (NOTE [device workspaces]), the last one timed.
     with preserved_model_state(model, devices), learning_state():
-        for run in range(passes):
-            pass_args, pass_kwargs = isolated_inputs(args, kwargs, copied=changed)
-            timing = time_groups(
-                model, chain, sized.stages, sized.groups, pass_args, pass_kwargs, device, backward_groups,
-                run_loss=run_loss, policies=policies, workspace=probe_for(device) if run == probed else None,
-            )  # fmt: skip
-            if run == probed:
-                workspaces = timing.workspaces
-    if probed is not None:
-        sized = with_workspaces(sized, *workspaces)
+        timing, sized = timed_passes(device, timing_pass, decided if before_timing else None, sized, needs)
     measurement = dataclasses.replace(
         with_times(sized, timing.times),
         input_held_until=rehearsal.input_held_until,

@@ -38,7 +38,9 @@ largest workspace, grown with the work, for every stage (:func:`with_reference_w
 What this leaves: the allocator's peak statistics count from the probe's last operator
 after measuring. The pass that finds the workspaces runs before they are known, kept to
 the budget by the tensors alone: on a model with convolutions the first step (the
-measuring one) can go over its budget by a workspace, the steps after it within it. A
+measuring one) can go over its budget by a workspace, the steps after it within it (a
+pass after the probe's keeps to it with them, and where the probe's pass timed a backward
+that does not fit with them, that is warned: :func:`timed_passes`). A
 group whose backward that pass does not run (it would not fit the budget) is charged the
 largest workspace the pass saw, not its backward's own, which can be larger; with cuDNN's
 benchmark on, that backward's algorithm is chosen at the first planned step, in a
@@ -50,19 +52,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.units import format_bytes
+
 if TYPE_CHECKING:
     from remat.measure.assemble import ChainMeasurement
+    from remat.measure.timing import TimingPass
 
 __all__ = [
     "WorkspaceProbe",
     "allocator_counters",
     "probe_for",
+    "timed_passes",
     "timing_passes",
     "with_reference_workspace",
     "with_workspaces",
@@ -221,3 +228,54 @@ def with_reference_workspace(
     nbytes = math.ceil(largest * max(1.0, work_ratio))
     n_calls = len(measurement.stages)
     return with_workspaces(measurement, [nbytes] * n_calls, [nbytes] * n_calls, nbytes)
+
+
+def timed_passes(
+    device: torch.device,
+    run: Callable[[frozenset[int] | None, WorkspaceProbe | None], TimingPass],
+    decide: Callable[[ChainMeasurement, tuple[int, ...]], frozenset[int] | None] | None,
+    sized: ChainMeasurement,
+    needs: tuple[int, ...],
+) -> tuple[TimingPass, ChainMeasurement]:
+    """Runs the timing pass as often as `device` needs (:func:`timing_passes`), the probe on one.
+
+    Args:
+        device: the device the step runs on.
+        run: runs one pass, timing the backward of the groups it is given (None: all),
+            with the probe it is given, if any.
+        decide: the groups whose backward a pass may time, from the sized measurement and
+            what each group needs with its backward (None: all, with no budget).
+        sized: the sized measurement.
+        needs: what each group needs with its backward, rehearsed on fake tensors.
+
+    Returns:
+        The last pass, and the sized measurement with the workspaces the probe found.
+
+    Once the workspaces are known, the groups are decided again with them: a pass after
+    the probe's keeps to the budget with them. Where the probe's own pass timed a backward
+    that does not fit with them, it went over the budget by them, which is warned.
+    """
+    passes, probed = timing_passes(device)
+    groups = decide(sized, needs) if decide is not None else None
+    for index in range(passes):
+        timing = run(groups, probe_for(device) if index == probed else None)
+        if index != probed:
+            continue
+        forward, backward, largest = timing.workspaces
+        sized = with_workspaces(sized, forward, backward, largest)
+        if decide is None or not sized.profile.metadata.get("workspace_bytes"):
+            continue
+        added = [max([*forward[a:b], *backward[a:b]]) for a, b in sized.groups]
+        again = decide(sized, tuple(need + extra for need, extra in zip(needs, added, strict=True)))
+        ran = set(range(len(needs))) if groups is None else set(groups)
+        over = [g for g in sorted(ran) if again is not None and g not in again]
+        if over:
+            warnings.warn(
+                f"remat: the measuring step went over the budget by up to {format_bytes(max(added[g] for g in over))}: "
+                "workspaces the device's kernels take outside any tensor (cuDNN's), unknown before it ran; "
+                "the steps after it are planned with them (NOTE [device workspaces])",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        groups = again
+    return timing, sized
