@@ -428,16 +428,16 @@ def _sized_measurement(
         return before_timing(sized, tuple(max(need, peak) for need in needs))
 
     def timing_pass(groups: frozenset[int] | None, workspace: WorkspaceProbe | None) -> TimingPass:
-        pass_args, pass_kwargs = isolated_inputs(args, kwargs, copied=changed)
-        return time_groups(
-            model, chain, sized.stages, sized.groups, pass_args, pass_kwargs, device, groups,
-            run_loss=run_loss, policies=policies, workspace=workspace,
-        )  # fmt: skip
+        with preserved_model_state(model, devices), learning_state():  # (the decisions outside it)
+            pass_args, pass_kwargs = isolated_inputs(args, kwargs, copied=changed)
+            return time_groups(
+                model, chain, sized.stages, sized.groups, pass_args, pass_kwargs, device, groups,
+                run_loss=run_loss, policies=policies, workspace=workspace,
+            )  # fmt: skip
 
     # NOTE [a cold device]: a GPU's first call of each kernel and shape takes up to a hundred
     # times its later calls: the pass runs twice (NOTE [device workspaces]), the last one timed.
-    with preserved_model_state(model, devices), learning_state():
-        timing, sized = timed_passes(device, timing_pass, decided if before_timing else None, sized, needs)
+    timing, sized = timed_passes(device, timing_pass, decided if before_timing else None, sized, needs)
     measurement = dataclasses.replace(
         with_times(sized, timing.times),
         input_held_until=rehearsal.input_held_until,
