@@ -39,8 +39,8 @@ class StandInAllocator:
     def restart_peak(self) -> None:
         self.highest = self.live
 
-    def peak(self) -> int:
-        return self.highest
+    def peak_and_allocated(self) -> tuple[int, int]:
+        return self.highest, self.allocated()
 
     def scratch(self, nbytes: int) -> None:
         """A workspace taken and given back inside one call."""

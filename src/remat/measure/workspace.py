@@ -85,22 +85,29 @@ class AllocatorCounters(Protocol):
     def restart_peak(self) -> None:
         """Starts the peak again from what is allocated now."""
 
-    def peak(self) -> int:
-        """The most bytes allocated at once since :meth:`restart_peak`."""
+    def peak_and_allocated(self) -> tuple[int, int]:
+        """The most bytes allocated at once since :meth:`restart_peak`, and bytes allocated now."""
 
 
 class _CudaCounters:
+    """CUDA's caching allocator, read as one nested table per call (``torch.cuda.memory_stats``
+    builds and flattens a table of every statistic for each figure)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def _allocated_bytes(self) -> dict[str, int]:
+        return torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]
+
     def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return int(self._allocated_bytes()["current"])
 
     def restart_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+    def peak_and_allocated(self) -> tuple[int, int]:
+        allocated = self._allocated_bytes()
+        return int(allocated["peak"]), int(allocated["current"])
 
 
 def allocator_counters(device: torch.device) -> AllocatorCounters | None:
@@ -138,7 +145,7 @@ class WorkspaceProbe(TorchDispatchMode):
         live_before = counters.allocated()
         counters.restart_peak()
         out = func(*args, **(kwargs or {}))
-        inside, live_after = counters.peak(), counters.allocated()
+        inside, live_after = counters.peak_and_allocated()
         around = max(live_before, live_after)
         self._peak_live = max(self._peak_live, around)
         self._peak_inside = max(self._peak_inside, inside)
