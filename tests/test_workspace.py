@@ -9,6 +9,7 @@ allocator; the probe reads the stand-in where it would read CUDA's.
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 from typing import Any
 
@@ -320,3 +321,30 @@ def test_a_pass_within_the_budget_with_its_workspaces_is_not_warned(stand_in: St
         _loss(wrapped(x)).backward()
     assert wrapped.plan is not None and wrapped.plan.schedule.profile.metadata["workspace_bytes"] > 0
     assert not [w for w in caught if "went over the budget" in str(w.message)]
+
+
+def test_a_pass_after_the_probes_times_only_the_backwards_that_fit_with_the_workspaces(
+    stand_in: StandInAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = _group_of(_measured()[1], "blocks.2")
+    # as on a GPU: two passes, the probe on the first, whose times are dropped
+    step = importlib.import_module("remat.measure.step")
+    monkeypatch.setattr(workspace, "timing_passes", lambda device: (2, 0))
+    passes: list[tuple[frozenset[int] | None, bool]] = []
+    timed = step.time_groups
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("rehearsal", False) and not kwargs.get("track_all", False):
+            passes.append((args[7], kwargs.get("workspace") is not None))
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(step, "time_groups", noted)
+    model, x = _model_and_input()
+    wrapped = remat.Checkpointable(model, 4 << 20, loss_fn=_loss)
+    with pytest.warns(RuntimeWarning, match="went over the budget"), pytest.raises(remat.BudgetTooSmall):
+        _loss(wrapped(x)).backward()
+    (first, probed), (second, unprobed) = passes
+    assert probed and not unprobed
+    assert first is not None and g in first  # fits by its tensors
+    assert second is not None and g not in second  # not with its 5 MiB workspace
+    assert first - {g} == second
