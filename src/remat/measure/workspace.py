@@ -204,9 +204,8 @@ def with_workspaces(
             metadata for shapes timed from this one, :func:`with_reference_workspace`).
     """
     profile = measurement.profile
-    groups = measurement.groups
-    forward = [max(forward_bytes[a:b], default=0) for a, b in groups]
-    backward = [max(backward_bytes[a:b], default=0) for a, b in groups]
+    forward = _by_group(measurement.groups, forward_bytes)
+    backward = _by_group(measurement.groups, backward_bytes)
     if not any(forward) and not any(backward) and not largest_bytes:
         return measurement
     metadata = {
@@ -221,6 +220,11 @@ def with_workspaces(
         metadata=metadata,
     )
     return dataclasses.replace(measurement, profile=profile)
+
+
+def _by_group(groups: Sequence[tuple[int, int]], per_call: Sequence[int]) -> list[int]:
+    """The largest of each group's stage calls."""
+    return [max(per_call[a:b], default=0) for a, b in groups]
 
 
 def with_reference_workspace(
@@ -272,10 +276,9 @@ def timed_passes(
         sized = with_workspaces(sized, forward, backward, largest)
         if decide is None or not sized.profile.metadata.get("workspace_bytes"):
             continue
-        added = [max([*forward[a:b], *backward[a:b]]) for a, b in sized.groups]
+        added = list(map(max, _by_group(sized.groups, forward), _by_group(sized.groups, backward)))
         again = decide(sized, tuple(need + extra for need, extra in zip(needs, added, strict=True)))
-        ran = set(range(len(needs))) if groups is None else set(groups)
-        over = [g for g in sorted(ran) if again is not None and g not in again]
+        over = sorted(set(range(len(needs)) if groups is None else groups) - again) if again is not None else []
         if over:
             warnings.warn(
                 f"remat: the measuring step went over the budget by up to {format_bytes(max(added[g] for g in over))}: "
