@@ -1,4 +1,4 @@
-"""Capture and replay of random-number-generator and autocast state."""
+"""Capture and replay of random-number-generator, autocast and default-device state."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ from remat.manual._host_generators import HostState
 __all__ = ["ForwardState", "capture_forward_state", "preserved_host_rng", "replay_forward_state"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_CPU = torch.device("cpu")
+
+
+def default_device() -> torch.device:
+    """The device a device-less factory call makes its tensor on, in this thread."""
+    if not torch._C._len_torch_function_stack():
+        return _CPU  # no mode at all, the common case: skip the look through the stack
+    return torch.get_default_device()
 
 
 def _devices_of(values: Iterable[Any]) -> list[torch.device]:
@@ -29,12 +37,24 @@ def _devices_of(values: Iterable[Any]) -> list[torch.device]:
 
 @dataclass
 class ForwardState:
-    """What a forward depended on besides its inputs: RNG states and autocast."""
+    """What a forward depended on besides its inputs: RNG states, autocast, the default device."""
 
     cpu_rng: torch.Tensor | None
     device_rng: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     autocast: dict[str, tuple[bool, torch.dtype, bool]] = field(default_factory=dict)
     host_rng: HostState | None = None  # NOTE [host random numbers]
+    default_device: torch.device = _CPU  # NOTE [the default device in a recompute]
+
+
+# NOTE [the default device in a recompute]
+# A forward run under `torch.set_default_device("cuda")` or `with torch.device("cuda"):`
+# makes its device-less tensors (a causal mask, `torch.ones(n)`, a scalar) on that device.
+# Both are torch-function modes of the thread that set them; the backward of a CUDA graph
+# runs on the autograd engine's own thread, without them, so a recompute there would make
+# those tensors on the CPU and fail (or, where the tensor meets only CPU tensors, differ).
+# The forward's default device is captured with its RNG and set again for the recompute
+# when the recompute's thread has another; torch.utils.checkpoint does so in its
+# non-reentrant mode only.
 
 
 # NOTE [host random numbers]
@@ -123,18 +143,18 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
         )
-    return ForwardState(cpu_rng, device_rng, autocast, host_rng)
+    return ForwardState(cpu_rng, device_rng, autocast, host_rng, default_device())
 
 
 class replay_forward_state:  # noqa: N801 - used as a function returning a context manager
-    """Runs the body with the captured RNG and autocast state; restores the RNG after.
+    """Runs the body with the captured RNG, autocast and default device; restores the RNG after.
 
     Every device type of the capture is put back (torch.random.fork_rng forks one type).
     A class rather than a generator: it runs around every recompute of every block, where
     the generator machinery cost a small block a noticeable share of its step.
     """
 
-    __slots__ = ("_state", "_cpu", "_devices", "_host", "_autocast")
+    __slots__ = ("_state", "_cpu", "_devices", "_host", "_autocast", "_device")
 
     def __init__(self, state: ForwardState) -> None:
         self._state = state
@@ -142,6 +162,7 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
         self._devices: dict[torch.device, torch.Tensor] = {}
         self._host: _HostGeneratorsSetTo | None = None
         self._autocast: list[torch.autocast] = []
+        self._device: torch.device | None = None  # a device context entered, to leave
 
     def __enter__(self) -> None:
         state = self._state
@@ -169,12 +190,18 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
                 context = torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
                 context.__enter__()
                 self._autocast.append(context)
+            if state.default_device != default_device():
+                device = self._device = state.default_device
+                device.__enter__()  # NOTE [the default device in a recompute]
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            device, self._device = self._device, None
+            if device is not None:
+                device.__exit__(None, None, None)
             while self._autocast:
                 self._autocast.pop().__exit__(None, None, None)
         finally:
