@@ -293,6 +293,30 @@ def test_the_function_form_brings_a_block_back_while_the_next_one_runs_backward(
     assert host_memory().fetched_bytes == sent
 
 
+def test_host_copies_are_made_in_host_memory_whatever_the_default_device() -> None:
+    # under torch.set_default_device("cuda") a device-less host buffer would land on the
+    # GPU (and pinning it fails); here the meta device stands in for it: a copy made there
+    # would keep no bytes, and the gradients would come out wrong or fail
+    torch.manual_seed(0)
+    first, second = Block(), Block()
+    x = torch.randn(16, 64, requires_grad=True)
+    torch.manual_seed(1)
+    expected = second(first(x))
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in [*first.parameters(), *second.parameters()]]
+    first.zero_grad(set_to_none=True)
+    second.zero_grad(set_to_none=True)
+    host_memory().reset()
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        y = remat.offload(second, remat.offload(first, x))
+    assert host_memory().sent_bytes > 0
+    y.sum().backward()
+    assert torch.equal(y, expected)
+    grads = [p.grad for p in [*first.parameters(), *second.parameters()]]
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+
+
 def test_marking_for_offload_takes_no_recompute_option() -> None:
     with pytest.raises(RematError, match="recomputes nothing"):
         remat.mark(Block(), offload=True, policy=remat.policies.save_matmuls)

@@ -95,7 +95,7 @@ class _HostCopy:
         nbytes = int(storage.nbytes())
         cuda = tensor.device.type == "cuda"
         with _disable_current_modes():
-            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            self.host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
             # on the device's own stream, after the operation: ordered before any reuse of its memory
             self.host.copy_(_bytes_view(storage, tensor.device), non_blocking=cuda)
         _HOST_MEMORY._add(nbytes)

@@ -185,7 +185,7 @@ def _storage_uses(key: int) -> int:
 def _looked_up_uses() -> int:
     if _USE_COUNT is None:
         return 0
-    probe = torch.empty(1)
+    probe = torch.empty(1, device="cpu")
     return int(_USE_COUNT(storage_key(probe))) - 1
 
 

@@ -87,7 +87,7 @@ class _Entry:
         cuda = self.device.type == "cuda"
         with _disable_current_modes():
             source = _bytes_view(self.device_storage, self.device)
-            host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
+            host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
             self.out_event = _copy_aside(host, source, self.device)
         self.host = host
         self.sent = True
@@ -314,7 +314,7 @@ def offload_time_per_byte_s(device: torch.device | str, *, repeats: int = 5) -> 
     key = str(device)
     if key not in _MEASURED:
         on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-        on_host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+        on_host = torch.empty(PROBE_BYTES, dtype=torch.uint8, device="cpu", pin_memory=True)
         times: dict[str, list[float]] = {"out": [], "back": []}
         for index in range(repeats + 1):
             for direction, (target, source) in (("out", (on_host, on_device)), ("back", (on_device, on_host))):

@@ -30,7 +30,9 @@ def _transformers() -> Any:
 
 
 def _tokens(scale: int, length: int = 32, vocab: int = 256) -> torch.Tensor:
-    return torch.randint(0, vocab, (2 * scale, length * scale), generator=torch.Generator().manual_seed(1))
+    # made on the CPU whatever torch's default device: the generator is the CPU's
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (2 * scale, length * scale), generator=generator, device="cpu")
 
 
 def _config(config_class: Any, overrides: dict[str, Any], **defaults: Any) -> Any:
@@ -133,12 +135,13 @@ def _bart(scale: int, overrides: dict[str, Any]) -> Case:
 
 
 def _images(scale: int, pixels: int) -> torch.Tensor:
-    return torch.randn(2 * scale, 3, pixels, pixels, generator=torch.Generator().manual_seed(2))
+    return torch.randn(2 * scale, 3, pixels, pixels, generator=torch.Generator().manual_seed(2), device="cpu")
 
 
 def _image_classifier(model_class: str, config: Any, scale: int, pixels: int) -> Case:
     """A Hugging Face image classifier, with a batch (of ``2 * scale``) of images of `pixels`."""
-    inputs = {"pixel_values": _images(scale, pixels), "labels": torch.arange(2 * scale) % config.num_labels}
+    labels = torch.arange(2 * scale, device="cpu") % config.num_labels
+    inputs = {"pixel_values": _images(scale, pixels), "labels": labels}
     return lambda: getattr(_transformers(), model_class)(config), inputs
 
 
