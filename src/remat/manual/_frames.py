@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
 from remat.manual import _debug, _selective, _state
+from remat.manual._inherited import InheritedStack
 from remat.manual._outputs import OutputOf, lazy_output, register_outputs
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
@@ -312,32 +313,28 @@ class _Context:
 
 
 class _Stack:
-    """The thread-local stack of active frames, kept in step with the saved-tensor hooks."""
+    """The stack of active frames, kept in step with the saved-tensor hooks; a backward's
+    threads start from the stack of the thread that started it (NOTE [state a backward's
+    threads inherit])."""
 
     def __init__(self) -> None:
-        import threading
-
-        self._local = threading.local()
+        self._stack: InheritedStack[_Context] = InheritedStack("remat.frames")
 
     @property
     def items(self) -> list[_Context]:
-        items = getattr(self._local, "items", None)
-        if items is None:
-            items = self._local.items = []
-        return items
+        return self._stack.items
 
     def top(self) -> _Context | None:
-        items = self.items
-        return items[-1] if items else None
+        return self._stack.top()
 
     def push(self, context: _Context) -> None:
-        self.items.append(context)
+        self._stack.push(context)
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         hooks.__enter__()
         context.hooks = hooks  # type: ignore[attr-defined]
 
     def pop(self) -> None:
-        context = self.items.pop()
+        context = self._stack.pop()
         context.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
 
 

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.errors import NondeterministicRecompute
+from remat.manual._inherited import InheritedStack
 from remat.manual._kept import OpCache, _Kept, strided_storage_keys
 from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
@@ -94,16 +95,18 @@ class _Scope:
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.scopes: list[_Scope] = []
         self.internal = 0
         self.function: str | None = None
         self.explain: Any = None  # remat.manual.explain's observer, while explaining
         self.pending: Any = None  # (key, decision) of the operation the observer sees next
-        self.mode_active = False  # whether the selective mode is on this thread's mode stack
         self.unnumbered_blocks = 0  # see blocks_unnumbered
 
 
 _LOCAL = _Local()
+# The policy blocks running, innermost on top, each pushed with whether the selective mode
+# is on the mode stack; a backward's threads start from the starting thread's (NOTE [state
+# a backward's threads inherit]), as they start from its dispatch modes.
+_SCOPES: InheritedStack[_Scope] = InheritedStack("remat.selective")
 
 
 @contextlib.contextmanager
@@ -270,7 +273,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        scope = _LOCAL.scopes[-1] if _LOCAL.scopes else None
+        scope = _SCOPES.top()
         if _LOCAL.internal:
             return func(*args, **kwargs)
         written = _written(func, args, kwargs)
@@ -278,7 +281,7 @@ class _Mode(TorchDispatchMode):
         if filled:
             return filled[0]
         if written:
-            for recording in _LOCAL.scopes:
+            for recording in _SCOPES:
                 if recording.policy is not None and recording.cache is not None and recording.cache.storages:
                     for tensor in written:
                         recording.cache.changed(tensor)
@@ -296,7 +299,7 @@ class _Mode(TorchDispatchMode):
             if not getattr(func, "is_view", False):
                 if scope is not None and scope.placeholders:
                     scope.check_reads(func, args, kwargs)
-                for recording in _LOCAL.scopes:
+                for recording in _SCOPES:
                     cache = recording.cache
                     if recording.policy is not None and cache is not None and cache.storages is not None:
                         cache.read(args, kwargs)
@@ -327,7 +330,7 @@ class _Mode(TorchDispatchMode):
         cache, policy = scope.cache, scope.policy
         assert cache is not None and policy is not None and scope.block is not None
         if cache.storages is None or any(
-            other.cache is not cache for other in _LOCAL.scopes if other.policy is not None and other.cache is not None
+            other.cache is not cache for other in _SCOPES if other.policy is not None and other.cache is not None
         ):
             return None
         entry = cache.fill_target(args[0], scope.block)
@@ -449,17 +452,17 @@ class _Functions(TorchFunctionMode):
 def _scope(scope: _Scope, functions: bool) -> Iterator[_Scope]:
     stack = contextlib.ExitStack()
     with stack:
-        if scope.block is not None and not _LOCAL.mode_active:
+        mode_active = _SCOPES.flag()
+        if scope.block is not None and not mode_active:
             stack.enter_context(_Mode())
-            stack.callback(setattr, _LOCAL, "mode_active", False)
-            _LOCAL.mode_active = True
+            mode_active = True
         if functions:
             stack.enter_context(_Functions())
-        _LOCAL.scopes.append(scope)
+        _SCOPES.push(scope, mode_active)
         try:
             yield scope
         finally:
-            _LOCAL.scopes.pop()
+            _SCOPES.pop()
             scope.made = None
             if scope.policy is not None and scope.cache is not None and scope.block is not None:
                 with internal():
@@ -499,7 +502,7 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"remat.tag(tensor, name) takes a tensor, got {type(tensor).__name__}")
     target = tensor if tensor._base is None else tensor._base
-    for scope in reversed(_LOCAL.scopes):
+    for scope in _SCOPES:
         if scope.made is None or scope.policy is None or scope.cache is None or scope.block is None:
             continue
         made = scope.made.get(id(target))

@@ -1,0 +1,147 @@
+"""A backward inside a block, run on a thread of its own as autograd runs it on a GPU.
+
+On a GPU autograd runs each backward on the device's thread, handing it a copy of torch's
+per-thread state (saved-tensor hooks, dispatch modes, grad mode, its store of Python
+objects) and nothing else (NOTE [state a backward's threads inherit]). A CPU backward
+runs on the calling thread, so these tests hand the inner backward of a block over to
+another thread the same way. The gradients must be those of plain autograd, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+import remat
+from remat import policies
+from remat.manual import _frames, _selective
+
+pytestmark = pytest.mark.usefixtures("clean_remat_state")
+
+#: the Python objects remat keeps in torch's per-thread store (what autograd hands over)
+_STORED_KEYS = ("remat.frames", "remat.selective")
+
+
+_DEVICE = threading.local()  # whether this thread stands in for a device's
+
+
+def grad_on_another_thread(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """``torch.autograd.grad`` as on a GPU: on the device's thread (a new thread that gets what
+    autograd's device threads get), or right here when called on that thread (a backward
+    started inside a backward runs on the thread that started it)."""
+    if getattr(_DEVICE, "active", False):
+        return torch.autograd.grad(*args, **kwargs)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    modes = _get_current_dispatch_mode_stack()
+    stored = {key: torch._C._get_obj_in_tls(key) for key in _STORED_KEYS if torch._C._is_key_in_tls(key)}
+    grad_enabled = torch.is_grad_enabled()
+    result: list[Any] = []
+
+    def work() -> None:
+        _DEVICE.active = True
+        try:
+            for key, value in stored.items():
+                torch._C._stash_obj_in_tls(key, value)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                if hooks is not None:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+                for mode in modes:
+                    _push_mode(mode)
+                    stack.callback(_pop_mode)
+                result.append(torch.autograd.grad(*args, **kwargs))
+        except BaseException as error:  # raised again on the calling thread
+            result.append(error)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def test_the_stand_in_hands_over_what_it_should() -> None:
+    # the emulation itself: remat's stacks are seen on the other thread as on this one
+    x = torch.randn(3, requires_grad=True)
+    seen: list[Any] = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        y = t.sin()
+        here = _frames._STACK.top()
+        def note(grad: torch.Tensor) -> torch.Tensor:
+            seen.append((here, _frames._STACK.top()))
+            return grad
+
+        handle = y.register_hook(note)
+        grad_on_another_thread(y.sum(), t, create_graph=True)
+        handle.remove()
+        return y
+
+    remat.recompute(block, x).sum().backward()
+    # the first forward's inner backward saw the block's frame (the recompute stops before its own)
+    assert seen and all(here is not None and here is there for here, there in seen)
+
+
+class GradientPenalty(nn.Module):
+    """Its output plus the squared norm of the output's gradient with respect to its input."""
+
+    def __init__(self, width: int, grad: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.grad = grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        y = torch.tanh(self.linear(x))
+        (g,) = self.grad(y.square().sum(), x, create_graph=True)
+        return y + g.square().sum(dim=-1, keepdim=True)
+
+
+LAYOUTS: dict[str, Callable[[nn.ModuleList, torch.Tensor], torch.Tensor]] = {
+    "alone": lambda blocks, x: remat.recompute(blocks[0], x),
+    "nested": lambda blocks, x: remat.recompute(lambda a: remat.recompute(blocks[0], a) * 2, x) / 2,
+    "two_blocks": lambda blocks, x: remat.recompute(blocks[1], remat.recompute(blocks[0], x)),
+    "policy": lambda blocks, x: remat.recompute(blocks[0], x, policy=policies.save_matmuls),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_backward_inside_a_block_on_another_thread_is_exact(layout: str) -> None:
+    torch.manual_seed(0)
+    # every tensor of the same shape: an off-by-some filling is not caught by a shape check
+    blocks = nn.ModuleList(GradientPenalty(5, grad_on_another_thread) for _ in range(2))
+    x = torch.randn(4, 5, requires_grad=True)
+    used = [x, *blocks.parameters()]
+    plain = blocks[1](blocks[0](x)) if layout == "two_blocks" else blocks[0](x)
+    expected = torch.autograd.grad(plain.sin().sum(), used, allow_unused=True)
+    # the whole step's backward on the device's thread too: recomputes run there
+    actual = grad_on_another_thread(LAYOUTS[layout](blocks, x).sin().sum(), used, allow_unused=True)
+    for e, a in zip(expected, actual, strict=True):
+        assert (e is None and a is None) or torch.equal(e, a)
+
+
+def test_a_policy_block_with_a_backward_on_another_thread_numbers_the_same_operations() -> None:
+    w1, w2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def outer(t: torch.Tensor, recomputed: bool) -> torch.Tensor:
+        h = (t @ w1).sin()
+        inner = lambda u: (u @ w2).tanh()  # noqa: E731
+        h2 = remat.recompute(inner, h, policy=policies.save_matmuls) if recomputed else inner(h)
+        (g,) = grad_on_another_thread(h2.sum(), t, create_graph=True)
+        return h2 + g.pow(2).sum()
+
+    expected = torch.autograd.grad(outer(x, False).sum(), [x, w1, w2])
+    for policy in (policies.save_matmuls, policies.recompute_ops("sin")):
+        got = grad_on_another_thread(remat.recompute(outer, x, True, policy=policy).sum(), [x, w1, w2])
+        assert all(torch.equal(e, a) for e, a in zip(expected, got, strict=True))
+    assert not _selective._SCOPES
