@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -10,6 +11,16 @@ import torch
 # One intra-op thread: the tests use small tensors, where thread hand-offs on a shared
 # 2-core machine cost far more than they gain, and results do not depend on thread count.
 torch.set_num_threads(1)
+
+# REMAT_TEST_DEVICE=cuda runs the whole suite with CUDA as torch's default device: every
+# tensor and module a test builds without naming a device lands on the GPU. Deterministic
+# kernels are asked for, so the tests' torch.equal comparisons stay meaningful there.
+TEST_DEVICE = os.environ.get("REMAT_TEST_DEVICE", "")
+if TEST_DEVICE:
+    torch.set_default_device(TEST_DEVICE)
+    if TEST_DEVICE.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 _recompute_module = importlib.import_module("remat.manual._frames")
 _state_module = importlib.import_module("remat.manual._state")
@@ -28,7 +39,7 @@ def remat_leftovers() -> list[str]:
     if _state_module._HOOK_HANDLES or _state_module._LOCAL.scopes:
         leftovers.append("module-state guard still installed")
     local = _selective_module._LOCAL
-    if local.scopes or local.internal or local.mode_active or local.explain is not None or local.function:
+    if _selective_module._SCOPES or local.internal or local.explain is not None or local.function:
         leftovers.append("selective recompute state left on the thread")
     if torch.utils._python_dispatch._get_current_dispatch_mode_stack():
         leftovers.append("a dispatch mode is still active")
