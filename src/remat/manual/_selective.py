@@ -368,6 +368,9 @@ class _Mode(TorchDispatchMode):
     def _replay(self, scope: _Scope, cache: OpCache, index: int, func: Any, args: Any, kwargs: Any) -> Any:
         assert scope.block is not None
         ran = cache.ops.get(scope.block)
+        if ran is not None and index >= len(ran) and _recording(cache, scope.block):
+            # NOTE [replaying a block still in its first forward]
+            return self._run(func, args, kwargs, None, None)
         if ran is not None and (index >= len(ran) or ran[index] is not func):
             raise NondeterministicRecompute(
                 f"operation #{index} of the recomputed block is {func}, the first forward ran "
@@ -433,6 +436,21 @@ class _Mode(TorchDispatchMode):
         if _LOCAL.explain is not None and not _LOCAL.internal:
             _LOCAL.pending = (key, decision)  # for the observer's mode, which sees the op next
         return func(*args, **kwargs)
+
+
+# NOTE [replaying a block still in its first forward]
+# A backward inside a policy block (a gradient penalty) may need tensors its enclosing
+# recomputed block saved a moment ago, before either has returned: the enclosing block is
+# then recomputed from its inputs while the policy block is still recording. That
+# recompute runs the policy block again and goes on past the operations recorded so far,
+# into the inner backward, before it stops. Those operations have nothing kept yet: they
+# simply run (a recompute that keeps nothing is exact), instead of being refused as
+# operations the first forward never ran.
+
+
+def _recording(cache: OpCache, block: int) -> bool:
+    """Whether the first forward of policy block `block` of `cache` is still running."""
+    return any(s.policy is not None and s.cache is cache and s.block == block for s in _SCOPES)
 
 
 class _Functions(TorchFunctionMode):

@@ -76,6 +76,7 @@ def test_the_stand_in_hands_over_what_it_should() -> None:
     def block(t: torch.Tensor) -> torch.Tensor:
         y = t.sin()
         here = _frames._STACK.top()
+
         def note(grad: torch.Tensor) -> torch.Tensor:
             seen.append((here, _frames._STACK.top()))
             return grad
@@ -96,12 +97,13 @@ class GradientPenalty(nn.Module):
     def __init__(self, width: int, grad: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.2)
         self.grad = grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.requires_grad:
             x = x.detach().requires_grad_(True)
-        y = torch.tanh(self.linear(x))
+        y = self.drop(torch.tanh(self.linear(x)))
         (g,) = self.grad(y.square().sum(), x, create_graph=True)
         return y + g.square().sum(dim=-1, keepdim=True)
 
@@ -111,20 +113,35 @@ LAYOUTS: dict[str, Callable[[nn.ModuleList, torch.Tensor], torch.Tensor]] = {
     "nested": lambda blocks, x: remat.recompute(lambda a: remat.recompute(blocks[0], a) * 2, x) / 2,
     "two_blocks": lambda blocks, x: remat.recompute(blocks[1], remat.recompute(blocks[0], x)),
     "policy": lambda blocks, x: remat.recompute(blocks[0], x, policy=policies.save_matmuls),
+    # NOTE [replaying a block still in its first forward]
+    "policy_inside_whole": lambda blocks, x: remat.recompute(
+        lambda a: remat.recompute(blocks[0], a, policy=policies.recompute_ops("tanh")), x
+    ),
+    "policy_inside_policy": lambda blocks, x: remat.recompute(
+        lambda a: remat.recompute(blocks[0], a, policy=policies.save_matmuls), x, policy=policies.save_matmuls
+    ),
+}
+GRADS: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {
+    "same_thread": torch.autograd.grad,
+    "device_thread": grad_on_another_thread,
 }
 
 
+@pytest.mark.parametrize("thread", sorted(GRADS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_backward_inside_a_block_on_another_thread_is_exact(layout: str) -> None:
+def test_a_backward_inside_a_block_is_exact(layout: str, thread: str) -> None:
     torch.manual_seed(0)
+    grad = GRADS[thread]
     # every tensor of the same shape: an off-by-some filling is not caught by a shape check
-    blocks = nn.ModuleList(GradientPenalty(5, grad_on_another_thread) for _ in range(2))
+    blocks = nn.ModuleList(GradientPenalty(5, grad) for _ in range(2))
     x = torch.randn(4, 5, requires_grad=True)
     used = [x, *blocks.parameters()]
+    torch.manual_seed(1)
     plain = blocks[1](blocks[0](x)) if layout == "two_blocks" else blocks[0](x)
     expected = torch.autograd.grad(plain.sin().sum(), used, allow_unused=True)
+    torch.manual_seed(1)
     # the whole step's backward on the device's thread too: recomputes run there
-    actual = grad_on_another_thread(LAYOUTS[layout](blocks, x).sin().sum(), used, allow_unused=True)
+    actual = grad(LAYOUTS[layout](blocks, x).sin().sum(), used, allow_unused=True)
     for e, a in zip(expected, actual, strict=True):
         assert (e is None and a is None) or torch.equal(e, a)
 
