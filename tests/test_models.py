@@ -349,6 +349,17 @@ def test_catalogue_entry_builds_runs_and_trains(name: str) -> None:
     assert all(p.grad is not None for p in chain.parameters())
 
 
+def test_a_batch_is_made_where_the_model_is_built_unless_told_otherwise() -> None:
+    spec = models.CATALOGUE["mlp"]
+    with torch.device("meta"):  # stands in for torch.set_default_device("cuda")
+        model = spec.factory()
+        inputs, target = spec.make_batch(2)
+        cpu_inputs, cpu_target = spec.make_batch(2, "cpu")
+    assert next(model.parameters()).device.type == "meta"
+    assert [t.device.type for t in (*inputs, target)] == ["meta"] * (len(inputs) + 1)
+    assert [t.device.type for t in (*cpu_inputs, cpu_target)] == ["cpu"] * (len(cpu_inputs) + 1)
+
+
 def test_language_model_target_is_the_next_token() -> None:
     spec = models.CATALOGUE["gpt2"]
     (ids,), target = spec.make_batch(3)

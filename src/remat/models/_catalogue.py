@@ -56,17 +56,20 @@ class ModelSpec:
     make_target: Callable[[tuple[Tensor, ...]], Tensor]
     loss_fn: Callable[[Tensor, Tensor], Tensor]
 
-    def make_batch(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[tuple[Tensor, ...], Tensor]:
+    def make_batch(
+        self, batch_size: int, device: torch.device | str | None = None
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
         """Draws one synthetic batch: the model's inputs and the matching target.
 
         Args:
             batch_size: number of samples.
-            device: where to create the tensors.
+            device: where to create the tensors; None (the default): torch's default
+                device, where ``build()`` puts the model's parameters too.
 
         Returns:
             ``(inputs, target)``.
         """
-        inputs = self.make_input(batch_size, torch.device(device))
+        inputs = self.make_input(batch_size, torch.get_default_device() if device is None else torch.device(device))
         return inputs, self.make_target(inputs)
 
 
