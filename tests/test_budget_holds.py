@@ -728,7 +728,7 @@ class _LossModuleLast(nn.Module):
 
 @pytest.mark.parametrize("loss", ["cross entropy", "mean square"])
 def test_a_loss_computed_by_the_last_stage_is_held_through_the_backward(loss: str) -> None:
-    """And on the CPU a mean square loss holds its elementwise buffer (NOTE [losses that keep
+    """And a mean square loss holds its elementwise buffer (NOTE [losses that keep
     their buffer] in remat.storages), which its fake counterpart does not."""
     x = torch.randn(128, 64)
     target = torch.randint(0, 64, (128,)) if loss == "cross entropy" else torch.randn(128, 64)

@@ -343,3 +343,22 @@ def test_a_wrapper_tensor_counts_its_inner_tensors_once() -> None:
         del inner
     assert tracker.peak_bytes == 2 * 64 * 32 * 4, tracker.peak_bytes
     del doubled
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_fake_reduced_loss_is_counted_with_its_elementwise_buffer(device: str) -> None:
+    # NOTE [losses that keep their buffer]: the real loss's scalar lives in its elementwise
+    # buffer (measured on the CPU and on a GPU); its fake counterpart is sized the same,
+    # on any device, and a loss that is not reduced is counted once, as it is
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.storages import buffered_loss_bytes
+
+    mse = torch.ops.aten.mse_loss.default
+    with FakeTensorMode():  # fake CUDA tensors need no GPU
+        x, t = torch.empty(128, 64, device=device), torch.empty(128, 64, device=device)
+        reduced, unreduced = mse(x, t, 1), mse(x, t, 0)
+    assert buffered_loss_bytes(mse, (x, t, 1), reduced) == 128 * 64 * 4
+    assert buffered_loss_bytes(mse, (x, t, 0), unreduced) == 0
+    real = torch.nn.functional.mse_loss(torch.randn(128, 64), torch.randn(128, 64))
+    assert real.untyped_storage().nbytes() == 128 * 64 * 4  # what the rule stands for, on this machine

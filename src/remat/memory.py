@@ -243,7 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         cast = _is_autocast_cast(func, args)
         device_type = self._device_type
         count_fake = self._count_fake
-        buffered = buffered_loss_bytes(func, args, out) if count_fake else 0  # (a fake CPU loss)
+        buffered = buffered_loss_bytes(func, args, out) if count_fake else 0  # (a fake loss)
         for tensor in unwrapped(tree_leaves(out)):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
                 continue
