@@ -22,6 +22,14 @@ if TEST_DEVICE:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
+    class _GeneratorOnTheTestDevice(torch.Generator):
+        """``torch.Generator()`` on the test device, as the tensors it fills are."""
+
+        def __new__(cls, device: str | torch.device | None = None) -> _GeneratorOnTheTestDevice:
+            return super().__new__(cls, TEST_DEVICE if device is None else device)  # type: ignore[call-arg]
+
+    torch.Generator = _GeneratorOnTheTestDevice  # type: ignore[misc, assignment]
+
 _recompute_module = importlib.import_module("remat.manual._frames")
 _state_module = importlib.import_module("remat.manual._state")
 _selective_module = importlib.import_module("remat.manual._selective")

@@ -31,7 +31,7 @@ def _transformers() -> Any:
 
 def _tokens(scale: int, length: int = 32, vocab: int = 256) -> torch.Tensor:
     # made on the CPU whatever torch's default device: the generator is the CPU's
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(device="cpu").manual_seed(1)
     return torch.randint(0, vocab, (2 * scale, length * scale), generator=generator, device="cpu")
 
 
@@ -135,7 +135,8 @@ def _bart(scale: int, overrides: dict[str, Any]) -> Case:
 
 
 def _images(scale: int, pixels: int) -> torch.Tensor:
-    return torch.randn(2 * scale, 3, pixels, pixels, generator=torch.Generator().manual_seed(2), device="cpu")
+    generator = torch.Generator(device="cpu").manual_seed(2)
+    return torch.randn(2 * scale, 3, pixels, pixels, generator=generator, device="cpu")
 
 
 def _image_classifier(model_class: str, config: Any, scale: int, pixels: int) -> Case:
