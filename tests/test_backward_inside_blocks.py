@@ -1,71 +1,27 @@
 """A backward inside a block, run on a thread of its own as autograd runs it on a GPU.
 
 On a GPU autograd runs each backward on the device's thread, handing it a copy of torch's
-per-thread state (saved-tensor hooks, dispatch modes, grad mode, its store of Python
-objects) and nothing else (NOTE [state a backward's threads inherit]). A CPU backward
-runs on the calling thread, so these tests hand the inner backward of a block over to
-another thread the same way. The gradients must be those of plain autograd, bit for bit.
+per-thread state and nothing else (NOTE [state a backward's threads inherit]). A CPU
+backward runs on the calling thread, so these tests hand the backwards over to another
+thread the same way (`tests/device_thread.py`). The gradients must be those of plain
+autograd, bit for bit.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 import remat
+from device_thread import grad_on_another_thread
 from remat import policies
 from remat.manual import _frames, _selective
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
-
-#: the Python objects remat keeps in torch's per-thread store (what autograd hands over)
-_STORED_KEYS = ("remat.frames", "remat.selective")
-
-
-_DEVICE = threading.local()  # whether this thread stands in for a device's
-
-
-def grad_on_another_thread(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-    """``torch.autograd.grad`` as on a GPU: on the device's thread (a new thread that gets what
-    autograd's device threads get), or right here when called on that thread (a backward
-    started inside a backward runs on the thread that started it)."""
-    if getattr(_DEVICE, "active", False):
-        return torch.autograd.grad(*args, **kwargs)
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    modes = _get_current_dispatch_mode_stack()
-    stored = {key: torch._C._get_obj_in_tls(key) for key in _STORED_KEYS if torch._C._is_key_in_tls(key)}
-    grad_enabled = torch.is_grad_enabled()
-    result: list[Any] = []
-
-    def work() -> None:
-        _DEVICE.active = True
-        try:
-            for key, value in stored.items():
-                torch._C._stash_obj_in_tls(key, value)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.set_grad_enabled(grad_enabled))
-                if hooks is not None:
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
-                for mode in modes:
-                    _push_mode(mode)
-                    stack.callback(_pop_mode)
-                result.append(torch.autograd.grad(*args, **kwargs))
-        except BaseException as error:  # raised again on the calling thread
-            result.append(error)
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
 
 
 def test_the_stand_in_hands_over_what_it_should() -> None:

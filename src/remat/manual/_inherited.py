@@ -7,7 +7,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-__all__ = ["InheritedStack"]
+__all__ = ["KEYS", "InheritedStack"]
 
 T = TypeVar("T")
 
@@ -33,6 +33,9 @@ T = TypeVar("T")
 _get = torch._C._get_obj_in_tls
 _stash = torch._C._stash_obj_in_tls
 
+#: the keys of every stack in torch's per-thread store
+KEYS: list[str] = []
+
 
 class _Node(Generic[T]):
     __slots__ = ("value", "below", "flag")
@@ -47,7 +50,9 @@ class InheritedStack(Generic[T]):
     __slots__ = ("_key",)
 
     def __init__(self, key: str) -> None:
+        assert key not in KEYS, f"a second stack under {key!r}"
         self._key = key
+        KEYS.append(key)
 
     def _head(self) -> _Node[T] | None:
         try:
