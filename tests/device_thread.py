@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-from remat.manual._inherited import KEYS
+from remat._inherited import KEYS
 
 __all__ = ["grad_on_another_thread", "on_the_device_thread"]
 

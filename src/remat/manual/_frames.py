@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from remat._inherited import InheritedStack
 from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
 from remat.manual import _debug, _selective, _state
-from remat.manual._inherited import InheritedStack
 from remat.manual._outputs import OutputOf, lazy_output, register_outputs
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained

@@ -50,8 +50,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from remat._inherited import InheritedStack
 from remat.errors import NondeterministicRecompute
-from remat.manual._inherited import InheritedStack
 from remat.manual._kept import OpCache, _Kept, strided_storage_keys
 from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
