@@ -62,7 +62,11 @@ __all__ = ["active_mode", "recompute_with_hooks"]
 # until that forward ends), and from then on the root is marked: its recomputes give
 # what they save to their own graph as well, because the replayed block runs that inner
 # backward again on the recompute's own graph (the tensors then live until the
-# recompute ends). Blocks without an inner backward keep nothing in a recompute's graph.
+# recompute ends). They are given as detached aliases, which autograd joins to its graph
+# again when it unpacks them: a tensor given as itself to the node that made it (tanh keeps
+# its output) would be a reference cycle through autograd's C++ nodes, which the garbage
+# collector cannot see, and every step would leak the block's saved tensors. Blocks
+# without an inner backward keep nothing in a recompute's graph.
 
 
 class _StopRecompute(BaseException):
@@ -365,7 +369,7 @@ def _pack(tensor: torch.Tensor) -> Any:
     if context.mode == "skip":
         if index < len(root.owners):
             root.owners[index] = frame
-        return tensor if root.inner_backward else None
+        return tensor.detach() if root.inner_backward else None
     # fill
     if frame.stop is not None and index >= frame.stop or index >= len(root.handles):
         raise NondeterministicRecompute(
@@ -394,7 +398,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         # Everything this frame must provide is there (children met on the way own the
         # rest): the remainder of the block need not run.
         raise _StopRecompute
-    return tensor if root.inner_backward else None
+    return tensor.detach() if root.inner_backward else None
 
 
 def _unpack(handle: Any) -> torch.Tensor:
