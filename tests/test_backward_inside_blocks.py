@@ -10,6 +10,7 @@ autograd, bit for bit.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -140,3 +141,35 @@ def test_a_backward_inside_a_block_leaves_nothing_alive_after_the_step(layout: s
             gc.collect()
             live.append(tracker.live_bytes)
     assert live == [0, 0, 0]
+
+
+def test_a_thread_leaves_nothing_in_torchs_store_when_its_blocks_are_done() -> None:
+    # NOTE [what torch's per-thread store may hold]: a value left there when a thread ends
+    # can abort a process that exits then
+    from remat._inherited import KEYS
+
+    left: list[list[str]] = []
+
+    def train() -> None:
+        x = torch.randn(8, 8, requires_grad=True)
+        block = GradientPenalty(8, torch.autograd.grad)
+        remat.recompute(block, x, policy=policies.save_matmuls).sum().backward()
+        remat.recompute(lambda t: remat.recompute(block, t), x).sum().backward()
+        left.append([key for key in KEYS if torch._C._is_key_in_tls(key)])
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+    assert left == [[]]
+
+
+def test_hooks_that_cannot_be_entered_leave_no_frame_behind() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with (
+        pytest.raises(RuntimeError, match="no hooks here"),
+        torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"),
+    ):
+        remat.recompute(torch.sin, x)
+    assert _frames._STACK.items == []
+    remat.recompute(torch.cos, x).sum().backward()  # a later block is a root of its own
+    assert x.grad is not None and torch.equal(x.grad, -x.sin())

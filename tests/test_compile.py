@@ -553,3 +553,41 @@ def test_elementwise_saves_keep_a_compiled_plan_eager_only_where_a_stage_makes_t
         _compiled_steps(torch.compile(model, backend="aot_eager"), model, reference, range(2), "aot_eager")
     assert bool(control.plan.schedule.profile.metadata["elementwise_stages"]) is written_out
     assert bool(control._traced.plans) is not written_out
+
+
+def test_compiled_code_reads_remat_state_as_eager_code_does() -> None:
+    # NOTE [what torch's per-thread store may hold]: remat.tag and remat.offload read the
+    # stacks of running blocks; in code Dynamo traces they are read as thread-locals
+    from remat.manual._frames import active_mode
+
+    def tagged(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        remat.tag(y, "a")
+        return y.cos()
+
+    x = torch.randn(4)
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(tagged, backend="eager", fullgraph=fullgraph)(x), tagged(x))
+
+    def mode_code(t: torch.Tensor) -> torch.Tensor:
+        return t + (1 if active_mode() is None else 100)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mode_code, backend="eager")
+    c = torch.zeros(1)
+    assert compiled(c).item() == 1
+    seen: list[tuple[float, float]] = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        seen.append((compiled(c).item(), mode_code(c).item()))
+        return t * 2
+
+    remat.recompute(block, torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen and all(pair == (100, 100) for pair in seen)
+
+    lin = nn.Linear(4, 4)
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.compile(lambda t: remat.offload(lin, t).sum(), backend="eager")(x).backward()
+    assert x.grad is not None

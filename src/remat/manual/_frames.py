@@ -332,10 +332,10 @@ class _Stack:
         return self._stack.top()
 
     def push(self, context: _Context) -> None:
-        self._stack.push(context)
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-        hooks.__enter__()
+        hooks.__enter__()  # first: if it raises, nothing is left pushed
         context.hooks = hooks  # type: ignore[attr-defined]
+        self._stack.push(context)
 
     def pop(self) -> None:
         context = self._stack.pop()

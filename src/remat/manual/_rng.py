@@ -191,8 +191,8 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
                 context.__enter__()
                 self._autocast.append(context)
             if state.default_device != default_device():
-                device = self._device = state.default_device
-                device.__enter__()  # NOTE [the default device in a recompute]
+                state.default_device.__enter__()  # NOTE [the default device in a recompute]
+                self._device = state.default_device  # (left by __exit__ only once entered)
         except BaseException:
             self.__exit__(None, None, None)
             raise
