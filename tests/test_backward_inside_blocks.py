@@ -75,6 +75,12 @@ LAYOUTS: dict[str, Callable[[nn.ModuleList, torch.Tensor], torch.Tensor]] = {
     "policy_inside_whole": lambda blocks, x: remat.recompute(
         lambda a: remat.recompute(blocks[0], a, policy=policies.recompute_ops("tanh")), x
     ),
+    # an operation after the inner block that saves a tensor: the enclosing block's
+    # recompute during the inner backward stops where its first forward has got to
+    "nested_then_saves": lambda blocks, x: remat.recompute(lambda a: remat.recompute(blocks[0], a).sin(), x),
+    "policies_nested_then_save": lambda blocks, x: remat.recompute(
+        lambda a: remat.recompute(blocks[0], a, policy=policies.save_matmuls).sin(), x, policy=policies.save_matmuls
+    ),
     "policy_inside_policy": lambda blocks, x: remat.recompute(
         lambda a: remat.recompute(blocks[0], a, policy=policies.save_matmuls), x, policy=policies.save_matmuls
     ),
@@ -96,6 +102,7 @@ def test_a_backward_inside_a_block_is_exact(layout: str, thread: str) -> None:
     used = [x, *blocks.parameters()]
     torch.manual_seed(1)
     plain = blocks[1](blocks[0](x)) if layout == "two_blocks" else blocks[0](x)
+    plain = plain.sin() if layout.endswith(("then_saves", "then_save")) else plain
     expected = torch.autograd.grad(plain.sin().sum(), used, allow_unused=True)
     torch.manual_seed(1)
     # the whole step's backward on the device's thread too: recomputes run there

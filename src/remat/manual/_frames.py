@@ -59,14 +59,13 @@ __all__ = ["active_mode", "recompute_with_hooks"]
 # penalty, a physics-informed loss, an inner meta-learning step). That backward needs
 # tensors the block saved a moment ago, which are already handles: the root is filled
 # from its kept inputs while its first forward is still running (its inputs are kept
-# until that forward ends), and from then on the root is marked: its recomputes give
-# what they save to their own graph as well, because the replayed block runs that inner
-# backward again on the recompute's own graph (the tensors then live until the
-# recompute ends). They are given as detached aliases, which autograd joins to its graph
-# again when it unpacks them: a tensor given as itself to the node that made it (tanh keeps
-# its output) would be a reference cycle through autograd's C++ nodes, which the garbage
-# collector cannot see, and every step would leak the block's saved tensors. Blocks
-# without an inner backward keep nothing in a recompute's graph.
+# until that forward ends); such a fill stops where the first forward has got to. From
+# then on the root is marked: its recomputes give what they save to their own graph as
+# well, because the replayed block runs that inner backward again on the recompute's own
+# graph (the tensors live until the recompute ends). They are given as detached aliases,
+# which autograd joins to its graph again when it unpacks them: a tensor given as itself to
+# the node that made it (tanh keeps its output) is a reference cycle through C++ nodes the
+# garbage collector cannot see (a leak every step). Other blocks keep nothing there.
 
 
 class _StopRecompute(BaseException):
@@ -370,7 +369,8 @@ def _pack(tensor: torch.Tensor) -> Any:
         if index < len(root.owners):
             root.owners[index] = frame
         return tensor.detach() if root.inner_backward else None
-    # fill
+    if root.stop is None and index >= len(root.handles):  # a fill past where the first forward has
+        raise _StopRecompute  # got to (NOTE [backward inside a block]): nothing more is needed
     if frame.stop is not None and index >= frame.stop or index >= len(root.handles):
         raise NondeterministicRecompute(
             f"the recompute of block {frame.name!r} saved more tensors for backward than the "
