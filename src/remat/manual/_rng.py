@@ -49,9 +49,10 @@ class ForwardState:
 # NOTE [the default device in a recompute]
 # A forward run under `torch.set_default_device("cuda")` or `with torch.device("cuda"):`
 # makes its device-less tensors (a causal mask, `torch.ones(n)`, a scalar) on that device.
-# Both are torch-function modes of the thread that set them; the backward of a CUDA graph
-# runs on the autograd engine's own thread, without them, so a recompute there would make
-# those tensors on the CPU and fail (or, where the tensor meets only CPU tensors, differ).
+# Both are torch-function modes, and a recompute run by autograd does not run under them
+# (on a GPU's backward thread, and on the CPU even with the backward called inside the
+# context): it would make those tensors on the CPU and fail (or, where the tensor meets
+# only CPU tensors, differ).
 # The forward's default device is captured with its RNG and set again for the recompute
 # when the recompute's thread has another; torch.utils.checkpoint does so in its
 # non-reentrant mode only.
