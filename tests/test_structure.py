@@ -13,7 +13,16 @@ PACKAGE = Path(remat.__file__).resolve().parent
 # lower one, never of a higher one (the data flows discover -> measure -> plan -> execute,
 # and measurement runs the executor for its frugal mode, so it sits above it).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("remat.errors", "remat.units", "remat.storages", "remat.sharded", "remat.budget", "remat.memory", "remat.ranks"),
+    (
+        "remat.errors",
+        "remat.units",
+        "remat.storages",
+        "remat.sharded",
+        "remat.budget",
+        "remat.memory",
+        "remat.ranks",
+        "remat._inherited",
+    ),
     ("remat.manual",),
     ("remat.discover",),
     ("remat.plan", "remat.testing"),
