@@ -111,7 +111,9 @@ def test_a_backward_inside_a_block_is_exact(layout: str, thread: str) -> None:
         assert (e is None and a is None) or torch.equal(e, a)
 
 
-def test_a_policy_block_with_a_backward_on_another_thread_numbers_the_same_operations() -> None:
+@pytest.mark.parametrize("thread", sorted(GRADS))
+def test_a_policy_block_with_a_backward_inside_and_a_nested_policy_block_is_exact(thread: str) -> None:
+    grad = GRADS[thread]
     w1, w2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     x = torch.randn(4, 4, requires_grad=True)
 
@@ -119,12 +121,12 @@ def test_a_policy_block_with_a_backward_on_another_thread_numbers_the_same_opera
         h = (t @ w1).sin()
         inner = lambda u: (u @ w2).tanh()  # noqa: E731
         h2 = remat.recompute(inner, h, policy=policies.save_matmuls) if recomputed else inner(h)
-        (g,) = grad_on_another_thread(h2.sum(), t, create_graph=True)
+        (g,) = grad(h2.sum(), t, create_graph=True)
         return h2 + g.pow(2).sum()
 
     expected = torch.autograd.grad(outer(x, False).sum(), [x, w1, w2])
     for policy in (policies.save_matmuls, policies.recompute_ops("sin")):
-        got = grad_on_another_thread(remat.recompute(outer, x, True, policy=policy).sum(), [x, w1, w2])
+        got = grad(remat.recompute(outer, x, True, policy=policy).sum(), [x, w1, w2])
         assert all(torch.equal(e, a) for e, a in zip(expected, got, strict=True))
     assert not _selective._SCOPES
 

@@ -817,23 +817,6 @@ def test_a_kept_output_changed_through_a_tensor_sharing_its_storage_is_computed_
     assert_same(run_step(lambda: step(False), [x, linear.weight]), run_step(lambda: step(True), [x, linear.weight]))
 
 
-def test_a_backward_inside_a_policy_block_with_a_nested_policy_block() -> None:
-    w1, w2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(4, 4, requires_grad=True)
-
-    def outer(t: torch.Tensor, recomputed: bool) -> torch.Tensor:
-        h = (t @ w1).sin()
-        inner = lambda u: (u @ w2).tanh()  # noqa: E731
-        h2 = remat.recompute(inner, h, policy=policies.save_matmuls) if recomputed else inner(h)
-        (g,) = torch.autograd.grad(h2.sum(), t, create_graph=True)
-        return h2 + g.pow(2).sum()
-
-    plain = run_step(lambda: outer(x, False), [x, w1, w2])
-    for policy in (policies.save_matmuls, policies.recompute_ops("sin")):
-        got = run_step(lambda p=policy: remat.recompute(outer, x, True, policy=p), [x, w1, w2])
-        assert_same(plain, got)
-
-
 def test_autocast_casts_taken_from_its_cache_do_not_shift_the_numbering() -> None:
     block = nn.Sequential(nn.Linear(16, 16), nn.GELU())
     x = torch.randn(4, 16, requires_grad=True)
