@@ -30,6 +30,16 @@ if TEST_DEVICE:
 
     torch.Generator = _GeneratorOnTheTestDevice  # type: ignore[misc, assignment]
 
+# REMAT_TEST_BACKWARD_THREAD=1 runs every backward as a GPU's runs: on a thread of its own,
+# handed what autograd hands its device threads (tests/device_thread.py).
+if os.environ.get("REMAT_TEST_BACKWARD_THREAD"):
+    import functools
+
+    from device_thread import on_the_device_thread
+
+    torch.autograd.backward = functools.partial(on_the_device_thread, torch.autograd.backward)
+    torch.autograd.grad = functools.partial(on_the_device_thread, torch.autograd.grad)
+
 _recompute_module = importlib.import_module("remat.manual._frames")
 _state_module = importlib.import_module("remat.manual._state")
 _selective_module = importlib.import_module("remat.manual._selective")
@@ -47,7 +57,7 @@ def remat_leftovers() -> list[str]:
     if _state_module._HOOK_HANDLES or _state_module._LOCAL.scopes:
         leftovers.append("module-state guard still installed")
     local = _selective_module._LOCAL
-    if _selective_module._SCOPES or local.internal or local.explain is not None or local.function:
+    if _selective_module._SCOPES or _selective_module._EXPLAINING or local.internal or local.function:
         leftovers.append("selective recompute state left on the thread")
     if torch.utils._python_dispatch._get_current_dispatch_mode_stack():
         leftovers.append("a dispatch mode is still active")

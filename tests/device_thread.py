@@ -1,9 +1,9 @@
 """A backward run on a thread of its own, as autograd runs a GPU's (for tests on the CPU).
 
 On a GPU autograd runs each backward on the device's thread, handing it a copy of torch's
-per-thread state: grad mode, saved-tensor hooks, dispatch modes, and its store of Python
-objects (where remat keeps its stacks, NOTE [state a backward's threads inherit]); Python's
-thread-locals stay behind. A backward started on that thread (inside a backward) runs there.
+per-thread state: grad mode, autocast, saved-tensor hooks, dispatch modes, and its store of
+Python objects (where remat keeps its stacks, NOTE [state a backward's threads inherit]);
+Python's thread-locals stay behind. A backward started on that thread (inside a backward) runs there.
 """
 
 from __future__ import annotations
@@ -32,15 +32,24 @@ def on_the_device_thread(function: Callable[..., Any], *args: Any, **kwargs: Any
     modes = _get_current_dispatch_mode_stack()
     stored = {key: torch._C._get_obj_in_tls(key) for key in KEYS if torch._C._is_key_in_tls(key)}
     grad_enabled = torch.is_grad_enabled()
+    autocast = {
+        device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        for device_type in ("cpu", "cuda")
+    }
+    threads = torch.get_num_threads()  # (a setting of each thread's: a new one has the default)
     result: list[Any] = []
 
     def work() -> None:
         _DEVICE.active = True
+        torch.set_num_threads(threads)
         try:
             for key, value in stored.items():
                 torch._C._stash_obj_in_tls(key, value)
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                for device_type, (enabled, dtype) in autocast.items():
+                    if enabled:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 if hooks is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
                 for mode in modes:

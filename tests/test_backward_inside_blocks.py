@@ -9,6 +9,7 @@ autograd, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import remat
-from device_thread import grad_on_another_thread
+from device_thread import grad_on_another_thread, on_the_device_thread
 from remat import policies
 from remat.manual import _frames, _selective
 
@@ -182,3 +183,27 @@ def test_hooks_that_cannot_be_entered_leave_no_frame_behind() -> None:
     assert _frames._STACK.items == []
     remat.recompute(torch.cos, x).sum().backward()  # a later block is a root of its own
     assert x.grad is not None and torch.equal(x.grad, -x.sin())
+
+
+def test_explain_sees_the_recompute_when_the_backward_runs_on_the_device_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # remat.explain's observer is inherited by a backward's thread as the stacks are
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 16), nn.LayerNorm(16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def table() -> list[tuple[str, str, str, int]]:
+        torch.manual_seed(1)
+        explanation = remat.explain(model, x, policy=policies.save_matmuls)
+        return [(o.phase, o.op, o.status, o.reruns) for o in explanation.ops]
+
+    here = table()
+    for name in ("backward", "grad"):
+        monkeypatch.setattr(
+            torch.autograd, name, functools.partial(on_the_device_thread, getattr(torch.autograd, name))
+        )
+    there = table()
+    gelu = [row for row in there if row[0] == "forward" and row[1] == "aten.gelu.default"]
+    assert gelu and gelu[0][3] == 1  # run again once in the recompute, which runs on the other thread
+    assert there == here

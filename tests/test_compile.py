@@ -591,3 +591,26 @@ def test_compiled_code_reads_remat_state_as_eager_code_does() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     torch.compile(lambda t: remat.offload(lin, t).sum(), backend="eager")(x).backward()
     assert x.grad is not None
+
+
+def test_a_recompute_on_a_backward_thread_runs_compiled_blocks_as_the_forward_did() -> None:
+    # NOTE [compiled code in a recompute]: under a dispatch mode (the tracker here) the
+    # forward runs the compiled blocks eagerly; a GPU's backward thread would run their
+    # compiled code in the recompute, which saves other tensors
+    from device_thread import on_the_device_thread
+
+    model, reference = Stack(_blocks()), Stack(_blocks())
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    wrapped = remat.Checkpointable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    x = torch.randn(32, 16)
+    for step in range(3):
+        torch.manual_seed(step)
+        reference(x).pow(2).mean().backward()
+        torch.manual_seed(step)
+        with remat.MemoryTracker() if step == 2 else contextlib.nullcontext():
+            loss = wrapped(x).pow(2).mean()
+            on_the_device_thread(torch.autograd.backward, loss)
+        for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+            _assert_same("aot_eager", expected.grad, actual.grad, f"step {step}: gradient of {name}")
+    assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_leaves
 
 from remat.manual import _host_generators as host_generators
@@ -44,6 +45,25 @@ class ForwardState:
     autocast: dict[str, tuple[bool, torch.dtype, bool]] = field(default_factory=dict)
     host_rng: HostState | None = None  # NOTE [host random numbers]
     default_device: torch.device = _CPU  # NOTE [the default device in a recompute]
+    compile_skipped: bool = False  # NOTE [compiled code in a recompute]
+
+
+# NOTE [compiled code in a recompute]
+# While a dispatch mode is active (remat's tracker, a FLOP counter), Dynamo runs compiled
+# functions eagerly. That holds on the thread that entered the mode only: a GPU's backward
+# thread runs the compiled code of the same function, whose saved tensors differ from the
+# eager forward's (the recompute is refused as nondeterministic). Whether Dynamo stood
+# aside in the forward is captured, and a recompute then runs under the "force_eager"
+# stance (torch.compiler.set_stance), as the forward ran. The stance is the process's:
+# while such a recompute runs, compiled code elsewhere runs eagerly too (exactly).
+
+
+def _compile_skipped() -> bool:
+    """Whether Dynamo runs compiled functions eagerly here, for an active dispatch mode."""
+    check = getattr(_python_dispatch, "is_in_any_mode_without_ignore_compile_internals", None)
+    if check is None:  # (an older torch: any mode but torch's own)
+        return _python_dispatch.is_in_torch_dispatch_mode(include_infra_modes=False)
+    return bool(check())
 
 
 # NOTE [the default device in a recompute]
@@ -144,7 +164,7 @@ def capture_forward_state(values: Iterable[Any], *, preserve_rng_state: bool) ->
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
         )
-    return ForwardState(cpu_rng, device_rng, autocast, host_rng, default_device())
+    return ForwardState(cpu_rng, device_rng, autocast, host_rng, default_device(), _compile_skipped())
 
 
 class replay_forward_state:  # noqa: N801 - used as a function returning a context manager
@@ -155,7 +175,7 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
     the generator machinery cost a small block a noticeable share of its step.
     """
 
-    __slots__ = ("_state", "_cpu", "_devices", "_host", "_autocast", "_device")
+    __slots__ = ("_state", "_cpu", "_devices", "_host", "_autocast", "_device", "_stance")
 
     def __init__(self, state: ForwardState) -> None:
         self._state = state
@@ -164,6 +184,7 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
         self._host: _HostGeneratorsSetTo | None = None
         self._autocast: list[torch.autocast] = []
         self._device: torch.device | None = None  # a device context entered, to leave
+        self._stance: Any = None  # the "force_eager" stance entered, to leave
 
     def __enter__(self) -> None:
         state = self._state
@@ -194,12 +215,19 @@ class replay_forward_state:  # noqa: N801 - used as a function returning a conte
             if state.default_device != default_device():
                 state.default_device.__enter__()  # NOTE [the default device in a recompute]
                 self._device = state.default_device  # (left by __exit__ only once entered)
+            if state.compile_skipped:  # NOTE [compiled code in a recompute]
+                stance = torch.compiler.set_stance("force_eager")
+                stance.__enter__()
+                self._stance = stance
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            stance, self._stance = self._stance, None
+            if stance is not None:
+                stance.__exit__(None, None, None)
             device, self._device = self._device, None
             if device is not None:
                 device.__exit__(None, None, None)

@@ -97,7 +97,6 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.internal = 0
         self.function: str | None = None
-        self.explain: Any = None  # remat.manual.explain's observer, while explaining
         self.pending: Any = None  # (key, decision) of the operation the observer sees next
         self.unnumbered_blocks = 0  # see blocks_unnumbered
 
@@ -107,6 +106,8 @@ _LOCAL = _Local()
 # is on the mode stack; a backward's threads start from the starting thread's (NOTE [state
 # a backward's threads inherit]), as they start from its dispatch modes.
 _SCOPES: InheritedStack[_Scope] = InheritedStack("remat.selective")
+#: remat.explain's observers, the innermost on top (inherited as the scopes are)
+_EXPLAINING: InheritedStack[Any] = InheritedStack("remat.explain")
 
 
 @contextlib.contextmanager
@@ -139,18 +140,20 @@ def is_internal() -> bool:
 
 
 def explain_observer() -> Any:
-    """The observer of :func:`remat.explain` on this thread, if one is running."""
-    return _LOCAL.explain
+    """The observer of :func:`remat.explain` on this thread (or the thread that started
+    this backward), if one is running."""
+    return _EXPLAINING.top()
 
 
 @contextlib.contextmanager
 def observed_by(observer: Any) -> Iterator[None]:
     """Numbers every recomputed block (even whole-block ones) and reports to `observer`."""
-    previous, _LOCAL.explain = _LOCAL.explain, observer
+    _EXPLAINING.push(observer)
     try:
         yield
     finally:
-        _LOCAL.explain, _LOCAL.pending = previous, None
+        _EXPLAINING.pop()
+        _LOCAL.pending = None
 
 
 def take_pending() -> Any:
@@ -163,7 +166,7 @@ def numbers(policy: Policy) -> bool:
     """Whether a block with `policy` is a numbered policy block (see NOTE [selective recompute])."""
     if _LOCAL.unnumbered_blocks:
         return False
-    return not policy.recomputes_everything or _LOCAL.explain is not None
+    return not policy.recomputes_everything or _EXPLAINING.top() is not None
 
 
 @contextlib.contextmanager
@@ -392,8 +395,8 @@ class _Mode(TorchDispatchMode):
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         scope.placeholders[storage_key(t)] = weakref.ref(t)
-            elif _LOCAL.explain is not None:
-                _LOCAL.explain.on_served(func, out, (id(cache), scope.block, index))
+            elif (observer := _EXPLAINING.top()) is not None:
+                observer.on_served(func, out, (id(cache), scope.block, index))
             return out
         if kept is not None:
             cache.drop(scope.block, index)  # changed in place after the block returned
@@ -418,8 +421,8 @@ class _Mode(TorchDispatchMode):
                     cache.closed(inputs)
                     kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
-                if _LOCAL.explain is not None:
-                    _LOCAL.explain.on_kept(cache, (scope.block, index))
+                if (observer := _EXPLAINING.top()) is not None:
+                    observer.on_kept(cache, (scope.block, index))
         elif scope.made is not None:
             leaves = tree_leaves(out)
             if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
@@ -433,7 +436,7 @@ class _Mode(TorchDispatchMode):
 
     @staticmethod
     def _run(func: Any, args: Any, kwargs: Any, key: tuple[int, int, int] | None, decision: Any) -> Any:
-        if _LOCAL.explain is not None and not _LOCAL.internal:
+        if not _LOCAL.internal and _EXPLAINING.top() is not None:
             _LOCAL.pending = (key, decision)  # for the observer's mode, which sees the op next
         return func(*args, **kwargs)
 
@@ -535,8 +538,8 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
             with internal():
                 value = outputs[0] if bare else tuple(outputs)
                 scope.cache.keep(scope.block, index, _Kept(op, value, rng, decision.offloads))
-            if _LOCAL.explain is not None:
-                _LOCAL.explain.on_kept(scope.cache, (scope.block, index))
+            if (observer := _EXPLAINING.top()) is not None:
+                observer.on_kept(scope.cache, (scope.block, index))
         break
     return tensor
 
