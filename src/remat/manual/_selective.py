@@ -108,6 +108,7 @@ _LOCAL = _Local()
 _SCOPES: InheritedStack[_Scope] = InheritedStack("remat.selective")
 #: remat.explain's observers, the innermost on top (inherited as the scopes are)
 _EXPLAINING: InheritedStack[Any] = InheritedStack("remat.explain")
+_RUNNING_EXPLAINS = [0]  # in every thread: while none runs, the stack is not read (per operation)
 
 
 @contextlib.contextmanager
@@ -142,16 +143,18 @@ def is_internal() -> bool:
 def explain_observer() -> Any:
     """The observer of :func:`remat.explain` on this thread (or the thread that started
     this backward), if one is running."""
-    return _EXPLAINING.top()
+    return _EXPLAINING.top() if _RUNNING_EXPLAINS[0] else None
 
 
 @contextlib.contextmanager
 def observed_by(observer: Any) -> Iterator[None]:
     """Numbers every recomputed block (even whole-block ones) and reports to `observer`."""
     _EXPLAINING.push(observer)
+    _RUNNING_EXPLAINS[0] += 1
     try:
         yield
     finally:
+        _RUNNING_EXPLAINS[0] -= 1
         _EXPLAINING.pop()
         _LOCAL.pending = None
 
@@ -166,7 +169,7 @@ def numbers(policy: Policy) -> bool:
     """Whether a block with `policy` is a numbered policy block (see NOTE [selective recompute])."""
     if _LOCAL.unnumbered_blocks:
         return False
-    return not policy.recomputes_everything or _EXPLAINING.top() is not None
+    return not policy.recomputes_everything or explain_observer() is not None
 
 
 @contextlib.contextmanager
@@ -395,7 +398,7 @@ class _Mode(TorchDispatchMode):
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         scope.placeholders[storage_key(t)] = weakref.ref(t)
-            elif (observer := _EXPLAINING.top()) is not None:
+            elif (observer := explain_observer()) is not None:
                 observer.on_served(func, out, (id(cache), scope.block, index))
             return out
         if kept is not None:
@@ -421,7 +424,7 @@ class _Mode(TorchDispatchMode):
                     cache.closed(inputs)
                     kept = _Kept(func, out, _rng_state(out) if random else None, decision.offloads, inputs)
                     cache.keep(scope.block, index, kept)
-                if (observer := _EXPLAINING.top()) is not None:
+                if (observer := explain_observer()) is not None:
                     observer.on_kept(cache, (scope.block, index))
         elif scope.made is not None:
             leaves = tree_leaves(out)
@@ -436,7 +439,7 @@ class _Mode(TorchDispatchMode):
 
     @staticmethod
     def _run(func: Any, args: Any, kwargs: Any, key: tuple[int, int, int] | None, decision: Any) -> Any:
-        if not _LOCAL.internal and _EXPLAINING.top() is not None:
+        if _RUNNING_EXPLAINS[0] and not _LOCAL.internal and _EXPLAINING.top() is not None:
             _LOCAL.pending = (key, decision)  # for the observer's mode, which sees the op next
         return func(*args, **kwargs)
 
@@ -538,7 +541,7 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
             with internal():
                 value = outputs[0] if bare else tuple(outputs)
                 scope.cache.keep(scope.block, index, _Kept(op, value, rng, decision.offloads))
-            if (observer := _EXPLAINING.top()) is not None:
+            if (observer := explain_observer()) is not None:
                 observer.on_kept(scope.cache, (scope.block, index))
         break
     return tensor
