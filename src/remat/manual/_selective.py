@@ -279,9 +279,9 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        scope = _SCOPES.top()
         if _LOCAL.internal:
             return func(*args, **kwargs)
+        scope = _SCOPES.top()
         written = _written(func, args, kwargs)
         filled = self._filling(scope, func, args, kwargs, written) if written else None
         if filled:
