@@ -508,50 +508,6 @@ def test_frugal_measurement_refuses_a_changed_chain_input_and_leaves_it_untouche
     assert torch.equal(x, before) and x._version == version
 
 
-# ------------------------------------------------------------------ backward inside the block
-class GradientPenalty(nn.Module):
-    """Returns its output plus the squared norm of the output's gradient w.r.t. its input."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.requires_grad:
-            x = x.detach().requires_grad_(True)
-        y = torch.tanh(self.linear(x))
-        (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
-        return y + grad.square().sum(dim=-1, keepdim=True)
-
-
-@pytest.mark.parametrize("layout", ["alone", "nested", "marked", "two_blocks"])
-def test_backward_inside_the_block_is_exact(layout: str) -> None:
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(GradientPenalty(5) for _ in range(2))
-    x = torch.randn(4, 5, requires_grad=True)
-
-    def forward(recompute: bool) -> torch.Tensor:
-        if not recompute:
-            return blocks[1](blocks[0](x)) if layout == "two_blocks" else blocks[0](x)
-        if layout == "alone":
-            return remat.recompute(blocks[0], x)
-        if layout == "nested":
-            return remat.recompute(lambda a: remat.recompute(blocks[0], a) * 2, x) / 2
-        if layout == "marked":
-            remat.mark(blocks[0])
-            try:
-                return blocks[0](x)
-            finally:
-                remat.unmark(blocks[0])
-        return remat.recompute(blocks[1], remat.recompute(blocks[0], x))
-
-    used = [x, *(blocks if layout == "two_blocks" else blocks[:1]).parameters()]
-    expected = torch.autograd.grad(forward(False).sin().sum(), used)
-    actual = torch.autograd.grad(forward(True).sin().sum(), used)
-    for e, a in zip(expected, actual):
-        assert torch.equal(e, a)
-
-
 # ------------------------------------------------------------------ bad input
 def test_checkpointable_refuses_what_is_not_a_module() -> None:
     with pytest.raises(TypeError, match="Checkpointable wraps an nn.Module, got function"):
