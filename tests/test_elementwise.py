@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -120,8 +121,9 @@ def test_a_hugging_face_gpt2_trains_exactly() -> None:
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     # per block: the GELU's two factors and its product (through the view its projection saves),
-    # and the attention's dropout output (through its view)
-    assert state.tensors_recomputed == 2 * 4
+    # the attention's dropout output (through its view) and its two layer norms' outputs; and the
+    # final layer norm's output
+    assert state.tensors_recomputed == 2 * 6 + 1
 
 
 def test_backward_runs_exactly_the_operations_of_the_recipes_it_reads() -> None:
@@ -184,6 +186,59 @@ def test_transcendental_operations_are_kept_unless_named() -> None:
         out = (torch.tanh(x * x) * x).sum()
     out.backward()
     assert state.tensors_recomputed >= 1
+
+
+class _NormThenProject(nn.Module):
+    """A layer norm whose output only the next projection saves (as in a transformer block)."""
+
+    def __init__(self, width: int = 32, affine: bool = True, frozen: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, elementwise_affine=affine)
+        self.project = nn.Linear(width, width)
+        self.norm.requires_grad_(not frozen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.project(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("options", "recomputed"),
+    [({}, 2), ({"affine": False}, 2), ({"frozen": True}, 2)],
+    ids=["affine", "no-affine", "frozen-weights"],
+)
+def test_layer_norm_outputs_are_made_again_from_the_input_it_keeps(options: dict, recomputed: int) -> None:
+    # NOTE [layer norms made again]: the norm keeps its input; its output is the projection's
+    # to keep. A frozen norm's weight is no trained parameter, but the norm keeps it too.
+    torch.manual_seed(4)
+    model = nn.Sequential(_NormThenProject(**options), _NormThenProject(**options))
+    state = _assert_exact(model, torch.randn(8, 32, requires_grad=True))
+    assert state.tensors_recomputed == recomputed
+    assert state.saved_bytes_recomputed == recomputed * 8 * 32 * 4
+
+
+def test_layer_norm_outputs_are_kept_when_the_operations_leave_it_out() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(_NormThenProject(), _NormThenProject())
+    names = remat.manual.elementwise.CHEAP_OPERATIONS - {"native_layer_norm"}
+    state = _assert_exact(model, torch.randn(8, 32, requires_grad=True), operations=names)
+    assert state.tensors_recomputed == 0
+
+
+def test_double_backward_goes_through_a_recomputed_layer_norm() -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(_NormThenProject(), _NormThenProject())
+    x = torch.randn(4, 32, requires_grad=True)
+
+    def penalty(elementwise: bool) -> list[torch.Tensor]:
+        m = copy.deepcopy(model)
+        with remat.recompute_elementwise() if elementwise else contextlib.nullcontext():
+            out = m(x).square().sum()
+        (grad_x,) = torch.autograd.grad(out, x, create_graph=True)
+        grad_x.square().sum().backward()
+        return [p.grad for p in m.parameters()]
+
+    for a, b in zip(penalty(False), penalty(True), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_changed_input_of_a_recipe_raises_as_autograd_does() -> None:
@@ -452,6 +507,36 @@ def test_planned_with_elementwise_the_prediction_is_the_measured_peak_and_gradie
         assert any(count == 1 for count in plan.forward_counts)
 
 
+class _NormedFusedMlp(nn.Module):
+    """A pre-norm block with a GELU of one operation: its norm's output is all it leaves to backward."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("fraction", [0.5, "min"])
+def test_planned_with_elementwise_makes_layer_norm_outputs_again(fraction: object) -> None:
+    # NOTE [layer norms made again]: blocks with a fused GELU (BERT's, ViT's) leave their norm's output
+    torch.manual_seed(9)
+    model, x = nn.Sequential(*[_NormedFusedMlp() for _ in range(6)]), torch.randn(32, 32)
+    loss, grads, plain_peak = _plain_peak(model, x)
+    budget = fraction if fraction == "min" else int(fraction * plain_peak)  # type: ignore[operator]
+    planned, planned_loss, peak = _planned_steps(copy.deepcopy(model), x, budget, True)
+    assert torch.equal(loss, planned_loss)
+    for a, b in zip(grads, planned.parameters(), strict=True):
+        assert torch.equal(a, b.grad)
+    plan = planned.plan
+    assert peak == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert list(plan.schedule.profile.metadata["elementwise_stages"]) == list(range(6))
+    without, _, _ = _planned_steps(copy.deepcopy(model), x, budget, False, steps=1)
+    stored = [p.plan.measurement.profile.saved_bytes[0] for p in (without, planned)]  # type: ignore[union-attr]
+    assert stored[0] - stored[1] == 32 * 32 * 4  # the norm's output
+
+
 def test_planned_with_elementwise_recomputes_fewer_stages_at_the_same_budget() -> None:
     model, x = _planned_case()
     _, _, plain_peak = _plain_peak(model, x)
@@ -573,7 +658,7 @@ def test_a_recipe_finds_what_was_saved_when_ids_are_taken_again(monkeypatch: pyt
     # one key: the replays must still make again what the measuring step made again.
     from remat.manual.elementwise import filling
 
-    monkeypatch.setattr(remat.manual.elementwise, "_key", lambda tensor: 0 if filling() else id(tensor))
+    monkeypatch.setattr(remat.manual._recipes, "_key", lambda tensor: 0 if filling() else id(tensor))
     model, ids = _tiny_gpt2(4, 64)
     planned = remat.Checkpointable(model, "min", elementwise=True)
     for _ in range(2):

@@ -41,6 +41,17 @@ while it is still alive): autograd raises for the same changes. A change of a te
 between its making and its use by the recipe's next operation is followed through its
 version: the recipe then goes back to how it was made.
 
+NOTE [layer norms made again]
+A layer norm keeps its input (with its mean and inverse deviation) for its own backward, and
+the projection after it keeps its output: two tensors of the same size where one suffices,
+and the norm costs about three passes over memory, as cheap as the operations above. So
+``native_layer_norm`` is in :data:`CHEAP_OPERATIONS` too, though not elementwise: its output
+is noted as made by the norm run again for its first output (``_FirstOutput``), from its
+input, weight and bias, which autograd keeps anyway. The same kernel on the same tensors
+gives the same bits (each row is reduced alone, on a CPU and on CUDA, so neither the thread
+count nor the device's scheduling changes it). On a transformer block that is its two norms'
+outputs: on the planner benchmark's GPT-2, 2 of the 41 MiB each block keeps.
+
 NOTE [versions of tensors saved through hooks]
 Autograd checks that a saved tensor was not changed in place before backward reads it only
 when it holds the tensor itself; a tensor saved through ``saved_tensors_hooks`` is not
@@ -86,8 +97,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.errors import RecomputeInputModified
+from remat.manual import _recipes
+from remat.manual._recipes import _Argument, _FirstOutput, _Kept, _Made, _Recipe, _Step
 
 __all__ = [
+    "CHEAP_NORMALISATIONS",
     "CHEAP_OPERATIONS",
     "ElementwiseRecompute",
     "filling",
@@ -98,7 +112,7 @@ __all__ = [
 #: Elementwise operations cheap enough to run again in backward: arithmetic, comparisons,
 #: selections, clamps and casts on one device (``_to_copy``, what autocast runs), by ATen
 #: name (each costs about one pass over memory on a CPU, where a ``tanh``, ``exp`` or
-#: ``erf`` costs twenty).
+#: ``erf`` costs twenty), and the layer norm (NOTE [layer norms made again]).
 CHEAP_OPERATIONS = frozenset(
     {
         "_to_copy", "abs", "add", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "clamp",
@@ -106,84 +120,16 @@ CHEAP_OPERATIONS = frozenset(
         "leaky_relu", "logical_and", "logical_not", "logical_or", "lt", "masked_fill",
         "maximum", "minimum", "mul", "ne", "neg", "pow", "reciprocal", "relu", "rsqrt", "rsub",
         "sign", "sqrt", "square", "sub", "threshold", "where",
+        "native_layer_norm",
     }
 )  # fmt: skip
 
-
-class _Made:
-    """How a tensor was made: one elementwise operation and its (flat) arguments."""
-
-    __slots__ = ("operation", "args", "kwargs", "version")
-
-    def __init__(self, operation: Any, args: tuple[Any, ...], kwargs: dict[str, Any], version: int) -> None:
-        self.operation = operation
-        self.args = args  # a tensor argument is an _Argument
-        self.kwargs = kwargs
-        self.version = version  # the output's version when made: a later in-place change makes this stale
+#: Operations in :data:`CHEAP_OPERATIONS` that are not elementwise but as cheap: a layer
+#: norm reads its input twice and writes its output once (NOTE [layer norms made again]).
+CHEAP_NORMALISATIONS = frozenset({"native_layer_norm"})
 
 
-class _Argument:
-    """A tensor argument of a noted operation: the tensor (weakly), its version then, how it was made."""
-
-    __slots__ = ("key", "ref", "version", "made")
-
-    def __init__(self, tensor: torch.Tensor, made: _Made | None) -> None:
-        self.key = _key(tensor)
-        self.ref = weakref.ref(tensor)  # the one weak reference to it, so also its identity once dead
-        self.version = tensor._version
-        self.made = made
-
-
-class _Step:
-    """One operation of a recipe: its arguments are tensors, values, or steps run before it."""
-
-    __slots__ = ("operation", "args", "kwargs")
-
-    def __init__(self, operation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.operation = operation
-        self.args = args
-        self.kwargs = kwargs
-
-
-class _Recipe:
-    """What autograd holds in place of a saved tensor: how to make it again."""
-
-    __slots__ = ("owner", "step", "view", "tensors", "ref", "version", "changed", "__weakref__")
-
-    def __init__(
-        self,
-        owner: ElementwiseRecompute,
-        step: _Step,
-        tensors: list[tuple[torch.Tensor, int]],
-        tensor: torch.Tensor,
-        view: bool,
-    ) -> None:
-        self.owner = owner
-        self.step = step
-        # a view of what the recipe makes: its size, strides and offset
-        self.view = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()) if view else None
-        self.tensors = tensors  # each tensor read, with the version the recipe needs
-        self.ref = weakref.ref(tensor)
-        self.version = tensor._version
-        self.changed = False
-
-
-class _Kept:
-    """A tensor saved as it is: what holds it, and its version then.
-
-    Under other hooks (`value` is what they packed), the tensor itself is held too: recipes
-    read it. Its memory is the same but for hooks that move what they pack elsewhere.
-    """
-
-    __slots__ = ("value", "tensor", "version")
-
-    def __init__(self, value: Any, tensor: torch.Tensor) -> None:
-        self.value = value
-        self.tensor = tensor
-        self.version = tensor._version
-
-
-_OTHER, _WRITES, _ELEMENTWISE, _CAST = range(4)
+_OTHER, _WRITES, _ELEMENTWISE, _CAST, _NORMALISATION = range(5)
 _NOTED_TYPES = (torch.Tensor, FakeTensor)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _LOCAL = threading.local()
@@ -196,6 +142,7 @@ class _Noting(TorchDispatchMode):
         super().__init__()
         self.owner = owner
         self.kinds = owner.kinds
+        self.firsts = owner.firsts
 
     def _kind(self, func: Any) -> int:
         if func._schema.is_mutable:
@@ -204,6 +151,9 @@ class _Noting(TorchDispatchMode):
             kind = _OTHER
         elif torch.Tag.pointwise in func.tags:
             kind = _ELEMENTWISE
+        elif func._opname in CHEAP_NORMALISATIONS and func._overloadname == "default":
+            kind = _NORMALISATION
+            self.firsts[func] = _FirstOutput(func)
         else:
             kind = _CAST if func is torch.ops.aten._to_copy.default else _OTHER
         self.kinds[func] = kind
@@ -219,6 +169,10 @@ class _Noting(TorchDispatchMode):
         owner = self.owner
         if kind == _WRITES:
             owner.written(func, args, kwargs or {})
+        elif kind == _NORMALISATION:
+            first = out[0]
+            if type(first) in _NOTED_TYPES and not owner.running and torch.is_grad_enabled() and not first._is_view():
+                owner.note(first, self.firsts[func], args, kwargs or {})
         elif (
             type(out) in _NOTED_TYPES
             and not owner.running
@@ -257,6 +211,7 @@ class ElementwiseRecompute:
         self.scoped_stages = scoped_stages  # the stage calls that run scoped; None: all (till sized)
         self._recipes: dict[int, list[weakref.ref[_Recipe]]] = {}  # by storage, for writes seen later
         self.kinds: dict[Any, int] = {}  # operation -> what it is to the noting mode
+        self.firsts: dict[Any, _FirstOutput] = {}  # a normalisation -> it, run for its output
         self.running = False
         self.tensors_recomputed = 0
         self.saved_bytes_recomputed = 0
@@ -377,7 +332,7 @@ class ElementwiseRecompute:
     def saved_as_is(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """`tensor` is saved as it is (`value`: what holds it), so recipes may read it."""
         entry = (weakref.ref(tensor), tensor._version, self.stage, weakref.ref(value))
-        self._saved.setdefault(_key(tensor), []).append(entry)
+        self._saved.setdefault(_recipes._key(tensor), []).append(entry)
         self.tensors_saved += 1
 
     def hold(self, tensor: torch.Tensor, value: torch.Tensor) -> Any:
@@ -519,11 +474,6 @@ def read_held(value: Any) -> Any:
     return value.owner.unpack(value) if isinstance(value, _Recipe) else value
 
 
-def _key(tensor: torch.Tensor) -> int:
-    """What the saved entries are filed under: an id, which a later tensor may take again."""
-    return id(tensor)
-
-
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
@@ -553,8 +503,9 @@ def recompute_elementwise(
     Args:
         max_operations: the most operations one saved tensor may take to make again.
         operations: the ATen names of the operations that may run again (default
-            :data:`CHEAP_OPERATIONS`); only elementwise ones (``torch.Tag.pointwise``) and
-            ``_to_copy`` on one device are ever run again.
+            :data:`CHEAP_OPERATIONS`); only elementwise ones (``torch.Tag.pointwise``),
+            ``_to_copy`` on one device and the layer norms of :data:`CHEAP_NORMALISATIONS`
+            are ever run again.
 
     Yields:
         An :class:`ElementwiseRecompute`, whose ``tensors_recomputed`` and
