@@ -383,3 +383,55 @@ def test_a_plan_that_offloads_a_compiled_stage_is_refused() -> None:
     # nothing is left behind: the same model trains without offload
     plain = remat.Checkpointable(model, 0.5, loss_fn=loss_of, output_kept=False)
     run(plain, torch.randn(64, 64))
+
+
+def _changed_after_it_was_saved(where: str) -> Any:
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        a = linear(t)
+        c = (a * t).tanh()  # keeps a, t and its own output
+        if where == "inside":
+            a.add_(1.0)
+        return c
+
+    return linear, block
+
+
+@pytest.mark.parametrize("where", ["input", "output", "inside"])
+def test_a_saved_tensor_changed_in_place_raises_as_autograd_does(where: str) -> None:
+    # NOTE [saved tensors changed in place]: the input and output stay on the device, the
+    # product's operand goes to host memory once the block returns
+    for offloaded in (False, True):
+        linear, block = _changed_after_it_was_saved(where)
+        x = torch.randn(3, 4, requires_grad=True)
+        t = x * 1.0
+        y = remat.offload(block, t) if offloaded else block(t)
+        with torch.no_grad():
+            if where == "input":
+                t.mul_(2.0)
+            elif where == "output":
+                y.mul_(2.0)
+        error = remat.RecomputeInputModified if offloaded else RuntimeError
+        with pytest.raises(error, match="modified by an in-place operation|modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_in_place_operations_inside_an_offloaded_block_that_autograd_allows_stay_exact() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    blocks = [
+        lambda t: torch.relu_(linear(t)) * 2.0,  # saves its own output, after the write
+        lambda t: linear(t).mul_(2.0).tanh_().exp(),
+        lambda t: (t[:, :2] * 3.0).exp(),  # a view of the input
+        lambda t: t @ linear.weight.t(),  # a view of a parameter
+    ]
+    for block in blocks:
+        grads = []
+        for offloaded in (False, True):
+            x = torch.randn(3, 4, requires_grad=True, generator=torch.Generator().manual_seed(1))
+            t = x * 1.0
+            (remat.offload(block, t) if offloaded else block(t)).sum().backward()
+            grads.append(x.grad)
+        assert torch.equal(*grads)

@@ -19,6 +19,17 @@ copy. On the CPU (the stand-in device that the tests use) the copies are synchro
 host copies are made where no dispatch mode sees them, so that the live-tensor tracker
 counts only device memory, as on a GPU. The bytes in host memory are counted by the group's
 :class:`HostMemory`.
+
+NOTE [saved tensors changed in place]
+Autograd raises when backward reads a saved tensor that was changed in place after it was
+saved; a tensor saved through hooks is not checked. A packed tensor notes its version, and
+unpacking it raises :class:`~remat.errors.RecomputeInputModified` where autograd would have
+raised. Each packing holds its tensor (or the base it views, which shares its version) until
+the block returns, where it costs nothing: the group holds its storage anyway. There a tensor
+copied to host memory is checked (changed inside the block after it was saved) and let go;
+from then on it is checked while something else keeps it alive, and its bytes are those of
+the copy. A tensor that stays on the device (the block's input or output, a parameter) stays
+held, as autograd holds it, so its version is read however it changed.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from remat.errors import RematError
+from remat.errors import RecomputeInputModified, RematError
 from remat.manual._frames import active_mode
 from remat.manual._host import _HOST_MEMORY, HostMemory, _bytes_view, _movable, host_memory
 
@@ -70,10 +81,13 @@ def _copy_aside(target: torch.Tensor, source: torch.Tensor, device: torch.device
 class _Entry:
     """One device storage saved by a group: where its bytes are, and the copies in flight."""
 
-    __slots__ = ("back_event", "device", "device_storage", "host", "nbytes", "out_event", "sent", "__weakref__")
+    __slots__ = (
+        "back_event", "device", "device_storage", "host", "nbytes", "out_event", "packed", "sent", "__weakref__",
+    )  # fmt: skip
 
     def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
         self.device_storage: torch.UntypedStorage | None = storage
+        self.packed: list[weakref.ref[_Packed]] = []  # the saved tensors packed into it
         self.device = device
         self.nbytes = int(storage.nbytes())
         self.host: torch.Tensor | None = None
@@ -126,9 +140,10 @@ class _Entry:
 
 
 class _Packed:
-    """What a saved tensor is packed into: its storage's entry and its view of it."""
+    """What a saved tensor is packed into: its storage's entry and its view of it, and the
+    tensor's version then (NOTE [saved tensors changed in place])."""
 
-    __slots__ = ("dtype", "entry", "offset", "size", "stride")
+    __slots__ = ("changed", "dtype", "entry", "held", "offset", "ref", "size", "stride", "version", "__weakref__")
 
     def __init__(self, entry: _Entry, tensor: torch.Tensor) -> None:
         self.entry = entry
@@ -136,8 +151,29 @@ class _Packed:
         self.offset = tensor.storage_offset()
         self.size = tensor.size()
         self.stride = tensor.stride()
+        # a view shares its base's version counter, and its base lives on (a parameter, an input)
+        base = tensor._base if tensor._is_view() and tensor._base is not None else tensor
+        self.ref = weakref.ref(base)
+        self.version = base._version
+        self.held: torch.Tensor | None = base  # until sent, and for good where it stays on the device
+        self.changed = False
+        entry.packed.append(weakref.ref(self))
+
+    def sent(self) -> None:
+        """Its bytes go to host memory: from now on it is checked while something keeps it alive."""
+        if self.held is not None and self.held._version != self.version:
+            self.changed = True  # changed inside the block: autograd raises when backward reads it
+        self.held = None
 
     def unpack(self) -> torch.Tensor:
+        tensor = self.held if self.held is not None else self.ref()
+        if self.changed or (tensor is not None and tensor._version != self.version):
+            version = "another" if tensor is None else tensor._version
+            raise RecomputeInputModified(
+                f"a tensor of shape {tuple(self.size)} that remat.offload saved for backward was modified by "
+                f"an in-place operation after it was saved (version {self.version} -> {version}); "
+                "autograd raises for this too. Clone it before changing it."
+            )
         storage = self.entry.storage()
         with _disable_current_modes():  # a view of bytes the tracker already counts
             whole = _bytes_view(storage, self.entry.device).view(self.dtype)
@@ -199,7 +235,11 @@ class OffloadGroup:
         for key, entry in list(self._entries.items()):
             if key in keep:
                 del self._entries[key]  # stays on the device: unpacked from its own storage
-            else:
+            else:  # (one that stays is held on, as autograd holds it: NOTE [saved tensors changed in place])
+                for ref in entry.packed:
+                    packed = ref()
+                    if packed is not None:
+                        packed.sent()
                 entry.send()
 
     def release(self) -> None:
