@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
+import pickle
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -1051,3 +1053,33 @@ def test_random_blocks_under_random_decisions_give_plain_gradients(
     generator_after = torch.get_rng_state()
     assert_same(plain, run_step(lambda: forward(True), [x, w]))
     assert torch.equal(torch.get_rng_state(), generator_after)  # the draws go on as without recompute
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.save_matmuls,
+        policies.save_ops(torch.ops.aten.mm, torch.ops.aten.addmm.default, "gelu"),
+        policies.offload_ops("aten.mm"),
+        policies.recompute_ops(torch.nn.functional.gelu, "aten::softmax"),
+        policies.either(policies.save_names("a"), policies.save_ops("aten.bmm.default")),
+    ],
+    ids=["save_matmuls", "save_ops", "offload_ops", "recompute_ops", "either"],
+)
+def test_policies_naming_aten_operations_pickle_and_mark_modules_that_save(policy: Any) -> None:
+    # ATen operations do not pickle; policies give them by qualified name
+    again = pickle.loads(pickle.dumps(policy))
+    assert again == policy and repr(again) == repr(policy)
+    torch.manual_seed(0)
+    block = remat.mark(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), policy=policy)
+    buffer = io.BytesIO()
+    torch.save(block, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for module in (block, loaded):
+        module.zero_grad()
+        module(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -7,7 +7,9 @@ operations on the very same values, so anything short of identical is a defect.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -1049,6 +1051,156 @@ def test_input_modified_in_place_through_a_view(use_reentrant: bool) -> None:
     base[3:].mul_(2)  # same storage, same version counter
     with pytest.raises(RecomputeInputModified):
         out.sum().backward()
+
+
+@dataclasses.dataclass
+class _Extra:
+    scale: torch.Tensor
+    shifts: list[torch.Tensor]
+
+
+def _scaled(linear: nn.Module) -> Callable[..., torch.Tensor]:
+    def block(x: torch.Tensor, extra: _Extra) -> torch.Tensor:
+        return linear(x).tanh() * extra.scale + extra.shifts[0]
+
+    return block
+
+
+@pytest.mark.parametrize("change", ["in place", "in place, in a list", "replaced", "untouched"])
+def test_tensors_inside_a_dataclass_input_are_checked_before_the_recompute(use_reentrant: bool, change: str) -> None:
+    # NOTE [tensors inside other inputs]: the pytree keeps the dataclass whole
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    extra = _Extra(torch.randn(3, 4), [torch.randn(3, 4)])
+    plain_block = _scaled(linear)
+    plain_block(x, extra).sum().backward()
+    expected = [x.grad.clone(), linear.weight.grad.clone()]
+    x.grad, linear.weight.grad, linear.bias.grad = None, None, None
+    out = remat.recompute(_scaled(linear), x, extra, use_reentrant=use_reentrant)
+    with torch.no_grad():
+        if change == "in place":
+            extra.scale.mul_(3.0)
+        elif change == "in place, in a list":
+            extra.shifts[0].add_(1.0)
+        elif change == "replaced":
+            extra.scale = torch.ones(3, 4)
+    if change == "untouched":
+        out.sum().backward()
+        assert torch.equal(x.grad, expected[0]) and torch.equal(linear.weight.grad, expected[1])
+        return
+    where = "Extra.shifts[0]" if "list" in change else "Extra.scale"
+    with pytest.raises(RecomputeInputModified, match=re.escape(where)):
+        out.sum().backward()
+
+
+def test_the_reentrant_mode_refuses_an_output_it_would_hand_back_without_gradient() -> None:
+    # NOTE [outputs of the reentrant Function]: only the pytree's tensors go through the Function
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+
+    def block(x: torch.Tensor) -> tuple[torch.Tensor, _Extra]:
+        h = linear(x)
+        return h.tanh(), _Extra(h.exp(), [h.sin()])
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RematError, match=r"Extra\.scale .*use_reentrant=False"):
+        remat.recompute(block, x, use_reentrant=True)
+    out, extra = remat.recompute(block, x)  # the default implementation returns them as plain autograd does
+    (out.sum() + extra.scale.sum() + extra.shifts[0].sum()).backward()
+    got = [x.grad.clone(), linear.weight.grad.clone()]
+    x.grad, linear.weight.grad = None, None
+    out, extra = block(x)
+    (out.sum() + extra.scale.sum() + extra.shifts[0].sum()).backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], linear.weight.grad)
+
+
+@pytest.mark.parametrize("changed", [0, 1, None])
+def test_outputs_sharing_memory_changed_in_place(use_reentrant: bool, changed: int | None) -> None:
+    # NOTE [outputs of the reentrant Function]: autograd takes them for tensors of their own
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+
+    def block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = linear(x) + 1.0  # nothing keeps h: plain autograd lets it change in place
+        return h, h[0]
+
+    def step(recomputed: bool) -> list[torch.Tensor]:
+        x = torch.randn(3, 4, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        linear.zero_grad()
+        h, row = remat.recompute(block, x, use_reentrant=use_reentrant) if recomputed else block(x)
+        if changed is not None:
+            (h, row)[changed].mul_(2.0)
+        ((h * h).sum() + (row * 3.0).sum()).backward()
+        return [x.grad, linear.weight.grad.clone()]
+
+    expected = step(False)
+    if use_reentrant and changed is not None:
+        with pytest.raises(RematError, match="share memory"):
+            step(True)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(expected, step(True), strict=True))
+
+
+class _ClampsItsWeight(nn.Module):
+    """Clamps its own weight in place in its forward (weight clipping): a recompute clamps it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.linear.weight.clamp_(-0.3, 0.3)
+        return self.linear(x).tanh()
+
+
+@pytest.mark.parametrize("change", ["optimizer step", "none", "clamped by the forward"])
+def test_a_parameter_changed_between_forward_and_backward_raises_as_autograd_does(
+    use_reentrant: bool, change: str
+) -> None:
+    # NOTE [parameters changed before the recompute]: a GAN steps one network between another's forward and backward
+    torch.manual_seed(0)
+    block = _ClampsItsWeight() if change == "clamped by the forward" else nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    reference = copy.deepcopy(block)
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = remat.recompute(block, x, use_reentrant=use_reentrant)
+    plain_out = reference(x)
+    if change == "optimizer step":  # another loss, and its step, before this one's backward
+        block(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            reference[0].weight.add_(0.0)  # plain autograd sees a change too
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            plain_out.sum().backward()
+        with pytest.raises(RecomputeInputModified, match=r"parameter of shape \(4, 4\).*Step after the backward"):
+            out.sum().backward()
+        return
+    x_grad_plain = torch.autograd.grad(plain_out.sum(), x)[0]
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0] if not use_reentrant else _backward_x(out, x), x_grad_plain)
+
+
+def _backward_x(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    x.grad = None
+    out.sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def test_a_planned_model_stepped_before_its_backward_raises() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)))
+    planned = remat.Checkpointable(model, "min")
+    x = torch.randn(8, 16)
+    planned(x).sum().backward()  # measures and plans
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = planned(x)
+    optimizer.step()
+    with pytest.raises(RecomputeInputModified, match="parameter"):
+        out.sum().backward()
+    optimizer.zero_grad()
+    planned(x).sum().backward()  # the next step trains as usual
 
 
 def test_backward_twice_needs_retain_graph(use_reentrant: bool) -> None:

@@ -44,7 +44,9 @@ class NondeterministicRecompute(RematError):
 
 
 class RecomputeInputModified(RematError):
-    """An input kept for recompute was modified in place after the forward."""
+    """A tensor a backward would read was changed after the forward: an input kept for
+    recompute (or a tensor inside one), a parameter the block uses, or a tensor saved for
+    backward (offloaded, or made again from others); autograd raises for such changes too."""
 
 
 class UnsupportedModel(RematError):

@@ -21,7 +21,9 @@ from remat._inherited import InheritedStack
 from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
 from remat.manual import _debug, _selective, _state
 from remat.manual._outputs import OutputOf, lazy_output, register_outputs
+from remat.manual._outside import ParametersRead, held_inside
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
+from remat.manual._spans import Span, recorded_span
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
 from remat.manual.elementwise import filling, read_held
 from remat.memory import note_kept_for_backward
@@ -51,8 +53,8 @@ __all__ = ["active_mode", "recompute_with_hooks"]
 # reaches it. So a block nested last in its parent runs once per recompute of its own,
 # not once more for its parent's.
 #
-# Each recomputed tensor lives in its handle, and the handle lives exactly as long as the
-# autograd node that saved it: the memory is released as soon as that node has run.
+# Each recomputed tensor lives in its handle, which lives as long as the autograd node that
+# saved it: the memory goes as soon as that node has run.
 
 # NOTE [backward inside a block]
 # A block may run a backward inside its own forward (torch.autograd.grad for a gradient
@@ -82,20 +84,6 @@ class _Handle:
         self.filler: _Frame | None = None  # the frame whose recompute gave `value`
 
 
-class _Span:
-    """Where a nested block's handles start and stop in its root, and its own nested blocks."""
-
-    __slots__ = ("start", "stop", "children", "op_start", "original_ops", "policy_key")
-
-    def __init__(self, start: int, op_start: int = 0) -> None:
-        self.start = start
-        self.stop: int | None = None
-        self.children: list[_Span] = []
-        self.policy_key: int | None = None  # its policy block's ordinal (NOTE [selective recompute])
-        self.op_start = op_start  # its first operation in the root's op trace (debug=True)
-        self.original_ops: list[Any] | None = None  # its own trace, when only it has debug=True
-
-
 class _Frame:
     @_selective.as_internal
     def __init__(
@@ -107,14 +95,13 @@ class _Frame:
         options: RecomputeOptions,
         start: int,
     ) -> None:
-        # A child refers to its root weakly: the root owns its children (through
-        # `owners`), and the root stays alive as long as one of its handles does.
+        # A child refers to its root weakly: the root owns its children (`owners`) and lives while a handle does.
         self._root_ref = None if root is None else weakref.ref(root)
         self.function = function
         self.name = getattr(function, "__qualname__", None) or type(function).__name__
         flat, self.spec = tree_flatten((args, kwargs))
         self.inputs: list[Any] = []
-        self.versions: list[int | None] = []
+        self.versions: list[Any] = []  # (or what another input holds: NOTE [tensors inside other inputs])
         for value in flat:
             lazy = lazy_output(value)
             if lazy is not None:
@@ -130,7 +117,7 @@ class _Frame:
                         explaining.on_saved(value, discarded=False)
             else:
                 self.inputs.append(value)
-                self.versions.append(None)
+                self.versions.append(held_inside(value))
         self.options = options
         self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
         self.start = start
@@ -143,7 +130,7 @@ class _Frame:
         self.cached_outputs: list[tuple[Any, bool]] | None = None
         self.observer: Any = None  # see RegionRecording
         # the spans recorded by the first forward, when known (see NOTE [nested recompute frames])
-        self.span: _Span | None = None
+        self.span: Span | None = None
         # its policy block's ordinal (None: it keeps nothing), the ordinal its nested policy
         # blocks start from, and the next one while it runs (see NOTE [selective recompute])
         self.policy_key: int | None = None
@@ -169,14 +156,13 @@ class _Frame:
                 tensor, requires_grad = value
                 if version is not None and tensor._version != version:
                     raise RecomputeInputModified(
-                        f"input {position} of the recomputed block {self.name!r} was modified in "
-                        f"place after the forward (version {version} -> {tensor._version}); the "
-                        "recompute would see other values. Clone it before modifying it, or do not "
-                        "recompute this block"
+                        f"input {position} of the recomputed block {self.name!r} was modified in place after "
+                        f"the forward (version {version} -> {tensor._version}); the recompute would see other "
+                        "values. Clone it before modifying it, or do not recompute this block"
                     )
                 flat.append(detached_alias(tensor, requires_grad))
             else:
-                flat.append(value)
+                flat.append(value if version is None else version.checked(value, position, self.name))
         args, kwargs = tree_unflatten(flat, self.spec)
         return args, kwargs
 
@@ -192,9 +178,10 @@ class _Frame:
                 "released; this happens when backward runs twice through a recomputed block "
                 "without retain_graph=True"
             )
+        root = self.root
+        root.parameters.check(self.name)
         args, kwargs = self._materialise_inputs()
         self.cursor = self.start
-        root = self.root
         last_needed = root.last_needed(self) if mode == "fill" else None
         if mode == "fill" and last_needed is None:
             return None
@@ -275,7 +262,7 @@ class _Root(_Frame):
         self.handles: list[weakref.ref[_Handle]] = []
         self.metas: list[TensorMeta] = []
         self.owners: list[_Frame | None] = []
-        self.open_spans: list[_Span] = []  # while the first forward runs: innermost last
+        self.open_spans: list[Span] = []  # while the first forward runs: innermost last
         self.state_log = _state.StateLog()
         # debug=True: the first forward's trace while it runs, then its operations (NOTE [op traces])
         self.trace: _debug.OpTrace | None = None
@@ -286,6 +273,13 @@ class _Root(_Frame):
         # entered so far (see NOTE [selective recompute])
         self.cache: _selective.OpCache | None = None
         self.policy_blocks = 0
+        self.parameters = ParametersRead()  # NOTE [parameters changed before the recompute]
+
+    def end_first_forward(self) -> int:
+        """Its first forward ended: what it saved is numbered. Returns how many it saved."""
+        self.stop = len(self.handles)
+        self.parameters.ended()
+        return self.stop
 
     def last_needed(self, frame: _Frame) -> int | None:
         """Index of the last live, empty handle `frame` is responsible for."""
@@ -358,6 +352,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         explaining = _selective.explain_observer()
         if explaining is not None:
             explaining.on_saved(tensor, discarded=True)
+        root.parameters.saw(tensor)
         handle = _Handle(root, len(root.handles))
         root.handles.append(weakref.ref(handle))
         root.metas.append(TensorMeta.of(tensor))
@@ -470,7 +465,7 @@ def recompute_with_hooks(
     child.first_call = _state.current_replay_call() or 0
     child.policy_key = _selective.next_block(parent, options)
     child.policy_start = child.policy_cursor = parent.policy_cursor
-    recorded = _recorded_span(parent, context)
+    recorded = recorded_span(parent, context)
     if recorded is not None:
         child.span = recorded
         child.stop = recorded.stop
@@ -519,7 +514,7 @@ def _first_forward(
     """The first forward of an outermost recomputed block: a new root frame."""
     root = _Root(function, args, kwargs, options)
     root.output_recompute = output_recompute
-    root.span = _Span(0)
+    root.span = Span(0)
     root.open_spans.append(root.span)
     _STACK.push(_Context("discard", root))
     try:
@@ -538,7 +533,7 @@ def _first_forward(
         _STACK.pop()
         root.open_spans.clear()
         root.original_ops, root.trace = (root.trace.entries if root.trace else None), None
-    root.stop = root.span.stop = len(root.handles)
+    root.span.stop = root.end_first_forward()
     if root.cache is not None:
         with _selective.internal():
             root.cache.seal()
@@ -555,7 +550,7 @@ def _nested_first_forward(
     Everything here is discarded anyway, so the nested block is just a call; only where
     it starts and stops is recorded.
     """
-    span = _Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
+    span = Span(len(root.handles), len(root.trace.entries) if root.trace is not None else 0)
     if root.open_spans:
         root.open_spans[-1].children.append(span)
     root.open_spans.append(span)
@@ -580,18 +575,6 @@ def _inline(
     name = getattr(function, "__qualname__", None) or type(function).__name__
     with context(name), _state.module_call(function):
         return function(*args, **kwargs)
-
-
-def _recorded_span(parent: _Frame, context: _Context) -> _Span | None:
-    """The span the first forward recorded for the nested block `parent` meets now."""
-    ordinal = context.children_met
-    context.children_met += 1
-    if parent.span is None or ordinal >= len(parent.span.children):
-        return None
-    span = parent.span.children[ordinal]
-    if span.start != parent.cursor or span.stop is None:
-        return None
-    return span
 
 
 def active_mode() -> str | None:

@@ -48,7 +48,7 @@ class RegionRecording:
 
     def close(self) -> None:
         """Ends the region's first forward."""
-        self._root.stop = len(self._root.handles)
+        self._root.end_first_forward()
 
 
 class _DiscardingStage:

@@ -6,6 +6,7 @@ from the kept inputs and calls ``torch.autograd.backward`` on the result.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,9 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _debug, _state
+from remat.manual._outside import ParametersRead, held_inside, outputs_held_inside
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias
+from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, storage_key
 from remat.manual.policies import save_nothing
 
 __all__ = ["recompute_reentrant"]
@@ -40,7 +42,11 @@ _TENSOR: Any = object()
 # the Function like any computed tensor. Every
 # tensor that does leaves the Function as a fresh alias (``detach()``): autograd gives
 # each Function output a history of its own, and returning a tensor that exists outside
-# the block (a constant, a buffer) would otherwise rewrite *that* tensor's history.
+# the block (a constant, a buffer) would otherwise rewrite *that* tensor's history. So
+# autograd takes two outputs that share memory (a tensor and a view of it) for tensors of
+# their own: an in-place change of one would not reach the other's history. Their version
+# is noted, and a backward after such a change raises (torch's reentrant checkpoint raises
+# too); plain autograd, and the default implementation, follow it.
 def _through_function(value: Any) -> bool:
     if not isinstance(value, torch.Tensor):
         return False
@@ -66,13 +72,16 @@ class _ReentrantFunction(torch.autograd.Function):
         ):
             out = call.run(list(tensors))
         call.original_ops = trace.entries if trace is not None else None
+        call.note_parameters()
         flat, spec = tree_flatten(out)
+        _refuse_tensors_inside(call, out)
         call.out_spec = spec
         inputs = {id(t) for t in tensors}
         call.through = [_through_function(v) and id(v) not in inputs for v in flat]
         call.out_constants = [_TENSOR if through else v for v, through in zip(flat, call.through, strict=True)]
         tensors_out = tuple(v.detach() for v, through in zip(flat, call.through, strict=True) if through)
         call.out_metas = [TensorMeta.of(t) for t in tensors_out]
+        call.note_shared_memory(tensors_out)
         return tensors_out
 
     @staticmethod
@@ -97,6 +106,9 @@ class _ReentrantFunction(torch.autograd.Function):
             raise RecomputeInputModified(message) from error
         if any(t._version != version for t, version in zip(saved, ctx.versions, strict=True)):
             raise RecomputeInputModified(message)
+        call.check_held()
+        call.check_shared_memory()
+        call.parameters.check(call.name)
         leaves = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with (
             torch.enable_grad(),
@@ -122,6 +134,24 @@ class _ReentrantFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves)
         return (None, None) + input_grads
+
+
+def _refuse_tensors_inside(call: _ReentrantCall, out: Any) -> None:
+    """Raises for an output that holds tensors where the pytree does not look (a dataclass).
+
+    Only the pytree's tensors go through the Function; one inside such a value would come
+    back without its history, its gradient silently lost (NOTE [tensors inside other inputs]).
+    """
+    for leaf, path, tensor in outputs_held_inside(out):
+        if tensor.is_floating_point() or tensor.is_complex():
+            raise RematError(
+                f"the block {call.name!r} recomputed with use_reentrant=True returned a tensor in "
+                f"{type(tree_flatten(out)[0][leaf]).__name__}{path} (value {leaf} of its outputs): "
+                "the reentrant implementation hands back only the tensors of tuples, lists, dicts and "
+                "types registered with torch.utils._pytree, and this one would come back without its "
+                "gradient. Use the default use_reentrant=False, return the tensors in a tuple or dict, or "
+                "register the type with torch.utils._pytree"
+            )
 
 
 def _recomputed_outputs(call: _ReentrantCall, out: Any) -> list[torch.Tensor]:
@@ -158,6 +188,8 @@ class _ReentrantCall:
         flat, self.spec = tree_flatten((args, kwargs))
         self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         self.constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
+        # NOTE [tensors inside other inputs]
+        self.held = [(i, held) for i, v in enumerate(flat) if (held := held_inside(v)) is not None]
         self.state = state
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
@@ -166,6 +198,43 @@ class _ReentrantCall:
         self.options = RecomputeOptions(save_nothing)
         self.out_metas: list[TensorMeta] = []
         self.original_ops: list[Any] | None = None  # debug=True (NOTE [op traces])
+        self.shared: list[tuple[weakref.ref[torch.Tensor], int]] = []  # outputs sharing memory, versions
+        self.parameters = ParametersRead()
+
+    def note_parameters(self) -> None:
+        """A module's parameters, and their versions as its forward leaves them (NOTE
+        [parameters changed before the recompute]; under no_grad the block saves nothing)."""
+        module = self.function if isinstance(self.function, nn.Module) else getattr(self.function, "__self__", None)
+        if isinstance(module, nn.Module):
+            for parameter in module.parameters():
+                self.parameters.saw(parameter)
+        self.parameters.ended()
+
+    def note_shared_memory(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Notes the outputs that share memory with another, and their version (NOTE [outputs
+        of the reentrant Function]: autograd takes them for tensors of their own)."""
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        for tensor in outputs:
+            by_storage.setdefault(storage_key(tensor), []).append(tensor)
+        self.shared = [(weakref.ref(t), t._version) for group in by_storage.values() if len(group) > 1 for t in group]
+
+    def check_shared_memory(self) -> None:
+        """Raises if an output sharing memory with another was changed in place since the forward."""
+        for ref, version in self.shared:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise RematError(
+                    f"the block {self.name!r}, recomputed with use_reentrant=True, returned tensors that share "
+                    "memory (a tensor and a view of it), and one of them was modified in place after the block "
+                    "returned: the reentrant implementation cannot follow the change from one to the other "
+                    "(torch's reentrant checkpoint raises too). Use the default use_reentrant=False, or clone "
+                    "the output before modifying it"
+                )
+
+    def check_held(self) -> None:
+        """Raises if a tensor inside an input the pytree keeps whole was replaced or changed."""
+        for position, held in self.held:
+            held.checked(self.constants[position], position, self.name)
 
     def tensors(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
         flat, _ = tree_flatten((args, kwargs))

@@ -193,6 +193,28 @@ class _OpSet:
         parts = sorted(str(o) for o in self.overloads) + sorted(f"aten.{p.__name__}" for p in self.packets)
         return ", ".join(parts + sorted(repr(n) for n in self.names))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ATen operations do not pickle: they go by name (a marked module saved with torch.save)
+        overloads = tuple(sorted((o.name(), o._overloadname) for o in self.overloads))
+        packets = tuple(sorted(p._qualified_op_name for p in self.packets))
+        return (_op_set_from_names, (overloads, packets, tuple(sorted(self.names))))
+
+
+def _op_set_from_names(
+    overloads: tuple[tuple[str, str], ...], packets: tuple[str, ...], names: tuple[str, ...]
+) -> _OpSet:
+    """An :class:`_OpSet` unpickled: each operation found again by its qualified name."""
+
+    def packet(qualified: str) -> Any:
+        namespace, name = qualified.split("::")
+        return getattr(getattr(torch.ops, namespace), name)
+
+    return _OpSet(
+        frozenset(getattr(packet(name), overload) for name, overload in overloads),
+        frozenset(packet(name) for name in packets),
+        frozenset(names),
+    )
+
 
 @dataclass(frozen=True)
 class _Ops(Policy):
