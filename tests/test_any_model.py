@@ -10,6 +10,7 @@ equal (see tests/chain_helpers.py), so they are compared with torch.equal.
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -539,6 +540,35 @@ def test_hugging_face_gpt2_trains_with_its_key_value_cache_turned_off() -> None:
     with pytest.warns(UserWarning, match="use_cache=False"):
         compare_training(plain, wrapped, (tokens,), logits_sum, output_of=lambda output: output.logits)
     assert model.config.use_cache  # the model's own setting is left alone
+
+
+class _CacheThroughKwargs(nn.Module):
+    """A model that takes use_cache only through **kwargs (as Switch Transformers and GraniteMoE do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(use_cache=True)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        cache: list[torch.Tensor] | None = [] if kwargs.get("use_cache", self.config.use_cache) else None
+        for block in self.blocks:
+            x = block(x)
+            if cache is not None:
+                cache.append(x)
+        return x, cache
+
+
+def test_a_model_taking_use_cache_through_kwargs_trains_with_its_cache_turned_off() -> None:
+    torch.manual_seed(0)
+    model = _CacheThroughKwargs().train()
+    plain = copy.deepcopy(model)
+    plain.config.use_cache = False
+    wrapped = remat.Checkpointable(model, "min")
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        compare_training(plain, wrapped, (x,), lambda output: output[0].sum(), output_of=lambda output: output[0])
+    assert model.config.use_cache
 
 
 def test_a_module_repeated_in_a_sequential_is_refused_by_name() -> None:

@@ -373,11 +373,15 @@ def test_budget_forms() -> None:
     assert everything is not None
     assert planned_budget(0.5) == everything // 2
     assert planned_budget("0.25") == everything // 4
+    assert planned_budget("50%") == planned_budget(0.5)
+    assert planned_budget(" 12.5%") == int(everything * 0.125)
     free = available_memory_bytes("cpu") * (1 - SAFETY_MARGIN)
     assert planned_budget(None) == pytest.approx(free, rel=0.25)
 
 
-@pytest.mark.parametrize("bad", ["lots", "-5MiB", "12 parsecs", -1, 0, 1.5, 0.0, float("nan"), True, [1024]])
+@pytest.mark.parametrize(
+    "bad", ["lots", "-5MiB", "12 parsecs", -1, 0, 1.5, 0.0, float("nan"), True, [1024], "0%", "150%", "5MiB%"]
+)
 def test_a_bad_budget_is_refused_when_wrapping(bad: Any) -> None:
     model, _ = small_mlp()
     with pytest.raises(remat.InvalidBudget) as error:

@@ -258,3 +258,115 @@ def test_a_chain_that_holds_little_of_the_step_is_said_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         covered.model(torch.randn(16, 32)).sum().backward()
+
+
+def _step_within(model: nn.Module, control: remat.Checkpointable) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    torch.manual_seed(1)
+    x = torch.randn(16, 32)
+    with remat.MemoryTracker() as tracker:
+        loss = model(x).square().mean()
+        loss.backward()
+    assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("change", ["a new head", "a wider block", "a new layer inside a block"])
+def test_a_model_changed_after_enabling_is_measured_and_planned_again(change: str) -> None:
+    # NOTE [what a plan depends on]: the modules and the parameters' shapes are in the plan's key
+    torch.manual_seed(0)
+    model = Net()
+    control = remat.enable(model, "min")
+    _step_within(model, control)
+    first = control.plan
+    if change == "a new head":  # fine-tuning: the stage is another module
+        model.head = nn.Linear(32, 4)
+    elif change == "a wider block":
+        model.blocks[2] = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.GELU(), nn.Linear(256, 32))
+    else:  # a stage's child replaced by one of the same shapes: the plan still holds
+        model.blocks[2][0] = nn.Linear(32, 32)
+    plain = copy.deepcopy(model)
+    remat.disable(plain)
+    loss, grads = _step_within(model, control)
+    torch.manual_seed(1)
+    plain_loss = plain(torch.randn(16, 32)).square().mean()
+    plain_loss.backward()
+    assert torch.equal(loss, plain_loss.detach())
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, plain.parameters(), strict=True))
+    if change == "a wider block":
+        assert control.plan.budget_bytes > first.budget_bytes  # "min" of the new model
+
+
+def test_a_saved_plan_for_another_chain_is_refused_with_both_lengths() -> None:
+    torch.manual_seed(0)
+    model = Net(depth=6)
+    control = remat.enable(model, 0.6)
+    _step_within(model, control)
+    saved = control.plan.to_json()
+    other = Net(depth=4)
+    remat.enable(other, plan=remat.Plan.from_json(saved))
+    with pytest.raises(remat.RematError, match=r"a chain of 26 stage calls, and this model.s forward makes 18"):
+        other(torch.randn(16, 32)).sum().backward()
+
+
+class _WithTable(Net):
+    """Net with a large table of booleans its forward only reads (GPT-BigCode's causal mask)."""
+
+    def __init__(self, positions: int = 1024, writes: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(positions, positions, dtype=torch.bool)), persistent=False)
+        self.register_buffer("counts", torch.zeros(positions * 32, dtype=torch.int64), persistent=False)
+        self.writes = writes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.writes:
+            self.counts[: x.shape[0]] += 1
+        return super().forward(x) * self.mask[: x.shape[0], :4].float()
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, "min"])
+def test_a_large_table_the_model_reads_is_not_copied_by_measuring(budget: object) -> None:
+    # NOTE [buffers measuring puts back]: a copy of the 1 MiB mask would be most of the first step
+    torch.manual_seed(0)
+    model = _WithTable()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    with remat.MemoryTracker() as tracker:
+        plain(x).square().mean().backward()
+    control = remat.enable(model, budget)
+    for _ in range(2):  # the first (measuring) step within the budget too
+        _step_within(model, control)
+    assert control.minimum_budget_bytes() < tracker.peak_bytes  # the table is no part of it
+    assert torch.equal(model.mask, plain.mask)
+
+
+def test_a_large_table_changed_by_the_forward_is_refused_by_name() -> None:
+    torch.manual_seed(0)
+    model = _WithTable(writes=True)
+    remat.enable(model, 0.5)
+    with pytest.raises(remat.RematError, match=r"counts"):
+        model(torch.randn(16, 32)).square().mean().backward()
+
+
+def test_a_second_call_before_the_backward_is_said_once_and_a_usual_loop_says_nothing() -> None:
+    # NOTE [one call per step]: each call keeps what its plan stores until its own backward
+    torch.manual_seed(0)
+    model = Net()
+    control = remat.enable(model, 0.5)
+    a, b = torch.randn(16, 32), torch.randn(16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a usual loop, gradient accumulation and eval calls: no warning
+        for _ in range(2):
+            model(a).square().mean().backward()
+            out = model(b)  # kept by the caller until after its backward, as a loop does
+            out.square().mean().backward()
+        model.eval()
+        with torch.no_grad():
+            model(a)
+        model.train()
+    with pytest.warns(UserWarning, match=r"called for training again before the backward of its previous call"):
+        (model(a) - model(b)).square().mean().backward()  # a siamese step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        (model(a) - model(b)).square().mean().backward()
+    assert control.plan is not None

@@ -44,6 +44,7 @@ from remat.traced import TracedCalls
 from remat.units import format_bytes
 from remat.wrapper import (
     CACHE_TURNED_OFF,
+    CallsInFlight,
     ModelStandIn,
     eager_under_compile,
     is_partial,
@@ -217,6 +218,7 @@ class Checkpointable(ModelStandIn):
         self._shapes = ShapeTimings(timed_shapes)
         self._cache_warned = self._default_budget_warned = self._coverage_warned = False
         self._traced = TracedCalls()  # NOTE [a plan in the compiled graph]
+        self._in_flight = CallsInFlight()  # NOTE [one call per step]
         self._solver()  # fail now on an unknown solver name
         self.policy, self.nested, self.comm = policy, bool(nested), comm
         self._ranks = RankAgreement() if agree_ranks else None
@@ -443,16 +445,12 @@ class Checkpointable(ModelStandIn):
             if must_measure:
                 self._measure(args, kwargs, training=True)
             self._last_key, plan = key, self._plan(key, self.mem_limit)
-        executor = self._executor(key, plan, args, kwargs)
+        call = functools.partial(self._executor(key, plan, args, kwargs), self.model, args, kwargs)
         if self._forced_plan is None and self._shapes.unverified(key):
-            return self._shapes.verified_call(key, lambda: executor(self.model, args, kwargs), self.model)
-        return executor(self.model, args, kwargs)
+            call = functools.partial(self._shapes.verified_call, key, call, self.model)
+        return self._in_flight.called(call())
 
-    @property
-    def measure_counts(self) -> dict[str, int]:
-        """How many input shapes were timed, and how many had their times scaled (``timed_shapes``)."""
-        return dict(self._shapes.counts)
-
+    measure_counts = property(lambda self: dict(self._shapes.counts), doc="Input shapes timed and scaled.")
     frugal_measure = property(lambda self: self.measure_mode != "plain", doc="Deprecated: measure != 'plain'.")
 
     # ------------------------------------------------------------------ internals
@@ -522,6 +520,7 @@ class Checkpointable(ModelStandIn):
             refuse_meta_training(self.model)
             refuse_other_plan(plan, self.elementwise)
             ops, chain = expand_operations(plan.schedule.operations, plan.groups), self._chain_for(key, args, kwargs)
+            chain.refuse_plan_of(plan.stage_calls)
             taken = taken_again(plan, self._measurements.get(key))
             executor = self._executors[(key, plan)] = ChainExecutor(
                 chain, ops, preserve_rng_state=self.preserve_rng_state, policies=self._policies, taken_again=taken,

@@ -56,7 +56,7 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*
 BUDGET_FORMS = (
     "an int number of bytes (e.g. 268435456); a string with a unit such as '512MiB', "
     "'1.5GB', '300kB', '4096B'; a float in (0, 1] for that fraction of the activation "
-    "memory without recompute (e.g. 0.5, or '0.5' as text); or None for the memory the "
+    "memory without recompute (e.g. 0.5, or '0.5' or '50%' as text); or None for the memory the "
     "device has free"
 )
 
@@ -142,6 +142,9 @@ def parse_budget(
         text = budget.strip()
         if text.lower() in {"none", "auto", "free"}:
             return parse_budget(None, reference_bytes=reference_bytes, device=device)
+        percent = _percent(text)
+        if percent is not None:
+            return parse_budget(percent, reference_bytes=reference_bytes, device=device)
         match = _BUDGET_RE.match(text)
         if match is None or match.group(2).lower() not in _UNITS:
             raise InvalidBudget(f"cannot read the budget {budget!r}; use {BUDGET_FORMS}")
@@ -176,10 +179,30 @@ def budget_from_text(text: str, *, allow_minimum: bool = True) -> int | float | 
             return MINIMUM
         raise InvalidBudget(f"the budget {text!r} is not accepted here; use {BUDGET_FORMS}")
     parse_budget(stripped, reference_bytes=1)  # raises on a form it cannot read
+    percent = _percent(stripped)
+    if percent is not None:
+        return percent
     match = _BUDGET_RE.match(stripped)
     if match is not None and match.group(2) == "" and _is_fraction_text(match.group(1)):
         return float(match.group(1))
     return stripped
+
+
+def _percent(text: str) -> float | None:
+    """``"50%"`` as the fraction 0.5; None for text that is no percentage.
+
+    Raises:
+        InvalidBudget: a percentage outside (0, 100].
+    """
+    if not text.endswith("%"):
+        return None
+    match = _BUDGET_RE.match(text[:-1])
+    if match is None or match.group(2):
+        raise InvalidBudget(f"cannot read the budget {text!r}; use {BUDGET_FORMS}")
+    value = float(match.group(1))
+    if not 0.0 < value <= 100.0:
+        raise InvalidBudget(f"a percentage budget is in (0%, 100%], got {text!r}; use {BUDGET_FORMS}")
+    return value / 100.0
 
 
 def _is_fraction_text(number: str) -> bool:

@@ -7,16 +7,19 @@ import contextlib
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat.traced import traced_plan_for
 from remat.units import format_bytes
 
 __all__ = [
+    "CallsInFlight",
     "CACHE_TURNED_OFF",
     "COMPILED_CALL",
     "PARTIAL_COVERAGE",
@@ -89,10 +92,15 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
     it (NOTE [key/value caches] in ``remat.measure.losses``), unless the caller chose; and
     whether that turned off a cache the model's config turns on (Hugging Face's gradient
     checkpointing does the same). It is passed even when the config says False: some
-    models build a cache for a sub-stack whose own config says True (T5's decoder)."""
-    if "use_cache" in kwargs or not _takes_use_cache(model.forward):
+    models build a cache for a sub-stack whose own config says True (T5's decoder). A
+    forward that takes it only through ``**kwargs`` (Switch Transformers, the GraniteMoE
+    family, Llava) gets it where the model's config has ``use_cache``."""
+    if "use_cache" in kwargs:
         return kwargs, False
+    takes = _takes_use_cache(model.forward)
     config = getattr(model, "config", None)
+    if takes == _NO or (takes == _THROUGH_KWARGS and not hasattr(config, "use_cache")):
+        return kwargs, False
     return {**kwargs, "use_cache": False}, getattr(config, "use_cache", False) is True
 
 
@@ -100,10 +108,11 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
 # inspect.signature costs tens of microseconds. A plain dict: forward functions are few
 # and live as long as their classes. Under torch.compile's tracing it is asked directly,
 # as a cache the traced code reads or fills would cost a recompile.
-_TAKES_USE_CACHE: dict[Any, bool] = {}
+_TAKES_USE_CACHE: dict[Any, str] = {}
+_NAMED, _THROUGH_KWARGS, _NO = "named", "through **kwargs", "no"
 
 
-def _takes_use_cache(forward: Any) -> bool:
+def _takes_use_cache(forward: Any) -> str:
     if torch.compiler.is_compiling():
         return _signature_takes_use_cache(forward)
     function = getattr(forward, "__func__", forward)  # a bound method's function
@@ -119,11 +128,15 @@ def _takes_use_cache(forward: Any) -> bool:
     return takes
 
 
-def _signature_takes_use_cache(forward: Any) -> bool:
+def _signature_takes_use_cache(forward: Any) -> str:
     try:
-        return "use_cache" in inspect.signature(forward).parameters
+        parameters = inspect.signature(forward).parameters
     except (TypeError, ValueError):  # no signature to read
-        return False
+        return _NO
+    if "use_cache" in parameters:
+        return _NAMED
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return _THROUGH_KWARGS if takes_any else _NO
 
 
 class ModelStandIn(nn.Module):
@@ -231,3 +244,42 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
         return eager(self, traced, args, kwargs)
 
     return run
+
+
+# NOTE [one call per step]
+# A budget is that of one training call: its plan stores what the call's backward needs
+# until that backward runs. A step that calls the model twice before its backward (a siamese
+# or contrastive loss, DPO's chosen and rejected answers) holds what both calls store, up to
+# twice the budget. That cannot be planned from one call, so it is said: each training call
+# hooks its outputs, and a call that starts while the last call's outputs live and no gradient
+# has reached them warns, once.
+TWO_CALLS_IN_FLIGHT = (
+    "remat: the model was called for training again before the backward of its previous call; "
+    "each call keeps what its plan stores until its own backward, so this step can hold up to the "
+    "budget once per call (NOTE [one call per step]). Call the model once on the inputs joined "
+    "along the batch, or give it a budget that leaves room for every call of the step"
+)
+
+
+class CallsInFlight:
+    """Follows whether the last training call's backward has begun (NOTE [one call per step])."""
+
+    def __init__(self) -> None:
+        self._last: list[weakref.ref[torch.Tensor]] = []
+        self._warned = False
+
+    def called(self, out: Any) -> Any:
+        """`out` is a training call's output: warns if the last call's is still waiting; returns `out`."""
+        if not self._warned and any(ref() is not None for ref in self._last):
+            self._warned = True
+            warnings.warn(TWO_CALLS_IN_FLIGHT, UserWarning, stacklevel=4)
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._last = [weakref.ref(t) for t in tensors]
+        last = self._last
+
+        def reached(grad: torch.Tensor) -> None:
+            last.clear()  # (the list of this call, which a later call has replaced)
+
+        for tensor in tensors:
+            tensor.register_hook(reached)
+        return out

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.errors import UnsupportedModel
+from remat.errors import RematError, UnsupportedModel
 from remat.manual._state import in_manual_block
 from remat.manual.marking import is_marked
 
@@ -50,6 +50,18 @@ class Chain:
 
     def __len__(self) -> int:
         return len(self.modules)
+
+    def refuse_plan_of(self, stage_calls: int) -> None:
+        """Raises for a plan made for a chain of another length (a saved plan pinned on another
+        model; 0: a plan that names no stage calls, taken as it is)."""
+        if stage_calls and stage_calls != len(self):
+            more = ", ..." if len(self) > 3 else ""
+            raise RematError(
+                f"the plan was made for a chain of {stage_calls} stage calls, and this model's forward makes "
+                f"{len(self)} ({', '.join(self.names[:3])}{more}): a saved plan runs only on the model and "
+                "inputs it was made for. Plan this model with a budget instead (remat.enable(model, budget)), "
+                "and save that plan"
+            )
 
 
 def _flatten_sequential(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

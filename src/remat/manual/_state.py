@@ -39,6 +39,9 @@ Details that matter:
   this keeps the log's memory to the few buffers whose values a forward actually reads.
 * A tensor attribute that is not a buffer and is changed in place cannot be put back
   (remat did not copy it): that is refused with an error asking to register a buffer.
+* A large buffer of booleans or integers (:func:`is_table`: a causal mask, position ids) is
+  taken for a table the model reads, and is not copied before the call: a forward that
+  changes one anyway is refused, naming it (NOTE [buffers measuring puts back]).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ __all__ = [
     "in_manual_block",
     "inside_manual_block",
     "is_state_attribute",
+    "is_table",
     "is_recomputing",
     "learning_state",
     "module_call",
@@ -109,6 +113,19 @@ def inside_manual_block() -> Iterator[None]:
 def in_manual_block() -> bool:
     """Whether the current thread runs a block of :func:`remat.recompute` (or of a marked module)."""
     return _LOCAL.manual_depth > 0
+
+
+#: Boolean and integer buffers this large are tables a model reads: not copied to be put back.
+TABLE_BYTES = 64 * 1024
+
+
+def is_table(buffer: torch.Tensor) -> bool:
+    """Whether `buffer` is taken for a table the model only reads (a large one of booleans or
+    integers), which remat does not copy to put back (NOTE [module state during recompute])."""
+    return (
+        not (buffer.is_floating_point() or buffer.is_complex())
+        and buffer.numel() * buffer.element_size() >= TABLE_BYTES
+    )
 
 
 # ----------------------------------------------------------------------------- the log
@@ -200,7 +217,7 @@ class _Scope:
         if module._buffers:
             copy = entry_hooks or (_CHANGES_STATE.get(module, True) and not _output_ignores_state(module))
             buffers = {
-                name: (buf, buf._version, buf.detach().clone() if copy else None)
+                name: (buf, buf._version, buf.detach().clone() if copy and not is_table(buf) else None)
                 for name, buf in module._buffers.items()
                 if buf is not None
             }

@@ -3,6 +3,19 @@
 remat's own runs (measuring, sizing, rehearsing) run forwards and backwards on the user's
 model: :func:`preserved_model_state` puts back its gradients, buffers, attributes and RNG
 states afterwards, and :func:`isolated_inputs` gives the runs inputs of their own.
+
+NOTE [buffers measuring puts back]
+To put a buffer back, its values before the runs are copied. A copy of every buffer held
+through the runs is memory of the first step: a model with a large table it only reads (a
+causal mask of the longest sequence, GPT-BigCode's 1024 x 1024 booleans; position ids)
+would go over its budget by that much, and its smallest budget would be above its plain
+step. Buffers a forward changes are numbers it keeps (BatchNorm's statistics, an average
+codebook, a step counter): floating-point ones, or small counters. So a buffer of
+:data:`~remat.manual._state.TABLE_BYTES` or more that holds booleans or integers is not copied: its
+version is noted, and if the runs changed it anyway, it cannot be put back, which raises,
+naming it. Every other buffer is copied and put back (by value: BatchNorm's kernel writes
+its statistics without moving their version).
+:func:`preserved_state_bytes` counts the copies, which the budget of the first step holds.
 """
 
 from __future__ import annotations
@@ -16,8 +29,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat.errors import RematError
 from remat.manual._rng import preserved_host_rng
-from remat.manual._state import is_state_attribute, rehearsing
+from remat.manual._state import TABLE_BYTES, is_state_attribute, is_table, rehearsing
 from remat.measure.parameters import alias_parameters
 from remat.sharded import gathered_units
 
@@ -39,10 +53,50 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
 
 
 def preserved_state_bytes(model: nn.Module) -> int:
-    """What :func:`preserved_model_state` holds while its body runs: a copy of every buffer."""
+    """What :func:`preserved_model_state` holds while its body runs: the copies of the buffers
+    it puts back (NOTE [buffers measuring puts back])."""
     return sum(
-        b.numel() * b.element_size() for module in model.modules() for b in module._buffers.values() if b is not None
+        _bytes(b) for module in model.modules() for b in module._buffers.values() if b is not None and not is_table(b)
     )
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Buffer:
+    """One buffer, its version before remat's runs, and its values then (NOTE [buffers measuring puts back])."""
+
+    __slots__ = ("copy", "module", "name", "tensor", "version")
+
+    def __init__(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        self.module, self.name, self.tensor, self.version = module, name, tensor, tensor._version
+        self.copy = tensor.detach().clone() if not is_table(tensor) else None
+
+    def put_back(self) -> str | None:
+        """Puts it back; the buffer's name if it changed without a copy to put back."""
+        self.module._buffers[self.name] = self.tensor
+        if self.copy is None:  # a table: its version tells (kernels that write without it write statistics)
+            return None if self.tensor._version == self.version else f"{type(self.module).__name__}.{self.name}"
+        with torch.no_grad():
+            self.tensor.copy_(self.copy)
+        return None
+
+
+def _put_back(buffers: list[_Buffer]) -> None:
+    """Every buffer is itself again, with its values (NOTE [buffers measuring puts back]).
+
+    Raises:
+        RematError: the runs changed a buffer that was not copied.
+    """
+    lost = [name for buffer in buffers if (name := buffer.put_back()) is not None]
+    if lost:
+        raise RematError(
+            f"remat's measuring changed the buffer(s) {', '.join(lost)}, and cannot put them back: a table "
+            f"of booleans or integers of {TABLE_BYTES // 1024} KiB or more is taken for one the model "
+            "only reads, and is not copied (NOTE [buffers measuring puts back]). Their values are now those "
+            "of the measuring runs. Keep what a forward changes in a floating-point buffer, or in a smaller one"
+        )
 
 
 @contextlib.contextmanager
@@ -50,10 +104,7 @@ def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     grads = [(p, p.grad) for p in model.parameters()]
     aliased = alias_parameters(model)
     buffers = [
-        (module, name, b, b.detach().clone())
-        for module in model.modules()
-        for name, b in module._buffers.items()
-        if b is not None
+        _Buffer(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None
     ]
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
@@ -65,10 +116,6 @@ def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     finally:
         for table, name, parameter in aliased:
             table[name] = parameter
-        with torch.no_grad():
-            for module, name, b, saved in buffers:
-                module._buffers[name] = b
-                b.copy_(saved)
         for module, before in attributes:
             for name in [n for n in module.__dict__ if n not in before and _restored(n)]:
                 del module.__dict__[name]
@@ -77,6 +124,7 @@ def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
                     module.__dict__[name] = value
         for p, g in grads:
             p.grad = g
+        _put_back(buffers)  # last: it raises for a buffer it could not put back
 
 
 def _restored(name: str) -> bool:

@@ -28,15 +28,16 @@ class PlanOptions(NamedTuple):
 # NOTE [what a plan depends on]
 # A plan is made for the costs of one step. They change with the inputs (structure,
 # shapes, dtypes, devices, which require grad), with the model (which parameters require
-# grad and so keep activations for their gradients; their dtypes and devices, after
-# model.half() or .to(); which modules are in training mode), with autocast (on which
+# grad and so keep activations for their gradients; their dtypes, devices and shapes, after
+# model.half(), .to() or resize_token_embeddings(); which modules it is made of, a head
+# replaced for fine-tuning being a new stage; which are in training mode), with autocast (on which
 # device, to which dtype, with its cache) and with the kernels allowed (attention kernels,
 # deterministic algorithms). Each of these is part of the key a plan is cached under: a
 # change gives a new measurement and plan, never a stale one.
 _KEY_PARTS = (
     "the input structure",
-    "the parameters (requires_grad, dtype or device)",
-    "the modules' training modes",
+    "the parameters (requires_grad, dtype, device or shape)",
+    "the modules (one replaced by another) or their training modes",
     "autocast",
     "the autocast cache",
     "the attention kernels allowed",
@@ -59,8 +60,9 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     modules, parameters = _modules_and_parameters(model)
     parts: list[Any] = [
         str(spec),
-        tuple((p.requires_grad, p.dtype, p.device) for p in parameters),
-        tuple(m.training for m in modules),
+        tuple((p.requires_grad, p.dtype, p.device, p.shape) for p in parameters),
+        # a module's id is its own while the chain found in it holds it (NOTE [what a plan depends on])
+        tuple((id(m), m.training) for m in modules),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
             for device in ("cpu", "cuda")
