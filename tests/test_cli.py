@@ -102,6 +102,38 @@ def test_explain_json_with_a_policy_and_every_operation(
     assert document["totals"]["kept_bytes"] > 0
 
 
+def test_explain_of_a_looping_model_shows_one_step_not_the_first_call(capsys: pytest.CaptureFixture[str]) -> None:
+    # the model's first call finds its chain (and, with a budget, measures): not in the step explained
+    code, out, _ = run(["explain", "cli_factories:blocks_with_input", "--json"], capsys)
+    assert code == cli.EXIT_OK
+    ops = json.loads(out)["ops"]
+    products = [op for op in ops if op["phase"] == "forward" and op["op"].startswith("aten.addmm")]
+    assert len(products) == 6  # one per block
+
+
+def test_budgets_as_bytes_and_percentages(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
+    documents = []
+    for budget in ("0.5", "50%"):
+        code, out, _ = run(["plan", tiny_catalogue, "--batch", str(BATCH), "--budget", budget, "--json"], capsys)
+        assert code == cli.EXIT_OK
+        documents.append(json.loads(out))
+    assert documents[0]["budget_bytes"] == documents[1]["budget_bytes"]
+    in_bytes = str(documents[0]["budget_bytes"])
+    code, out, _ = run(["plan", tiny_catalogue, "--batch", str(BATCH), "--budget", in_bytes, "--json"], capsys)
+    assert code == cli.EXIT_OK and json.loads(out)["budget_bytes"] == int(in_bytes)
+
+
+def test_hugging_face_settings_take_lists_and_quoted_commas() -> None:
+    from remat.cli.loading import _settings
+
+    assert _settings("depths=[1,1,1,1],hidden_sizes=[8,16],hidden_act='a,b',n=2") == [
+        "depths=[1,1,1,1]",
+        "hidden_sizes=[8,16]",
+        "hidden_act='a,b'",
+        "n=2",
+    ]
+
+
 def test_explain_of_the_plan_for_a_budget(tiny_catalogue: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["explain", tiny_catalogue, "--budget", "min", "--ops"], capsys)
     assert code == cli.EXIT_OK
@@ -139,7 +171,8 @@ def test_plan_json_agrees_with_the_library(
     model = TINY_SPEC.factory()
     torch.manual_seed(1)
     inputs, target = TINY_SPEC.make_batch(BATCH)
-    wrapper = Checkpointable(model, 0.5, loss_fn=lambda output: F.mse_loss(output, target))
+    # (the command's step drops the output once the loss is computed, as remat bench's does)
+    wrapper = Checkpointable(model, 0.5, loss_fn=lambda output: F.mse_loss(output, target), output_kept=False)
     wrapper.measure(*inputs)
     planned = wrapper.compute_sequence()
 
@@ -340,6 +373,8 @@ def test_out_of_memory(factory: str, capsys: pytest.CaptureFixture[str]) -> None
         ["plan", "--hf-config", "num_hidden_layers=2"],  # settings without --hf
         ["plan", "--hf", "llama", "--hf-config", "num_layerz=2"],  # no such setting
         ["plan", "--hf", "llama", "--hf-config", "num_hidden_layers"],  # not KEY=VALUE
+        ["plan", "--hf", "gpt2", "--hf-config", "n_layer=abc"],  # a value the config refuses
+        ["explain", TINY, "--threads", "0"],
         ["plan", "--hf", "llama", "--batch", "4"],
         ["explain", TINY, "--policy", "keep_some"],
         ["explain", TINY, "--policy", "recompute:no_such_op"],

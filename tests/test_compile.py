@@ -623,3 +623,33 @@ def test_a_recompute_on_a_backward_thread_runs_compiled_blocks_as_the_forward_di
         for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
             _assert_same("aot_eager", expected.grad, actual.grad, f"step {step}: gradient of {name}")
     assert wrapped.plan is not None and max(wrapped.plan.forward_counts) > 1
+
+
+def test_a_model_compiled_in_place_after_enabling_runs_its_plan_in_the_graph() -> None:
+    # NOTE [compiled in place]: model.compile() compiles the stand-in; the model's own call,
+    # which the controller runs, must not go through that compiled call again
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    model.compile(backend="aot_eager")
+    with pytest.warns(UserWarning, match="run a plan in the graph from the next call on"):
+        _compiled_steps(model, model, reference, range(1), "aot_eager")
+    _compiled_steps(model, model, reference, range(1, 3), "aot_eager")
+    assert remat.controller(model)._traced.plans
+    assert model._compiled_call_impl is not None  # put back after each call
+
+
+def test_a_model_compiled_in_place_before_enabling_is_refused() -> None:
+    model = _blocks()
+    model.compile(backend="aot_eager")
+    with pytest.raises(remat.RematError, match=r"compiled in place .* Enable it first and compile it after"):
+        remat.enable(model, 0.5)
+    assert not remat.is_enabled(model)
+
+
+def test_the_controller_of_a_compiled_enabled_model_is_the_models() -> None:
+    model = _blocks()
+    control = remat.enable(model, 0.5)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert remat.is_enabled(compiled) and remat.controller(compiled) is control
+    remat.disable(compiled)
+    assert not remat.is_enabled(model)

@@ -167,13 +167,16 @@ def parse_budget(
 def budget_from_text(text: str, *, allow_minimum: bool = True) -> int | float | str:
     """Reads a budget written as text (a command-line option) into the form the library takes.
 
-    ``"0.5"`` is the fraction 0.5, ``"512MiB"`` and ``"4096B"`` stay text (read by
-    :func:`parse_budget`), ``"min"`` is :data:`MINIMUM` where ``allow_minimum`` is set.
+    ``"0.5"`` and ``"50%"`` are the fraction 0.5, ``"268435456"`` that many bytes, ``"512MiB"``
+    and ``"4096B"`` stay text (read by :func:`parse_budget`), ``"min"`` is :data:`MINIMUM`
+    where ``allow_minimum`` is set.
 
     Raises:
         InvalidBudget: the text is no accepted form; the message lists the forms.
     """
     stripped = text.strip()
+    if stripped.isdigit():  # a number of bytes, as an int is in the library
+        return parse_budget(int(stripped))
     if stripped.lower() == MINIMUM:
         if allow_minimum:
             return MINIMUM

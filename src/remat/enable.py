@@ -16,12 +16,22 @@ they do in a plain call. ``remat.disable(model)``
 removes it. ``copy.deepcopy`` gives a copy enabled with the same options (plans are made
 again for it), and ``torch.save``/``torch.load`` of the whole model keep it enabled (the
 options are saved, not the plans).
+
+NOTE [compiled in place]
+``model.compile()`` compiles the module's call as it is then, and ``nn.Module.__call__``
+runs that compiled call before anything else. After enabling, that is the stand-in: the
+model trains as ``torch.compile`` of an enabled model does (NOTE [a plan in the compiled
+graph]), and while the controller runs the model's own call, the compiled one is put aside
+with the stand-in (:func:`~remat.wrapper.model_own_call`), or the model's call would run the
+stand-in again, without end. Before enabling, the compiled call is the model's own, which
+would never reach remat: ``enable`` refuses such a model, saying to compile after it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.automatic import Checkpointable
@@ -29,6 +39,7 @@ from remat.budget import Budget
 from remat.errors import RematError
 from remat.traced import remove_traced_plans
 from remat.wrapper import CALL_SLOT as _SLOT
+from remat.wrapper import COMPILED_SLOT
 
 __all__ = ["controller", "disable", "enable", "is_enabled"]
 
@@ -61,21 +72,34 @@ def enable(model: nn.Module, mem_limit: Budget = None, **options: Any) -> Checkp
             f"{type(model).__name__} is enabled already; call remat.disable(model) first, or set "
             "remat.controller(model).mem_limit to change its budget"
         )
+    if model.__dict__.get(COMPILED_SLOT) is not None:  # NOTE [compiled in place]
+        raise RematError(
+            f"{type(model).__name__} was compiled in place (model.compile()) before remat.enable: its compiled "
+            "call runs the model's own, and would never reach remat. Enable it first and compile it after "
+            "(remat.enable(model, budget); model.compile()), or compile its blocks one by one"
+        )
     enabled = _EnabledCall(Checkpointable(model, mem_limit, **options), options)
     model.__dict__[_SLOT] = enabled
     return enabled.controller
 
 
+def _compiled_from(model: nn.Module) -> nn.Module:
+    """The model ``torch.compile(model)`` wraps, or `model` itself."""
+    original = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return original if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and original is not None else model
+
+
 def disable(model: nn.Module) -> None:
     """Undoes :func:`enable`: the model's call is its own again (nothing to do if not enabled)."""
+    model = _compiled_from(model)
     if is_enabled(model):
         remove_traced_plans(model.__dict__[_SLOT].controller)  # NOTE [a plan in the compiled graph]
         del model.__dict__[_SLOT]
 
 
 def is_enabled(model: nn.Module) -> bool:
-    """Whether :func:`enable` was applied to `model` (and not undone)."""
-    return isinstance(model.__dict__.get(_SLOT), _EnabledCall)
+    """Whether :func:`enable` was applied to `model` (or to the model ``torch.compile`` wrapped)."""
+    return isinstance(_compiled_from(model).__dict__.get(_SLOT), _EnabledCall)
 
 
 def controller(model: nn.Module) -> Checkpointable:
@@ -84,7 +108,7 @@ def controller(model: nn.Module) -> Checkpointable:
     Raises:
         RematError: the model is not enabled.
     """
-    enabled = model.__dict__.get(_SLOT)
+    enabled = _compiled_from(model).__dict__.get(_SLOT)
     if not isinstance(enabled, _EnabledCall):
         raise RematError(f"{type(model).__name__} is not enabled; call remat.enable(model, budget) first")
     return enabled.controller

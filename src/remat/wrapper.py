@@ -19,6 +19,7 @@ from remat.traced import traced_plan_for
 from remat.units import format_bytes
 
 __all__ = [
+    "COMPILED_SLOT",
     "CallsInFlight",
     "CACHE_TURNED_OFF",
     "COMPILED_CALL",
@@ -75,16 +76,27 @@ CACHE_TURNED_OFF = (
 CALL_SLOT = "_call_impl"
 
 
+#: Where ``nn.Module.compile()`` puts a module's compiled call, which ``nn.Module.__call__`` takes first.
+COMPILED_SLOT = "_compiled_call_impl"
+
+
 @contextlib.contextmanager
 def model_own_call(model: nn.Module) -> Iterator[None]:
     """Runs the body with the model's own call: a stand-in on the instance (an enabled
-    model's, see :mod:`remat.enable`) is put aside, and back on exit, whatever happens."""
+    model's, see :mod:`remat.enable`) is put aside, and back on exit, whatever happens; so is
+    the call ``model.compile()`` compiled after enabling, which runs that stand-in (NOTE
+    [compiled in place])."""
     own = model.__dict__.pop(CALL_SLOT, None)
+    compiled = model.__dict__.get(COMPILED_SLOT) if own is not None else None
+    if compiled is not None:
+        model.__dict__[COMPILED_SLOT] = None
     try:
         yield
     finally:
         if own is not None:
             model.__dict__[CALL_SLOT] = own
+        if compiled is not None:
+            model.__dict__[COMPILED_SLOT] = compiled
 
 
 def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -101,7 +113,8 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
     config = getattr(model, "config", None)
     if takes == _NO or (takes == _THROUGH_KWARGS and not hasattr(config, "use_cache")):
         return kwargs, False
-    return {**kwargs, "use_cache": False}, getattr(config, "use_cache", False) is True
+    # (said only for a forward that names it: through **kwargs, an encoder's config may turn on a cache it never makes)
+    return {**kwargs, "use_cache": False}, takes == _NAMED and getattr(config, "use_cache", False) is True
 
 
 # whether a forward function takes ``use_cache``: asked at every training call, and

@@ -12,7 +12,7 @@ import torch
 import remat
 from remat.bench.runner import call_with
 from remat.cli.codes import EXIT_OK, EXIT_USAGE, fail
-from remat.cli.loading import Workload
+from remat.cli.loading import THREADS_HELP, Workload, pin_threads, warm_up
 from remat.cli.render import Output, bytes_and_mib
 from remat.manual import policies
 
@@ -67,21 +67,23 @@ def add_explain_command(
     how.add_argument("--budget", default=None, metavar="B", help="explain the automatic plan for this budget instead")
     explain.add_argument("--ops", action="store_true", help="list every operation, not only the per-operation summary")
     explain.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    explain.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
 
 
 def command_explain(args: argparse.Namespace, output: Output, workload: Workload, budget_of: Callable[..., Any]) -> int:
     """Runs ``remat explain`` on a loaded workload; `budget_of` reads ``--budget``."""
+    pin_threads(args.threads)
     model = workload.model
     inputs, target = workload.make_batch()
     if args.budget is not None:
         how = f"the plan for a budget of {args.budget}"
-        remat.enable(model, budget_of(args.budget, allow_minimum=True), loss_fn=workload.measurement_loss(target))
-        workload.loss_fn(call_with(model, inputs), target).backward()  # measured and planned here
-        model.zero_grad(set_to_none=True)
+        budget = budget_of(args.budget, allow_minimum=True)
+        remat.enable(model, budget, loss_fn=workload.measurement_loss(target), output_kept=False)  # as remat plan
     else:
         policy = policy_from_text(args.policy)
         how = f"every stage recomputed under {policy!r}"
         remat.enable(model, policy=policy)
+    warm_up(workload, inputs, target)  # measured, planned, its chain found: not in the step explained
 
     def step(batch: Any) -> torch.Tensor:
         return workload.loss_fn(call_with(model, batch), target)

@@ -151,7 +151,9 @@ def load_workload(
         CliError: unknown name (3), a bad factory (5), out of memory (6), bad arguments (7).
     """
     if hf is not None or hf_config:
-        if model is not None or hf is None:
+        if hf is None:
+            fail(EXIT_USAGE, "--hf-config sets the config of --hf ARCHITECTURE; a MODEL has no config to set")
+        if model is not None:
             fail(EXIT_USAGE, "give a MODEL or --hf ARCHITECTURE (with --hf-config for its settings), not both")
         if batch is not None or input_shape is not None:
             fail(EXIT_USAGE, "--batch and --input-shape are not for --hf: the architecture's sample input fixes them")
@@ -195,7 +197,7 @@ def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.dev
         fail(EXIT_USAGE, "--hf needs transformers: pip install 'remat[hf]'")
     config: dict[str, Any] = {}
     for setting in settings:
-        for item in (part for part in setting.split(",") if part):
+        for item in _settings(setting):
             key, equals, text = item.partition("=")
             if not equals or not key.strip():
                 fail(EXIT_USAGE, f"--hf-config {item!r}: give KEY=VALUE, e.g. num_hidden_layers=4")
@@ -208,8 +210,9 @@ def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.dev
         factory, kwargs = hugging_face_model(name, **config)
     except KeyError as error:
         fail(EXIT_UNKNOWN_MODEL, str(error.args[0]))
-    except ValueError as error:
-        fail(EXIT_USAGE, f"--hf-config: {error}")
+    except Exception as error:  # the config's own checks (a value of the wrong type)
+        said = " ".join(str(error).split())
+        fail(EXIT_USAGE, f"--hf-config: {name}'s config refused the settings: {said[:400] or type(error).__name__}")
     torch.manual_seed(0)
     with model_failures(f"building {name} from its config"):
         built = _build(factory, f"hf:{name}", device, meta)
@@ -217,6 +220,30 @@ def _hugging_face_workload(name: str, settings: Sequence[str], device: torch.dev
     return Workload(
         f"hf:{name}", built, lambda: (inputs, None), _sum_loss, "the model's own loss (from labels)", device
     )
+
+
+def _settings(text: str) -> list[str]:
+    """``KEY=VALUE`` items separated by commas, but for those inside brackets or quotes
+    (``depths=[1,1,1,1],hidden_act='gelu'``)."""
+    items: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, ""
+    for character in text:
+        if quote:
+            quote = "" if character == quote else quote
+        elif character in "'\"":
+            quote = character
+        elif character in "([{":
+            depth += 1
+        elif character in ")]}":
+            depth -= 1
+        elif character == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+            continue
+        current.append(character)
+    items.append("".join(current))
+    return [item for item in items if item.strip()]
 
 
 def _build(factory: Callable[[], Any], name: str, device: torch.device, meta: bool) -> nn.Module:
@@ -349,21 +376,34 @@ def measure_workload(
     how = "estimated" if estimate else "sized"
     # (a budget makes the policies store options; plans for other budgets come from plan_for)
     budget, policy = (1.0, policies) if policies else (None, None)
+    # The command's steps drop the output once the loss is computed, as remat bench's do (output_kept=False)
     wrapper = Checkpointable(
         workload.model, budget, solver=solver, loss_fn=loss_fn, nested=nested, measure=how, policy=policy,
-        elementwise=elementwise,
+        elementwise=elementwise, output_kept=False,
     )  # fmt: skip
     with measuring_progress(workload.name, output) as progress:
         with model_failures(f"{workload.name} failed on its input {_shapes(inputs)}"):
             if not estimate:
-                _warm_up(workload, inputs, target)
+                warm_up(workload, inputs, target)
             progress("finding the chain of stages")
             call_with(wrapper.measure, inputs)
     return wrapper, inputs
 
 
-def _warm_up(workload: Workload, inputs: tuple[Any, ...], target: Any) -> None:
-    """Runs one training step and puts the model back: first-call costs stay out of the timings."""
+THREADS_HELP = "pin torch's thread count (steadier stage timings, and so plans, on a busy machine)"
+
+
+def pin_threads(threads: int | None) -> None:
+    """``--threads``: torch's thread count for the command, when given."""
+    if threads is not None:
+        if threads < 1:
+            fail(EXIT_USAGE, f"--threads must be a positive integer, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def warm_up(workload: Workload, inputs: tuple[Any, ...], target: Any) -> None:
+    """Runs one training step and puts the model back: first-call costs (an enabled model's
+    measuring) stay out of the timings and of what ``remat explain`` sees."""
     from remat.bench.runner import call_with
 
     model = workload.model

@@ -40,6 +40,7 @@ from remat.cli.explaining import POLICY_FORMS, add_explain_command, command_expl
 from remat.cli.launch import torchrun_group
 from remat.cli.loading import (
     DEFAULT_BATCH,
+    THREADS_HELP,
     Workload,
     command_models,
     first_line,
@@ -47,10 +48,12 @@ from remat.cli.loading import (
     load_workload,
     measure_workload,
     model_failures,
+    pin_threads,
     resolve_device,
 )
 from remat.cli.render import Output, bytes_and_mib, print_bench, print_plan, require_matplotlib
 from remat.errors import BudgetTooSmall, InvalidBudget, RematError
+from remat.models._hf import HUGGING_FACE_NAMES
 
 if TYPE_CHECKING:
     from remat.bench import BenchmarkResult
@@ -133,7 +136,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ARCH",
         help="a Hugging Face architecture instead of MODEL, from a config with random weights (no download): "
-        "gpt2, llama, qwen2, mistral, gpt_neox, bert, t5, vit, resnet, convnext",
+        + ", ".join(HUGGING_FACE_NAMES),
     )
     parser.add_argument(
         "--hf-config",
@@ -210,10 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         default=None,
         metavar="B",
-        help=f"activation memory budget of a training step: {BUDGET_FORMS}; or min for the smallest "
+        help=f"activation memory budget of a training step: {BUDGET_FORMS.replace('%', '%%')}; or min for the smallest "
         "feasible one (default: free device memory)",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    plan.add_argument("--threads", type=_positive_int, default=None, metavar="N", help=THREADS_HELP)
     _add_policy_argument(plan)
     plan.add_argument(
         "--estimate",
@@ -321,6 +325,7 @@ def _remat_options(args: argparse.Namespace) -> list[Any]:
 
 def _command_plan(args: argparse.Namespace, output: Output) -> int:
     budget = None if args.budget is None else _budget(args.budget, allow_minimum=True)
+    pin_threads(args.threads)
     workload = _workload(args)
     policies = _remat_options(args)
     wrapper, inputs = measure_workload(

@@ -154,11 +154,11 @@ class Explanation:
             f"backward: {t['recomputed_ops']} ops recomputed, {t['served_ops']} kept outputs handed over, "
             f"{t['gradient_ops']} gradient ops",
             "",
-            f"{'op':<34}{'fwd':>5}{'again':>6}{'kept':>6}{'bwd':>5}{'kept':>11}{'saved':>11}{'recomputed':>12}",
+            f"{'op':<34}{'fwd':>5}{'again':>6}{'served':>7}{'bwd':>5}{'kept':>11}{'saved':>11}{'recomputed':>12}",
         ]
         for r in self.summary():
             lines.append(
-                f"{r['op'][:33]:<34}{r['forward']:>5}{r['recompute']:>6}{r['served']:>6}{r['backward']:>5}"
+                f"{r['op'][:33]:<34}{r['forward']:>5}{r['recompute']:>6}{r['served']:>7}{r['backward']:>5}"
                 f"{_bytes(r['kept_bytes']):>11}{_bytes(r['saved_bytes']):>11}{_bytes(r['recomputed_bytes']):>12}"
             )
         if ops:

@@ -86,13 +86,22 @@ def _loss_and_backward(
         loss.backward(inputs=inputs)
 
 
+#: The fields a Hugging Face output holds its key/value cache in (renamed to ``cache`` in transformers 5).
+_CACHE_FIELDS = ("past_key_values", "cache", "cache_params")
+
+
 def _check_no_cache(output: Any) -> None:
     # NOTE [key/value caches]
     # A model that fills a key/value cache in its training forward (Hugging Face models
     # built with use_cache=True) appends to it again when remat recomputes a block: the
     # recompute then attends over twice the keys (NondeterministicRecompute, or a silently
     # corrupted cache), and the cache keeps the blocks' tensors alive against the plan.
-    cache = output.get("past_key_values") if isinstance(output, Mapping) else getattr(output, "past_key_values", None)
+    if isinstance(output, dict):  # (dict's own get: Hugging Face's outputs warn when asked for a renamed field)
+        cache = next((dict.get(output, name) for name in _CACHE_FIELDS if dict.get(output, name) is not None), None)
+    elif isinstance(output, Mapping):
+        cache = output.get("past_key_values")
+    else:
+        cache = getattr(output, "past_key_values", None)
     if cache is not None:
         raise UnsupportedModel(
             "the model returned a key/value cache (past_key_values) from its training forward; "

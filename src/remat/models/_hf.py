@@ -44,7 +44,13 @@ def _config(config_class: Any, overrides: dict[str, Any], **defaults: Any) -> An
             f"{config_class.__name__} has no setting {', '.join(map(repr, unknown))}; settings are the "
             f"attributes of {config_class.__name__}() (e.g. {', '.join(sorted(defaults)[:4])})"
         )
-    return config_class(**{**defaults, **overrides})
+    settings = {**defaults, **overrides}
+    vocabulary = settings.get("vocab_size", getattr(known, "vocab_size", None))
+    for name in ("bos_token_id", "eos_token_id"):  # the defaults name tokens of the full vocabulary
+        token = getattr(known, name, None)
+        if name not in settings and isinstance(vocabulary, int) and isinstance(token, int) and token >= vocabulary:
+            settings[name] = 0
+    return config_class(**settings)
 
 
 def _causal_lm(name: str, scale: int, overrides: dict[str, Any]) -> Case:
@@ -209,6 +215,10 @@ _BUILDERS: dict[str, Callable[[int, dict[str, Any]], Case]] = {
     "resnet": _resnet,
     "convnext": _convnext,
 }
+
+
+#: The architectures ``--hf`` builds, in the order the help lists them.
+HUGGING_FACE_NAMES = tuple(_BUILDERS)
 
 
 def hugging_face_architectures(scale: int = 1) -> dict[str, Callable[[], Case]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -61,8 +62,7 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     parts: list[Any] = [
         str(spec),
         tuple((p.requires_grad, p.dtype, p.device, p.shape) for p in parameters),
-        # a module's id is its own while the chain found in it holds it (NOTE [what a plan depends on])
-        tuple((id(m), m.training) for m in modules),
+        (_makeup(model, modules), tuple(m.training for m in modules)),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
             for device in ("cpu", "cuda")
@@ -79,6 +79,26 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         else:
             parts.append(repr(leaf))
     return tuple(parts)
+
+
+# NOTE [numbering a model's modules]
+# A module replaced by another (a new head) changes the step, so the key holds which modules
+# the model is made of. Not as ids: the ranks of a distributed run compare their keys (NOTE
+# [one plan for all ranks]), and ids differ between processes. Each model numbers the sets of
+# modules it is seen made of (by their ids, in order), in the order it is seen made of them:
+# ranks that build and change the same model number them alike. While a plan's chain holds
+# its stage modules, their ids are theirs; a module it does not hold, replaced by one that
+# takes its id, changes no stage of the chain, and a change of its parameters' shapes is
+# in the key anyway.
+_MAKEUPS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], int]] = weakref.WeakKeyDictionary()
+
+
+def _makeup(model: nn.Module, modules: list[nn.Module]) -> int:
+    """The number of the set of modules `model` is made of (NOTE [numbering a model's modules])."""
+    seen = _MAKEUPS.get(model)
+    if seen is None:
+        seen = _MAKEUPS[model] = {}
+    return seen.setdefault(tuple(map(id, modules)), len(seen))
 
 
 def _modules_and_parameters(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
