@@ -283,6 +283,9 @@ def test_a_retained_backward_is_refused_where_the_chain_recomputes() -> None:
     with pytest.raises(remat.RematError, match="retain_graph=True"):
         loss.backward(retain_graph=True)
     assert all(parameter.grad is None for parameter in model.parameters())  # refused before any
+    x_penalised = x.clone().requires_grad_(True)  # a gradient penalty keeps the graph too, and is told how
+    with pytest.raises(remat.RematError, match=r"create_graph=True\) for a gradient penalty.*remat.mark"):
+        torch.autograd.grad(wrapped(x_penalised).square().sum(), x_penalised, create_graph=True)
     # with no recompute planned, a retained graph is plain autograd's: allowed, and exact
     model.zero_grad(set_to_none=True)
     plain_model = copy.deepcopy(model)

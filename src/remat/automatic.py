@@ -35,7 +35,7 @@ from remat.measure.scale import ShapeTimings, as_scaled_from
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.elementwise import elementwise_stages, marked, planned_elementwise, refuse_other_plan
-from remat.plan.key import PlanOptions, signature, what_changed
+from remat.plan.key import PlanOptions, forget, signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
@@ -430,6 +430,8 @@ class Checkpointable(ModelStandIn):
             return self.model(*args, **kwargs)
         kwargs = self._training_kwargs(kwargs)
         key = signature(self.model, args, kwargs)
+        if (chain := self._chains.get(key)) is not None and not chain.still_in(self.model):  # a stage replaced
+            forget(key, self._chains, self._measurements, self._plans, self._executors, self._minimums)
         if self._selective is not None:
             return self._selective.run(key, lambda: self._chain_for(key, args, kwargs), self.model, args, kwargs)
         must_measure = key not in self._measurements or self._shapes.must_retime(key)

@@ -265,7 +265,8 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
 # or contrastive loss, DPO's chosen and rejected answers) holds what both calls store, up to
 # twice the budget. That cannot be planned from one call, so it is said: each training call
 # hooks its outputs, and a call that starts while the last call's outputs live and no gradient
-# has reached them warns, once.
+# has reached them warns, once. A loss that keeps none of the outputs (a cross-entropy of each
+# call, summed) leaves nothing alive to see: that step is not told.
 TWO_CALLS_IN_FLIGHT = (
     "remat: the model was called for training again before the backward of its previous call; "
     "each call keeps what its plan stores until its own backward, so this step can hold up to the "
@@ -286,7 +287,8 @@ class CallsInFlight:
         if not self._warned and any(ref() is not None for ref in self._last):
             self._warned = True
             warnings.warn(TWO_CALLS_IN_FLIGHT, UserWarning, stacklevel=4)
-        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        # (made by the call: a leaf it returns, a parameter, would keep a hook of every call)
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         self._last = [weakref.ref(t) for t in tensors]
         last = self._last
 

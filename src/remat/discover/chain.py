@@ -51,6 +51,16 @@ class Chain:
     def __len__(self) -> int:
         return len(self.modules)
 
+    def still_in(self, model: nn.Module) -> bool:
+        """Whether every stage module is still where it was found in `model` (NOTE [what a plan depends on])."""
+        for name, module in zip(self.names, self.modules, strict=True):
+            found: nn.Module | None = model
+            for part in name.split(".") if name else ():
+                found = found._modules.get(part) if found is not None else None
+            if found is not module:
+                return False
+        return True
+
     def refuse_plan_of(self, stage_calls: int) -> None:
         """Raises for a plan made for a chain of another length (a saved plan pinned on another
         model; 0: a plan that names no stage calls, taken as it is)."""

@@ -21,7 +21,7 @@ from remat._inherited import InheritedStack
 from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
 from remat.manual import _debug, _selective, _state
 from remat.manual._outputs import OutputOf, lazy_output, register_outputs
-from remat.manual._outside import ParametersRead, held_inside
+from remat.manual._outside import HeldInside, ParametersRead, held_inside
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._spans import Span, recorded_span
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
@@ -166,6 +166,11 @@ class _Frame:
         args, kwargs = tree_unflatten(flat, self.spec)
         return args, kwargs
 
+    def note_held(self) -> None:
+        """Its first forward ended: what other inputs hold, as it left them (NOTE [tensors inside other inputs])."""
+        pairs = zip(self.inputs, self.versions, strict=True)
+        self.versions = [held_inside(value) if isinstance(held, HeldInside) else held for value, held in pairs]
+
     def release_inputs(self) -> None:
         self.inputs = []
 
@@ -208,6 +213,7 @@ class _Frame:
                         out = None
             finally:
                 _STACK.pop()
+                root.parameters.ran()
             if mode == "fill":
                 self._finish_fill()
         except NondeterministicRecompute as error:
@@ -279,6 +285,7 @@ class _Root(_Frame):
         """Its first forward ended: what it saved is numbered. Returns how many it saved."""
         self.stop = len(self.handles)
         self.parameters.ended()
+        self.note_held()
         return self.stop
 
     def last_needed(self, frame: _Frame) -> int | None:

@@ -54,9 +54,11 @@ def _refuse_retained_graph(grad: torch.Tensor) -> None:
     # graph is freed, on top of the recomputes the plan counted on their place.
     if graph_retained():
         raise RematError(
-            "backward(retain_graph=True) reached a chain that remat recomputes: a retained graph keeps "
-            "every stored stage's activations until it is freed, beyond the planned budget. Call "
-            "backward once per forward (for several losses, backward their sum), or use "
-            "remat.recompute for the blocks you choose. Gradients of the parameters after the chain "
-            "may already have been accumulated: zero them before the next step"
+            "a backward that keeps its graph (backward(retain_graph=True), or torch.autograd.grad(..., "
+            "create_graph=True) for a gradient penalty) reached a chain that remat plans: a retained graph "
+            "keeps every stored stage's activations until it is freed, beyond the planned budget. Call "
+            "backward once per forward (for several losses, backward their sum); for a gradient penalty "
+            "through the model, recompute the blocks you choose with remat.mark or remat.apply, which take "
+            "it exactly. Gradients of the parameters after the chain may already have been accumulated: "
+            "zero them before the next step"
         )

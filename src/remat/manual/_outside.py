@@ -10,11 +10,12 @@ another type (``UserDict``). A tensor inside such an input, changed in place aft
 forward or replaced by another, would be read as it is then by the recompute (silently other
 gradients, where plain autograd raises or uses what the forward saw). So the tensors found
 inside those inputs (the fields of a dataclass, the values of a mapping, and the tuples,
-lists and dicts among them, a few levels down) are noted with where they are and their
-versions when the block takes them, and the recompute checks them first: another tensor at a
-place, or one changed in place, raises. The same walk finds tensors that the reentrant
-implementation could not hand back with their history (NOTE [outputs of the reentrant
-Function]).
+lists and dicts among them, a few levels down, each container once) are noted with where
+they are and their versions as the block's first forward leaves them (what the block changes
+there itself, a field it caches or a counter it updates, is its own doing, as with a
+module's state), and the recompute checks them first: another tensor at a place, or one
+changed in place, raises. The same walk finds tensors that the reentrant implementation
+could not hand back with their history (NOTE [outputs of the reentrant Function]).
 
 NOTE [parameters changed before the recompute]
 Plain autograd keeps the parameters a block's operations save (a weight, or the transpose a
@@ -24,13 +25,15 @@ generator's forward and backward), an update of an exponential average in place.
 would silently run with the new values. So, while a block runs for the first time, the
 parameters among what it saves (or the parameters they view) are noted; when it ends, their
 versions; and a recompute first checks them, raising
-:class:`~remat.errors.RecomputeInputModified` for one changed since (with
-``use_reentrant=True``, whose first forward saves nothing, the parameters of the module
-recomputed are noted). A parameter the block
-changes in place itself (a clamp under ``no_grad``) is noted after that change, so its
-recompute, which changes it again, is not refused. Buffers are not checked: remat puts back
-the values a forward changed (NOTE [module state during recompute]) without moving their
-versions.
+:class:`~remat.errors.RecomputeInputModified` for one changed since. A parameter the block
+changes in place itself (a clamp under ``no_grad``, an embedding's ``max_norm``) is noted
+after that change, and again after each recompute, which changes it again: the next
+recompute (of a nested block, or in a second backward of a retained graph) is not refused.
+Not seen: a parameter no operation saves as itself (an embedding's weight; under autocast,
+where the saved tensor is the weight's cast), where plain autograd does not raise either but
+keeps the values it used, and the reentrant implementation, whose first forward saves
+nothing. Buffers are not checked: remat puts back the values a forward changed (NOTE [module
+state during recompute]) without moving their versions.
 """
 
 from __future__ import annotations
@@ -50,21 +53,29 @@ __all__ = ["HeldInside", "ParametersRead", "held_inside", "outputs_held_inside",
 _DEPTH = 4
 
 
-def tensors_inside(value: Any, path: str = "", depth: int = _DEPTH) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors inside `value`, a pytree leaf that is no tensor, with where each is."""
-    if depth < 0:
-        return
+def tensors_inside(
+    value: Any, path: str = "", depth: int = _DEPTH, seen: set[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors inside `value`, a pytree leaf that is no tensor, with where each is (each
+    container once: a structure that holds itself is walked once)."""
     if isinstance(value, torch.Tensor):
         yield path, value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return
+    seen = set() if seen is None else seen
+    if depth < 0 or id(value) in seen:
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        seen.add(id(value))
         for field in dataclasses.fields(value):
-            yield from tensors_inside(getattr(value, field.name, None), f"{path}.{field.name}", depth - 1)
+            yield from tensors_inside(getattr(value, field.name, None), f"{path}.{field.name}", depth - 1, seen)
     elif isinstance(value, Mapping):
+        seen.add(id(value))
         for key, item in list(value.items()):
-            yield from tensors_inside(item, f"{path}[{key!r}]", depth - 1)
+            yield from tensors_inside(item, f"{path}[{key!r}]", depth - 1, seen)
     elif isinstance(value, (list, tuple)):
+        seen.add(id(value))
         for index, item in enumerate(value):
-            yield from tensors_inside(item, f"{path}[{index}]", depth - 1)
+            yield from tensors_inside(item, f"{path}[{index}]", depth - 1, seen)
 
 
 class HeldInside:
@@ -144,6 +155,11 @@ class ParametersRead:
         """The first forward ended: the versions a recompute must find."""
         self.versions = [(ref, parameter._version) for ref in self.noted.values() if (parameter := ref()) is not None]
         self.noted = {}
+
+    def ran(self) -> None:
+        """A recompute of the block ran: what it changed itself (a clamp it makes again) is no
+        change of the user's; the versions it left are those the next one must find."""
+        self.versions = [(ref, parameter._version) for ref, _ in self.versions if (parameter := ref()) is not None]
 
     def check(self, name: str) -> None:
         """Raises if a parameter was changed in place since the first forward ended.

@@ -20,7 +20,7 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _debug, _state
-from remat.manual._outside import ParametersRead, held_inside, outputs_held_inside
+from remat.manual._outside import HeldInside, held_inside, outputs_held_inside
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, storage_key
 from remat.manual.policies import save_nothing
@@ -72,7 +72,7 @@ class _ReentrantFunction(torch.autograd.Function):
         ):
             out = call.run(list(tensors))
         call.original_ops = trace.entries if trace is not None else None
-        call.note_parameters()
+        call.note_held()
         flat, spec = tree_flatten(out)
         _refuse_tensors_inside(call, out)
         call.out_spec = spec
@@ -108,7 +108,6 @@ class _ReentrantFunction(torch.autograd.Function):
             raise RecomputeInputModified(message)
         call.check_held()
         call.check_shared_memory()
-        call.parameters.check(call.name)
         leaves = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with (
             torch.enable_grad(),
@@ -188,8 +187,7 @@ class _ReentrantCall:
         flat, self.spec = tree_flatten((args, kwargs))
         self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         self.constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
-        # NOTE [tensors inside other inputs]
-        self.held = [(i, held) for i, v in enumerate(flat) if (held := held_inside(v)) is not None]
+        self.held: list[tuple[int, HeldInside]] = []  # NOTE [tensors inside other inputs]
         self.state = state
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
@@ -199,16 +197,6 @@ class _ReentrantCall:
         self.out_metas: list[TensorMeta] = []
         self.original_ops: list[Any] | None = None  # debug=True (NOTE [op traces])
         self.shared: list[tuple[weakref.ref[torch.Tensor], int]] = []  # outputs sharing memory, versions
-        self.parameters = ParametersRead()
-
-    def note_parameters(self) -> None:
-        """A module's parameters, and their versions as its forward leaves them (NOTE
-        [parameters changed before the recompute]; under no_grad the block saves nothing)."""
-        module = self.function if isinstance(self.function, nn.Module) else getattr(self.function, "__self__", None)
-        if isinstance(module, nn.Module):
-            for parameter in module.parameters():
-                self.parameters.saw(parameter)
-        self.parameters.ended()
 
     def note_shared_memory(self, outputs: tuple[torch.Tensor, ...]) -> None:
         """Notes the outputs that share memory with another, and their version (NOTE [outputs
@@ -230,6 +218,10 @@ class _ReentrantCall:
                     "(torch's reentrant checkpoint raises too). Use the default use_reentrant=False, or clone "
                     "the output before modifying it"
                 )
+
+    def note_held(self) -> None:
+        """The block's forward ended: what other inputs hold, as it left them (NOTE [tensors inside other inputs])."""
+        self.held = [(i, held) for i, v in enumerate(self.constants) if (held := held_inside(v)) is not None]
 
     def check_held(self) -> None:
         """Raises if a tensor inside an input the pytree keeps whole was replaced or changed."""

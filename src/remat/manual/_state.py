@@ -39,9 +39,10 @@ Details that matter:
   this keeps the log's memory to the few buffers whose values a forward actually reads.
 * A tensor attribute that is not a buffer and is changed in place cannot be put back
   (remat did not copy it): that is refused with an error asking to register a buffer.
-* A large buffer of booleans or integers (:func:`is_table`: a causal mask, position ids) is
-  taken for a table the model reads, and is not copied before the call: a forward that
-  changes one anyway is refused, naming it (NOTE [buffers measuring puts back]).
+* A large buffer of booleans (:func:`is_table`: a causal mask) is taken for a mask the
+  model reads, and is not copied before the call: a forward that changes one in place is
+  refused, naming it (NOTE [buffers measuring puts back]). One the forward replaces by
+  another (registered again) needs no copy: the one the call saw is intact.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ __all__ = [
     "inside_manual_block",
     "is_state_attribute",
     "is_table",
+    "learning_copy_bytes",
     "is_recomputing",
     "learning_state",
     "module_call",
@@ -115,17 +117,14 @@ def in_manual_block() -> bool:
     return _LOCAL.manual_depth > 0
 
 
-#: Boolean and integer buffers this large are tables a model reads: not copied to be put back.
+#: Boolean buffers of this many elements are masks a model reads: not copied to be put back.
 TABLE_BYTES = 64 * 1024
 
 
 def is_table(buffer: torch.Tensor) -> bool:
-    """Whether `buffer` is taken for a table the model only reads (a large one of booleans or
-    integers), which remat does not copy to put back (NOTE [module state during recompute])."""
-    return (
-        not (buffer.is_floating_point() or buffer.is_complex())
-        and buffer.numel() * buffer.element_size() >= TABLE_BYTES
-    )
+    """Whether `buffer` is taken for a mask the model only reads (a large one of booleans),
+    which remat does not copy to put back (NOTE [module state during recompute])."""
+    return buffer.dtype == torch.bool and buffer.numel() >= TABLE_BYTES
 
 
 # ----------------------------------------------------------------------------- the log
@@ -165,6 +164,19 @@ class StateLog:
 def _output_ignores_state(module: nn.Module) -> bool:
     """A training-mode normalisation layer: its output does not read its running statistics."""
     return isinstance(module, _NormBase) and module.training and module.track_running_stats
+
+
+def learning_copy_bytes(model: nn.Module) -> int:
+    """The most the guard copies while it learns which modules change their state: the buffers
+    of every module it copies before the call (not a training-mode normalisation layer's, nor a
+    boolean mask), which for the model's own call last the whole forward."""
+    return sum(
+        b.numel() * b.element_size()
+        for module in model.modules()
+        if not _output_ignores_state(module)
+        for b in module._buffers.values()
+        if b is not None and not is_table(b)
+    )
 
 
 def _write(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -241,6 +253,8 @@ class _Scope:
                     or (before is not None and not torch.equal(before, buf))
                 )
                 if changed:
+                    if before is None and module._buffers.get(name) is not buf and buf._version == version:
+                        before = buf  # replaced, not written: the one the call saw is itself intact
                     buffers_before[name] = before
                     if before is None and not ignores_state:
                         unknown.append(name)

@@ -6,15 +6,15 @@ states afterwards, and :func:`isolated_inputs` gives the runs inputs of their ow
 
 NOTE [buffers measuring puts back]
 To put a buffer back, its values before the runs are copied. A copy of every buffer held
-through the runs is memory of the first step: a model with a large table it only reads (a
-causal mask of the longest sequence, GPT-BigCode's 1024 x 1024 booleans; position ids)
-would go over its budget by that much, and its smallest budget would be above its plain
-step. Buffers a forward changes are numbers it keeps (BatchNorm's statistics, an average
-codebook, a step counter): floating-point ones, or small counters. So a buffer of
-:data:`~remat.manual._state.TABLE_BYTES` or more that holds booleans or integers is not copied: its
-version is noted, and if the runs changed it anyway, it cannot be put back, which raises,
-naming it. Every other buffer is copied and put back (by value: BatchNorm's kernel writes
-its statistics without moving their version).
+through the runs is memory of the first step: a model with a large mask it only reads (a
+causal mask of the longest sequence, GPT-BigCode's 1024 x 1024 booleans) would go over its
+budget by that much, and its smallest budget would be above its plain step. Buffers a
+forward changes are numbers it keeps (BatchNorm's statistics, an average codebook, a step or
+usage counter), not booleans. So a boolean buffer of
+:data:`~remat.manual._state.TABLE_BYTES` elements or more is not copied: its version is noted,
+and if the runs changed it in place anyway, it cannot be put back, which raises, naming it
+(one they replaced is put back as itself). Every other buffer is copied and put back (by
+value: BatchNorm's kernel writes its statistics without moving their version).
 :func:`preserved_state_bytes` counts the copies, which the budget of the first step holds.
 """
 
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import RematError
 from remat.manual._rng import preserved_host_rng
-from remat.manual._state import TABLE_BYTES, is_state_attribute, is_table, rehearsing
+from remat.manual._state import TABLE_BYTES, is_state_attribute, is_table, learning_copy_bytes, rehearsing
 from remat.measure.parameters import alias_parameters
 from remat.sharded import gathered_units
 
@@ -54,10 +54,12 @@ def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iter
 
 def preserved_state_bytes(model: nn.Module) -> int:
     """What :func:`preserved_model_state` holds while its body runs: the copies of the buffers
-    it puts back (NOTE [buffers measuring puts back])."""
-    return sum(
+    it puts back (NOTE [buffers measuring puts back]), and those the module-state guard takes
+    while it learns which modules change their state (:func:`~remat.manual._state.learning_copy_bytes`)."""
+    copies = sum(
         _bytes(b) for module in model.modules() for b in module._buffers.values() if b is not None and not is_table(b)
     )
+    return copies + learning_copy_bytes(model)
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -92,10 +94,10 @@ def _put_back(buffers: list[_Buffer]) -> None:
     lost = [name for buffer in buffers if (name := buffer.put_back()) is not None]
     if lost:
         raise RematError(
-            f"remat's measuring changed the buffer(s) {', '.join(lost)}, and cannot put them back: a table "
-            f"of booleans or integers of {TABLE_BYTES // 1024} KiB or more is taken for one the model "
-            "only reads, and is not copied (NOTE [buffers measuring puts back]). Their values are now those "
-            "of the measuring runs. Keep what a forward changes in a floating-point buffer, or in a smaller one"
+            f"remat's measuring changed the buffer(s) {', '.join(lost)} in place, and cannot put them back: a "
+            f"buffer of {TABLE_BYTES} booleans or more is taken for a mask the model only reads, and is not "
+            "copied (NOTE [buffers measuring puts back]). Their values are now those of the measuring runs. "
+            "Keep what a forward changes in a buffer of numbers, or in a smaller one"
         )
 
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 from torch.utils._pytree import tree_flatten
 
 from remat.budget import Budget
 
-__all__ = ["PlanOptions", "shape_family", "signature", "what_changed"]
+__all__ = ["PlanOptions", "forget", "shape_family", "signature", "what_changed"]
 
 
 class PlanOptions(NamedTuple):
@@ -30,15 +30,18 @@ class PlanOptions(NamedTuple):
 # A plan is made for the costs of one step. They change with the inputs (structure,
 # shapes, dtypes, devices, which require grad), with the model (which parameters require
 # grad and so keep activations for their gradients; their dtypes, devices and shapes, after
-# model.half(), .to() or resize_token_embeddings(); which modules it is made of, a head
-# replaced for fine-tuning being a new stage; which are in training mode), with autocast (on which
-# device, to which dtype, with its cache) and with the kernels allowed (attention kernels,
-# deterministic algorithms). Each of these is part of the key a plan is cached under: a
-# change gives a new measurement and plan, never a stale one.
+# model.half(), .to() or resize_token_embeddings(); which modules are in training mode),
+# with autocast (on which device, to which dtype, with its cache) and with the kernels
+# allowed (attention kernels, deterministic algorithms). Each of these is part of the key a plan is cached under: a
+# change gives a new measurement and plan, never a stale one. A stage module replaced by
+# another (a new head) is no part of the key (the ranks of a distributed run compare their
+# keys, and a module's id is its process's): the chain found for a key is checked at each
+# call to still be the model's (Chain.still_in), and what was measured and planned for the
+# key is forgotten otherwise.
 _KEY_PARTS = (
     "the input structure",
     "the parameters (requires_grad, dtype, device or shape)",
-    "the modules (one replaced by another) or their training modes",
+    "the modules' training modes",
     "autocast",
     "the autocast cache",
     "the attention kernels allowed",
@@ -61,8 +64,8 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     modules, parameters = _modules_and_parameters(model)
     parts: list[Any] = [
         str(spec),
-        tuple((p.requires_grad, p.dtype, p.device, p.shape) for p in parameters),
-        (_makeup(model, modules), tuple(m.training for m in modules)),
+        tuple((p.requires_grad, p.dtype, p.device, _shape(p)) for p in parameters),
+        tuple(m.training for m in modules),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
             for device in ("cpu", "cuda")
@@ -81,24 +84,16 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return tuple(parts)
 
 
-# NOTE [numbering a model's modules]
-# A module replaced by another (a new head) changes the step, so the key holds which modules
-# the model is made of. Not as ids: the ranks of a distributed run compare their keys (NOTE
-# [one plan for all ranks]), and ids differ between processes. Each model numbers the sets of
-# modules it is seen made of (by their ids, in order), in the order it is seen made of them:
-# ranks that build and change the same model number them alike. While a plan's chain holds
-# its stage modules, their ids are theirs; a module it does not hold, replaced by one that
-# takes its id, changes no stage of the chain, and a change of its parameters' shapes is
-# in the key anyway.
-_MAKEUPS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], int]] = weakref.WeakKeyDictionary()
+def _shape(parameter: nn.Parameter) -> tuple[int, ...] | None:
+    """A parameter's shape; None for a lazy module's, not made yet (its first call makes it)."""
+    return None if isinstance(parameter, UninitializedParameter) else tuple(parameter.shape)
 
 
-def _makeup(model: nn.Module, modules: list[nn.Module]) -> int:
-    """The number of the set of modules `model` is made of (NOTE [numbering a model's modules])."""
-    seen = _MAKEUPS.get(model)
-    if seen is None:
-        seen = _MAKEUPS[model] = {}
-    return seen.setdefault(tuple(map(id, modules)), len(seen))
+def forget(key: Hashable, *caches: dict[Any, Any]) -> None:
+    """Drops what `caches` hold for `key`: entries under it, or under a tuple that starts with it."""
+    for cache in caches:
+        for entry in [k for k in cache if k == key or (isinstance(k, tuple) and len(k) == 2 and k[0] == key)]:
+            del cache[entry]
 
 
 def _modules_and_parameters(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
