@@ -47,19 +47,29 @@ class Chain:
     names: list[str]
     modules: list[nn.Module]
     whole_model: bool = True
+    # each link from the model down to a stage (parent, name), and the module it leads to
+    edges: tuple[list[tuple[nn.Module, str]], list[nn.Module]] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.modules)
 
     def still_in(self, model: nn.Module) -> bool:
         """Whether every stage module is still where it was found in `model` (NOTE [what a plan depends on])."""
-        for name, module in zip(self.names, self.modules, strict=True):
-            found: nn.Module | None = model
-            for part in name.split(".") if name else ():
-                found = found._modules.get(part) if found is not None else None
-            if found is not module:
-                return False
-        return True
+        if self.edges is None:  # each link from the model down to a stage, once: one lookup each per call
+            edges: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+            for name, module in zip(self.names, self.modules, strict=True):
+                parent: nn.Module | None = model
+                for part in name.split(".") if name else ():
+                    child = parent._modules.get(part) if parent is not None else None
+                    if parent is None or child is None:
+                        return False
+                    edges[(id(parent), part)] = (parent, part, child)
+                    parent = child
+                if parent is not module:
+                    return False
+            self.edges = ([(parent, part) for parent, part, _ in edges.values()], [c for _, _, c in edges.values()])
+        links, children = self.edges
+        return [parent._modules.get(part) for parent, part in links] == children  # (modules compare as themselves)
 
     def refuse_plan_of(self, stage_calls: int) -> None:
         """Raises for a plan made for a chain of another length (a saved plan pinned on another

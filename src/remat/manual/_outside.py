@@ -147,7 +147,9 @@ class ParametersRead:
 
     def saw(self, tensor: torch.Tensor) -> None:
         """`tensor` is saved by the first forward: noted if it is (a view of) a parameter."""
-        base = tensor._base if tensor._is_view() else tensor
+        base: torch.Tensor | None = tensor if tensor.is_leaf else tensor._base if tensor._is_view() else None
+        if base is None:
+            return  # an activation: the common case
         if isinstance(base, torch.nn.Parameter) and id(base) not in self.noted:
             self.noted[id(base)] = weakref.ref(base)
 

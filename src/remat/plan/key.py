@@ -64,7 +64,7 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     modules, parameters = _modules_and_parameters(model)
     parts: list[Any] = [
         str(spec),
-        tuple((p.requires_grad, p.dtype, p.device, _shape(p)) for p in parameters),
+        tuple((p.requires_grad, p.dtype, p.device, p.shape if p.__class__ is not _LAZY else None) for p in parameters),
         tuple(m.training for m in modules),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -84,9 +84,8 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return tuple(parts)
 
 
-def _shape(parameter: nn.Parameter) -> tuple[int, ...] | None:
-    """A parameter's shape; None for a lazy module's, not made yet (its first call makes it)."""
-    return None if isinstance(parameter, UninitializedParameter) else tuple(parameter.shape)
+#: A lazy module's parameter before its first call: it has no shape yet (that call makes it).
+_LAZY = UninitializedParameter
 
 
 def forget(key: Hashable, *caches: dict[Any, Any]) -> None:
