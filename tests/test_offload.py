@@ -435,3 +435,34 @@ def test_in_place_operations_inside_an_offloaded_block_that_autograd_allows_stay
             (remat.offload(block, t) if offloaded else block(t)).sum().backward()
             grads.append(x.grad)
         assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.5])
+def test_offloading_plans_with_store_options_train_bit_for_bit_within_the_budget(fraction: float) -> None:
+    # a stage that may be offloaded is stored whole in the solver's stand-in (options are never offloaded)
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(64, 64)
+    wrapped = remat.Checkpointable(
+        copy.deepcopy(model),
+        fraction,
+        loss_fn=loss_of,
+        output_kept=False,
+        offload=LINK_BYTES_PER_S,
+        policy=[remat.policies.save_matmuls],
+    )
+    run(wrapped, x)  # measures and plans
+    plan = wrapped.plan
+    assert plan is not None
+    out, grads, tracker = run(wrapped, x, tracked=True)
+    expected_out, expected_grads, _ = run(model, x)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    assert tracker.peak_bytes <= plan.budget_bytes
+
+
+def test_offload_with_nested_plans_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="offload= with nested=True is not built"):
+        remat.Checkpointable(Stack(), 0.5, offload=LINK_BYTES_PER_S, nested=True)
+    with pytest.raises(ValueError, match="offload is True, False or a link speed"):
+        remat.Checkpointable(Stack(), 0.5, offload=-1.0, nested=True)

@@ -199,7 +199,7 @@ class Checkpointable(ModelStandIn):
             parse_budget(mem_limit, reference_bytes=1)  # fail now on a budget in no accepted form
         self.mem_limit = mem_limit
         self.solver_name = solver
-        self.offload = offload_option(offload)
+        self.offload = offload_option(offload, nested=bool(nested))
         self.slots = slots
         self.preserve_rng_state = preserve_rng_state
         self._loss_fn = loss_fn

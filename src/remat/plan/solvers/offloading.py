@@ -81,6 +81,15 @@ class OffloadingSolver:
                 backward_temp[moment] += nbytes
             forward_s[stage] += max(0.0, transfer_s - profile.forward_time_s[stage + 1])
             backward_s[stage] += max(0.0, transfer_s - profile.backward_time_s[stage + 1])
+        # a stage that may be offloaded is stored whole in the stand-in (options are never offloaded)
+        options = tuple(
+            dataclasses.replace(
+                option,
+                saved_bytes=tuple(None if stage in offloaded else b for stage, b in enumerate(option.saved_bytes)),
+                shared_bytes=tuple(0 if stage in offloaded else b for stage, b in enumerate(option.shared_bytes)),
+            )
+            for option in profile.store_options
+        )
         return dataclasses.replace(
             profile,
             saved_bytes=tuple(saved),
@@ -88,6 +97,7 @@ class OffloadingSolver:
             backward_temp_bytes=tuple(backward_temp),
             forward_time_s=tuple(forward_s),
             backward_time_s=tuple(backward_s),
+            store_options=options,
         )
 
     @staticmethod
