@@ -58,10 +58,10 @@ class Chain:
         if self.edges is None:  # each link from the model down to a stage, once: one lookup each per call
             edges: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
             for name, module in zip(self.names, self.modules, strict=True):
-                parent: nn.Module | None = model
+                parent = model
                 for part in name.split(".") if name else ():
-                    child = parent._modules.get(part) if parent is not None else None
-                    if parent is None or child is None:
+                    child = parent._modules.get(part)
+                    if child is None:
                         return False
                     edges[(id(parent), part)] = (parent, part, child)
                     parent = child

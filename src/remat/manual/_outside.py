@@ -44,7 +44,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from remat.errors import RecomputeInputModified
 
@@ -79,7 +78,7 @@ def tensors_inside(
 
 
 class HeldInside:
-    """The tensors inside one input, with their versions when the block took it."""
+    """The tensors inside one input, with their versions as the block's first forward left them."""
 
     __slots__ = ("tensors",)
 
@@ -124,12 +123,11 @@ def held_inside(value: Any) -> HeldInside | None:
     return HeldInside(found) if found else None
 
 
-def outputs_held_inside(out: Any) -> list[tuple[int, str, torch.Tensor]]:
-    """The tensors of `out` that its pytree leaves (other than tensors) hold, by leaf."""
-    flat, _ = tree_flatten(out)
+def outputs_held_inside(leaves: list[Any]) -> list[tuple[int, str, torch.Tensor]]:
+    """The tensors that an output's pytree `leaves` (other than tensors) hold, by leaf."""
     return [
         (index, path, tensor)
-        for index, leaf in enumerate(flat)
+        for index, leaf in enumerate(leaves)
         if not isinstance(leaf, torch.Tensor)
         for path, tensor in tensors_inside(leaf)
     ]
@@ -155,13 +153,16 @@ class ParametersRead:
 
     def ended(self) -> None:
         """The first forward ended: the versions a recompute must find."""
-        self.versions = [(ref, parameter._version) for ref in self.noted.values() if (parameter := ref()) is not None]
-        self.noted = {}
+        refs, self.noted = list(self.noted.values()), {}
+        self._note(refs)
 
     def ran(self) -> None:
         """A recompute of the block ran: what it changed itself (a clamp it makes again) is no
         change of the user's; the versions it left are those the next one must find."""
-        self.versions = [(ref, parameter._version) for ref, _ in self.versions if (parameter := ref()) is not None]
+        self._note([ref for ref, _ in self.versions])
+
+    def _note(self, refs: list[weakref.ref[torch.Tensor]]) -> None:
+        self.versions = [(ref, parameter._version) for ref in refs if (parameter := ref()) is not None]
 
     def check(self, name: str) -> None:
         """Raises if a parameter was changed in place since the first forward ended.

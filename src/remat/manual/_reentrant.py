@@ -74,7 +74,7 @@ class _ReentrantFunction(torch.autograd.Function):
         call.original_ops = trace.entries if trace is not None else None
         call.note_held()
         flat, spec = tree_flatten(out)
-        _refuse_tensors_inside(call, out)
+        _refuse_tensors_inside(call, flat)
         call.out_spec = spec
         inputs = {id(t) for t in tensors}
         call.through = [_through_function(v) and id(v) not in inputs for v in flat]
@@ -135,17 +135,18 @@ class _ReentrantFunction(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-def _refuse_tensors_inside(call: _ReentrantCall, out: Any) -> None:
-    """Raises for an output that holds tensors where the pytree does not look (a dataclass).
+def _refuse_tensors_inside(call: _ReentrantCall, flat: list[Any]) -> None:
+    """Raises for an output (`flat`: its pytree leaves) that holds tensors where the pytree
+    does not look (a dataclass).
 
     Only the pytree's tensors go through the Function; one inside such a value would come
     back without its history, its gradient silently lost (NOTE [tensors inside other inputs]).
     """
-    for leaf, path, tensor in outputs_held_inside(out):
+    for leaf, path, tensor in outputs_held_inside(flat):
         if tensor.is_floating_point() or tensor.is_complex():
             raise RematError(
                 f"the block {call.name!r} recomputed with use_reentrant=True returned a tensor in "
-                f"{type(tree_flatten(out)[0][leaf]).__name__}{path} (value {leaf} of its outputs): "
+                f"{type(flat[leaf]).__name__}{path} (value {leaf} of its outputs): "
                 "the reentrant implementation hands back only the tensors of tuples, lists, dicts and "
                 "types registered with torch.utils._pytree, and this one would come back without its "
                 "gradient. Use the default use_reentrant=False, return the tensors in a tuple or dict, or "

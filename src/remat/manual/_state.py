@@ -39,7 +39,7 @@ Details that matter:
   this keeps the log's memory to the few buffers whose values a forward actually reads.
 * A tensor attribute that is not a buffer and is changed in place cannot be put back
   (remat did not copy it): that is refused with an error asking to register a buffer.
-* A large buffer of booleans (:func:`is_table`: a causal mask) is taken for a mask the
+* A large buffer of booleans (:func:`is_read_only_mask`: a causal mask) is taken for a mask the
   model reads, and is not copied before the call: a forward that changes one in place is
   refused, naming it (NOTE [buffers measuring puts back]). One the forward replaces by
   another (registered again) needs no copy: the one the call saw is intact.
@@ -71,7 +71,7 @@ __all__ = [
     "in_manual_block",
     "inside_manual_block",
     "is_state_attribute",
-    "is_table",
+    "is_read_only_mask",
     "learning_copy_bytes",
     "is_recomputing",
     "learning_state",
@@ -118,13 +118,13 @@ def in_manual_block() -> bool:
 
 
 #: Boolean buffers of this many elements are masks a model reads: not copied to be put back.
-TABLE_BYTES = 64 * 1024
+MASK_ELEMENTS = 64 * 1024
 
 
-def is_table(buffer: torch.Tensor) -> bool:
+def is_read_only_mask(buffer: torch.Tensor) -> bool:
     """Whether `buffer` is taken for a mask the model only reads (a large one of booleans),
     which remat does not copy to put back (NOTE [module state during recompute])."""
-    return buffer.dtype == torch.bool and buffer.numel() >= TABLE_BYTES
+    return buffer.dtype == torch.bool and buffer.numel() >= MASK_ELEMENTS
 
 
 # ----------------------------------------------------------------------------- the log
@@ -175,7 +175,7 @@ def learning_copy_bytes(model: nn.Module) -> int:
         for module in model.modules()
         if not _output_ignores_state(module)
         for b in module._buffers.values()
-        if b is not None and not is_table(b)
+        if b is not None and not is_read_only_mask(b)
     )
 
 
@@ -229,7 +229,7 @@ class _Scope:
         if module._buffers:
             copy = entry_hooks or (_CHANGES_STATE.get(module, True) and not _output_ignores_state(module))
             buffers = {
-                name: (buf, buf._version, buf.detach().clone() if copy and not is_table(buf) else None)
+                name: (buf, buf._version, buf.detach().clone() if copy and not is_read_only_mask(buf) else None)
                 for name, buf in module._buffers.items()
                 if buf is not None
             }

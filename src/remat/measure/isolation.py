@@ -11,7 +11,7 @@ causal mask of the longest sequence, GPT-BigCode's 1024 x 1024 booleans) would g
 budget by that much, and its smallest budget would be above its plain step. Buffers a
 forward changes are numbers it keeps (BatchNorm's statistics, an average codebook, a step or
 usage counter), not booleans. So a boolean buffer of
-:data:`~remat.manual._state.TABLE_BYTES` elements or more is not copied: its version is noted,
+:data:`~remat.manual._state.MASK_ELEMENTS` elements or more is not copied: its version is noted,
 and if the runs changed it in place anyway, it cannot be put back, which raises, naming it
 (one they replaced is put back as itself). Every other buffer is copied and put back (by
 value: BatchNorm's kernel writes its statistics without moving their version).
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import RematError
 from remat.manual._rng import preserved_host_rng
-from remat.manual._state import TABLE_BYTES, is_state_attribute, is_table, learning_copy_bytes, rehearsing
+from remat.manual._state import MASK_ELEMENTS, is_read_only_mask, is_state_attribute, learning_copy_bytes, rehearsing
 from remat.measure.parameters import alias_parameters
 from remat.sharded import gathered_units
 
@@ -57,7 +57,10 @@ def preserved_state_bytes(model: nn.Module) -> int:
     it puts back (NOTE [buffers measuring puts back]), and those the module-state guard takes
     while it learns which modules change their state (:func:`~remat.manual._state.learning_copy_bytes`)."""
     copies = sum(
-        _bytes(b) for module in model.modules() for b in module._buffers.values() if b is not None and not is_table(b)
+        _bytes(b)
+        for module in model.modules()
+        for b in module._buffers.values()
+        if b is not None and not is_read_only_mask(b)
     )
     return copies + learning_copy_bytes(model)
 
@@ -73,12 +76,12 @@ class _Buffer:
 
     def __init__(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         self.module, self.name, self.tensor, self.version = module, name, tensor, tensor._version
-        self.copy = tensor.detach().clone() if not is_table(tensor) else None
+        self.copy = tensor.detach().clone() if not is_read_only_mask(tensor) else None
 
     def put_back(self) -> str | None:
         """Puts it back; the buffer's name if it changed without a copy to put back."""
         self.module._buffers[self.name] = self.tensor
-        if self.copy is None:  # a table: its version tells (kernels that write without it write statistics)
+        if self.copy is None:  # a mask: its version tells (kernels that write without it write statistics)
             return None if self.tensor._version == self.version else f"{type(self.module).__name__}.{self.name}"
         with torch.no_grad():
             self.tensor.copy_(self.copy)
@@ -95,7 +98,7 @@ def _put_back(buffers: list[_Buffer]) -> None:
     if lost:
         raise RematError(
             f"remat's measuring changed the buffer(s) {', '.join(lost)} in place, and cannot put them back: a "
-            f"buffer of {TABLE_BYTES} booleans or more is taken for a mask the model only reads, and is not "
+            f"buffer of {MASK_ELEMENTS} booleans or more is taken for a mask the model only reads, and is not "
             "copied (NOTE [buffers measuring puts back]). Their values are now those of the measuring runs. "
             "Keep what a forward changes in a buffer of numbers, or in a smaller one"
         )

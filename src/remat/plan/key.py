@@ -30,9 +30,10 @@ class PlanOptions(NamedTuple):
 # A plan is made for the costs of one step. They change with the inputs (structure,
 # shapes, dtypes, devices, which require grad), with the model (which parameters require
 # grad and so keep activations for their gradients; their dtypes, devices and shapes, after
-# model.half(), .to() or resize_token_embeddings(); which modules are in training mode),
-# with autocast (on which device, to which dtype, with its cache) and with the kernels
-# allowed (attention kernels, deterministic algorithms). Each of these is part of the key a plan is cached under: a
+# model.half(), .to() or resize_token_embeddings(), a lazy module's before its first call
+# having none; which modules are in training mode), with autocast (on which device, to
+# which dtype, with its cache) and with the kernels allowed (attention kernels,
+# deterministic algorithms). Each of these is part of the key a plan is cached under: a
 # change gives a new measurement and plan, never a stale one. A stage module replaced by
 # another (a new head) is no part of the key (the ranks of a distributed run compare their
 # keys, and a module's id is its process's): the chain found for a key is checked at each
@@ -64,7 +65,10 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     modules, parameters = _modules_and_parameters(model)
     parts: list[Any] = [
         str(spec),
-        tuple((p.requires_grad, p.dtype, p.device, p.shape if p.__class__ is not _LAZY else None) for p in parameters),
+        tuple(
+            (p.requires_grad, p.dtype, p.device, p.shape if p.__class__ is not UninitializedParameter else None)
+            for p in parameters
+        ),
         tuple(m.training for m in modules),
         tuple(
             (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -82,10 +86,6 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         else:
             parts.append(repr(leaf))
     return tuple(parts)
-
-
-#: A lazy module's parameter before its first call: it has no shape yet (that call makes it).
-_LAZY = UninitializedParameter
 
 
 def forget(key: Hashable, *caches: dict[Any, Any]) -> None:
