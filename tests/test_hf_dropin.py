@@ -169,3 +169,31 @@ def test_the_insides_of_blocks_that_cover_the_model_stay_the_chain() -> None:
     assert [n for n in bart if ".layers." in n] == [
         f"model.{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(3)
     ]
+
+
+def test_a_model_with_its_own_gradient_checkpointing_on_is_refused_until_it_is_off() -> None:
+    """Hugging Face's checkpointing runs the blocks again in the backward, outside any plan,
+    and measuring would size its step: refused before anything runs, with what to do."""
+    factory, kwargs = CASES["gpt2"]()
+    torch.manual_seed(0)
+    model = factory().train()
+    plain = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    remat.enable(model, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the use_cache note
+        with pytest.raises(remat.UnsupportedModel, match=r"gradient_checkpointing_disable\(\)"):
+            model(**kwargs)
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+        model.gradient_checkpointing_disable()
+        torch.manual_seed(1)
+        actual = model(**kwargs).loss
+        actual.backward()
+    torch.manual_seed(1)
+    expected = plain(**kwargs).loss
+    expected.backward()
+    assert torch.equal(expected, actual)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

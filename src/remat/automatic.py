@@ -1,8 +1,7 @@
 """``remat.Checkpointable``: the optimal recompute schedule for a model, under a byte budget.
 
-This is where the automatic mode's steps meet: :mod:`remat.discover` finds the chain of
-stages, :mod:`remat.measure` profiles one training step, :mod:`remat.plan` solves for a
-schedule within the budget, and :mod:`remat.execute` runs it inside autograd.
+The automatic mode's steps meet here: :mod:`remat.discover` finds the chain of stages, :mod:`remat.measure`
+profiles one training step, :mod:`remat.plan` solves within the budget, :mod:`remat.execute` runs it.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from remat.wrapper import (
     is_partial,
     model_own_call,
     partial_coverage,
+    refuse_own_checkpointing,
     stand_for_model,
     without_cache,
 )
@@ -250,6 +250,7 @@ class Checkpointable(ModelStandIn):
         return kwargs
 
     def _measure(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, training: bool) -> ChainMeasurement:
+        refuse_own_checkpointing(self.model)
         with planned(self.elementwise):  # NOTE [elementwise saves in planned stages]
             try:
                 return self._measure_now(inputs, kwargs, training=training)

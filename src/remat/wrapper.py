@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from remat.errors import UnsupportedModel
 from remat.traced import traced_plan_for
 from remat.units import format_bytes
 
@@ -97,6 +98,21 @@ def model_own_call(model: nn.Module) -> Iterator[None]:
             model.__dict__[CALL_SLOT] = own
         if compiled is not None:
             model.__dict__[COMPILED_SLOT] = compiled
+
+
+def refuse_own_checkpointing(model: nn.Module) -> None:
+    """Refuses a model whose own activation checkpointing is on (Hugging Face's
+    ``gradient_checkpointing_enable()``): its blocks would run again in its backward, outside
+    remat's plan, and measuring would size a step that is not the model's plain one."""
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", None) is True:
+            where = f" ({name!r})" if name else ""
+            raise UnsupportedModel(
+                f"{type(model).__name__} has its own activation checkpointing turned on{where}: Hugging Face's "
+                "gradient_checkpointing_enable(). remat plans the recompute itself and cannot plan around it. "
+                "Turn it off (model.gradient_checkpointing_disable()) before training with remat.enable or "
+                "remat.Checkpointable"
+            )
 
 
 def without_cache(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
