@@ -18,13 +18,14 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat._inherited import InheritedStack
-from remat.errors import NondeterministicRecompute, RecomputeInputModified, RematError
+from remat.errors import NondeterministicRecompute, RematError
 from remat.manual import _debug, _selective, _state
-from remat.manual._outputs import OutputOf, lazy_output, register_outputs
-from remat.manual._outside import HeldInside, ParametersRead, held_inside
+from remat.manual._inputs import dual_level_for, ended_first_forward, has_tangents, kept_tensor, materialised
+from remat.manual._outputs import lazy_output, register_outputs
+from remat.manual._outside import ModuleSlots, ParametersRead, held_inside
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._spans import Span, recorded_span
-from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, graph_retained
+from remat.manual._tensors import RecomputeOptions, TensorMeta, graph_retained
 from remat.manual.elementwise import filling, read_held
 from remat.memory import note_kept_for_backward
 
@@ -108,7 +109,7 @@ class _Frame:
                 self.inputs.append(lazy)
                 self.versions.append(None)
             elif isinstance(value, torch.Tensor):
-                self.inputs.append((value.detach() if value.requires_grad else value, value.requires_grad))
+                self.inputs.append(kept_tensor(value))
                 self.versions.append(value._version)
                 if root is None:  # measured: kept until the block's backward, as if saved
                     note_kept_for_backward(value)
@@ -118,6 +119,7 @@ class _Frame:
             else:
                 self.inputs.append(value)
                 self.versions.append(held_inside(value))
+        self.tangents = has_tangents(self.inputs, self.versions)  # NOTE [forward-mode tangents of inputs]
         self.options = options
         self.state: ForwardState = capture_forward_state(flat, preserve_rng_state=options.preserve_rng_state)
         self.start = start
@@ -148,28 +150,12 @@ class _Frame:
 
     # -- inputs
     def _materialise_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        flat: list[Any] = []
-        for position, (value, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
-            if isinstance(value, OutputOf):
-                flat.append(detached_alias(*value.frame.outputs_for_recompute()[value.leaf]))
-            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
-                tensor, requires_grad = value
-                if version is not None and tensor._version != version:
-                    raise RecomputeInputModified(
-                        f"input {position} of the recomputed block {self.name!r} was modified in place after "
-                        f"the forward (version {version} -> {tensor._version}); the recompute would see other "
-                        "values. Clone it before modifying it, or do not recompute this block"
-                    )
-                flat.append(detached_alias(tensor, requires_grad))
-            else:
-                flat.append(value if version is None else version.checked(value, position, self.name))
-        args, kwargs = tree_unflatten(flat, self.spec)
+        args, kwargs = tree_unflatten(materialised(self.inputs, self.versions, self.name), self.spec)
         return args, kwargs
 
     def note_held(self) -> None:
-        """Its first forward ended: what other inputs hold, as it left them (NOTE [tensors inside other inputs])."""
-        pairs = zip(self.inputs, self.versions, strict=True)
-        self.versions = [held_inside(value) if isinstance(held, HeldInside) else held for value, held in pairs]
+        """Its first forward ended: the versions its recomputes check (and what its other inputs hold)."""
+        self.versions = ended_first_forward(self.inputs, self.versions, self.name)
 
     def release_inputs(self) -> None:
         self.inputs = []
@@ -177,6 +163,10 @@ class _Frame:
     # -- running
     def run(self, mode: str) -> Any:
         """Re-runs the block in `mode` ("fill" or "outputs")."""
+        with dual_level_for(self.tangents):
+            return self._run(mode)
+
+    def _run(self, mode: str) -> Any:
         if not self.inputs and self.spec.num_leaves:
             raise RematError(
                 f"the recomputed block {self.name!r} was asked to run again after its inputs were "
@@ -200,6 +190,7 @@ class _Frame:
             try:
                 with (
                     torch.enable_grad(),
+                    root.slots.put_back(),
                     replay_forward_state(self.state),
                     _state.recomputing(root.state_log, self.first_call),
                     self.options.recompute_context(self.name),
@@ -280,6 +271,7 @@ class _Root(_Frame):
         self.cache: _selective.OpCache | None = None
         self.policy_blocks = 0
         self.parameters = ParametersRead()  # NOTE [parameters changed before the recompute]
+        self.slots = ModuleSlots(function)  # NOTE [parameters swapped in for a call]
 
     def end_first_forward(self) -> int:
         """Its first forward ended: what it saved is numbered. Returns how many it saved."""

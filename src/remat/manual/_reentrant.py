@@ -20,7 +20,13 @@ from remat.errors import (
     RematError,
 )
 from remat.manual import _debug, _state
-from remat.manual._outside import HeldInside, held_inside, outputs_held_inside
+from remat.manual._outside import (
+    HeldInside,
+    ModuleSlots,
+    changed_by_own_forward,
+    held_inside,
+    outputs_held_inside,
+)
 from remat.manual._rng import ForwardState, capture_forward_state, replay_forward_state
 from remat.manual._tensors import RecomputeOptions, TensorMeta, detached_alias, storage_key
 from remat.manual.policies import save_nothing
@@ -72,6 +78,9 @@ class _ReentrantFunction(torch.autograd.Function):
         ):
             out = call.run(list(tensors))
         call.original_ops = trace.entries if trace is not None else None
+        for position, (tensor, version) in enumerate(zip(tensors, ctx.versions, strict=True)):
+            if tensor._version != version:  # NOTE [inputs a block changes itself]
+                raise changed_by_own_forward(call.name, call.positions[position], version, tensor._version)
         call.note_held()
         flat, spec = tree_flatten(out)
         _refuse_tensors_inside(call, flat)
@@ -90,6 +99,12 @@ class _ReentrantFunction(torch.autograd.Function):
             raise RematError(
                 "recompute(..., use_reentrant=True) does not support torch.autograd.grad() or "
                 "backward(inputs=...); use the default use_reentrant=False"
+            )
+        if torch.is_grad_enabled():  # a backward with create_graph=True: its gradients would have no graph
+            raise RematError(
+                "recompute(..., use_reentrant=True) does not support a backward with create_graph=True "
+                "(a gradient penalty, a double backward): the gradients it gives would not be differentiable. "
+                "Use the default use_reentrant=False"
             )
         call: _ReentrantCall = ctx.call
         message = (
@@ -111,6 +126,7 @@ class _ReentrantFunction(torch.autograd.Function):
         leaves = [detached_alias(tensor, requires) for tensor, requires in zip(saved, ctx.requires, strict=True)]
         with (
             torch.enable_grad(),
+            call.slots.put_back(),  # NOTE [parameters swapped in for a call]
             replay_forward_state(call.state),
             _state.recomputing(call.state_log),
             call.options.recompute_context(call.name),
@@ -189,6 +205,7 @@ class _ReentrantCall:
         self.positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         self.constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
         self.held: list[tuple[int, HeldInside]] = []  # NOTE [tensors inside other inputs]
+        self.slots = ModuleSlots(function)  # NOTE [parameters swapped in for a call]
         self.state = state
         self.out_spec: Any = None
         self.out_constants: list[Any] = []

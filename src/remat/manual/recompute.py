@@ -30,10 +30,12 @@ those operations again (see NOTE [selective recompute] in ``_selective.py``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.errors import (
@@ -170,6 +172,8 @@ def recompute(
             "output_recompute=True needs the hook-based implementation; "
             "call recompute(..., use_reentrant=False, output_recompute=True)"
         )
+    if kwargs and torch.is_grad_enabled():
+        kwargs = _without_layer_cache(function, kwargs)
     if compiling():
         # torch.compile traces this call: the compiler's own recompute (NOTE [recompute
         # under torch.compile] in _compiled.py)
@@ -178,6 +182,45 @@ def recompute(
         if use_reentrant:
             return recompute_reentrant(function, args, kwargs, options)
         return recompute_with_hooks(function, args, kwargs, options, output_recompute)
+
+
+# NOTE [a layer's key/value cache]
+# A Hugging Face layer called with a key/value cache (``cache``, ``past_key_values``,
+# ``past_key_value``, ``layer_past``: a model built with use_cache=True, the default of its
+# causal LMs) appends its keys and values to it; recomputed, it appends them again, and attends
+# over them twice (the reentrant implementation gave silently wrong gradients, the default one
+# a cache of twice the length). Hugging Face's own gradient checkpointing calls such a layer
+# without its cache while training, and so does remat: a recomputed block called with grad
+# enabled (a module, in training mode) gets None for the cache and use_cache=False, said once.
+# A layer that only reads its cache says so (``_can_checkpoint_with_cache``) and keeps it; a
+# ``cache`` argument is taken for one only when it is a Hugging Face object.
+_LAYER_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
+_LAYER_CACHE_WARNED = [False]
+
+
+def _without_layer_cache(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = [name for name in _LAYER_CACHES if kwargs.get(name) is not None]
+    if names[:1] == ["cache"] and not type(kwargs["cache"]).__module__.startswith("transformers."):
+        names = names[1:]
+    if not names and kwargs.get("use_cache") is not True:
+        return kwargs
+    module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    if isinstance(module, nn.Module) and not module.training:
+        return kwargs
+    if getattr(module, "_can_checkpoint_with_cache", False) is True:
+        names = []
+    if not _LAYER_CACHE_WARNED[0]:
+        _LAYER_CACHE_WARNED[0] = True
+        warnings.warn(
+            "remat: a recomputed block was called with a key/value cache (use_cache=True or "
+            f"{', '.join(names) or 'past_key_values'}); its recompute would fill the cache again, so "
+            "recomputed blocks run without it while training, as Hugging Face's gradient checkpointing "
+            "does. Build or call the model with use_cache=False to silence this",
+            UserWarning,
+            stacklevel=4,
+        )
+    kwargs = {**kwargs, **dict.fromkeys(names)}
+    return {**kwargs, "use_cache": False} if "use_cache" in kwargs else kwargs
 
 
 def recompute_sequential(
@@ -199,7 +242,9 @@ def recompute_sequential(
         modules: an ``nn.Sequential`` or a sequence of callables, each taking the previous
             one's output.
         segments: how many segments to cut the chain into, ``1 <= segments``; more
-            segments than modules gives one module per segment.
+            segments than modules gives one module per segment. A module that changes
+            its input in place (``inplace=True``: ``nn.ReLU(inplace=True)``) never starts a
+            segment: it joins the segment before it.
         input: the first module's input (any structure the first module takes).
         use_reentrant: as for :func:`recompute`.
         **options: other options of :func:`recompute`.
@@ -216,10 +261,17 @@ def recompute_sequential(
     if not functions:
         raise RematError("recompute_sequential() needs at least one module")
     size = -(-len(functions) // min(segments, len(functions)))
-    output = input
+    starts: list[int] = []
     for start in range(0, len(functions), size):
-        segment = functions[start : start + size]
-        output = recompute(_run_in_order, segment, output, use_reentrant=use_reentrant, **options)
+        # a segment starting at a module that changes its input in place (nn.ReLU(inplace=True))
+        # could not be recomputed (NOTE [inputs a block changes itself]): the module joins the one before
+        while start < len(functions) and getattr(functions[start], "inplace", False) is True and start > 0:
+            start += 1
+        if start < len(functions) and (not starts or start > starts[-1]):
+            starts.append(start)
+    output = input
+    for start, stop in zip(starts, [*starts[1:], len(functions)], strict=True):
+        output = recompute(_run_in_order, functions[start:stop], output, use_reentrant=use_reentrant, **options)
     return output
 
 

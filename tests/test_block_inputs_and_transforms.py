@@ -1,0 +1,205 @@
+"""Blocks whose inputs or weights are not what they were, and torch's transforms around them.
+
+Each case runs plainly and with remat, in both implementations where they apply, and
+compares outputs and gradients bit for bit (``torch.equal``); where remat must refuse,
+the test checks the error's type and what it says to do. The cases come from peers' test
+suites: torch's ``checkpoint_sequential`` over VGG-style features with in-place ReLUs,
+its forward-AD and double-backward checks, the composable checkpoint's parity under
+``torch.func.functional_call``, and Hugging Face's gradient-checkpointing tests (a layer
+called with its key/value cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import nn
+from torch.func import functional_call
+
+import remat
+from remat import RecomputeInputModified, RematError
+
+MODES = [False, True]
+
+
+def _grads(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [t.grad for t in tensors]
+
+
+def _equal(expected: list[torch.Tensor | None], actual: list[torch.Tensor | None]) -> bool:
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(expected, actual, strict=True)
+    )
+
+
+# NOTE [inputs a block changes itself]
+@pytest.mark.parametrize("use_reentrant", MODES)
+@pytest.mark.parametrize("block", [torch.relu_, nn.ReLU(inplace=True)], ids=["relu_", "ReLU(inplace=True)"])
+def test_a_block_that_changes_its_input_in_place_is_refused_in_its_forward(
+    use_reentrant: bool, block: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    # the reentrant implementation used to hand the input back as itself: ReLU's values
+    # with an identity's gradient, silently
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    h = linear(torch.randn(3, 4))
+    with pytest.raises(
+        RecomputeInputModified, match=r"changed its input 0 in place during its own forward.*inplace=False"
+    ):
+        remat.recompute(block, h, use_reentrant=use_reentrant)
+    assert h._version == 1  # the block ran once; nothing was run again
+
+
+def _features() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(4, 4), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("use_reentrant", MODES)
+@pytest.mark.parametrize("segments", [2, 3, 4, 7])
+def test_sequential_segments_never_start_at_a_module_that_changes_its_input(use_reentrant: bool, segments: int) -> None:
+    x0 = torch.randn(3, 4)
+    plain = _features()
+    x = x0.clone().requires_grad_()
+    plain(x).pow(2).sum().backward()
+    expected = [*_grads(list(plain.parameters())), x.grad]
+    model = _features()
+    y = x0.clone().requires_grad_()
+    remat.recompute_sequential(model, segments, y, use_reentrant=use_reentrant).pow(2).sum().backward()
+    assert _equal(expected, [*_grads(list(model.parameters())), y.grad])
+
+
+# NOTE [parameters swapped in for a call]
+class _First(nn.Module):
+    """A linear layer, recomputed from inside the model's forward when `inside` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.inside = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(self.linear, x) if self.inside else self.linear(x)
+
+
+@pytest.mark.parametrize("how", ["mark", "mark reentrant", "recompute inside"])
+def test_functional_call_recomputes_with_the_tensors_it_was_given(how: str) -> None:
+    # MAML's fast weights, torch.func ensembles: the module's own tensors are back in their
+    # places before the backward, and a recompute used to run with them
+    torch.manual_seed(0)
+    base = nn.Sequential(_First(), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    names = [name for name, _ in base.named_parameters()]
+    given0 = {name: value.detach() * 3 + 0.5 for name, value in base.named_parameters()}
+    given0.update({"3.running_mean": torch.full((4,), 0.5), "3.running_var": torch.full((4,), 2.0)})
+    x0 = torch.randn(5, 4)
+
+    def step(model: nn.Module) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+        given = {name: value.clone().requires_grad_(name in names) for name, value in given0.items()}
+        x = x0.clone().requires_grad_()
+        functional_call(model, given, (x,)).pow(3).sum().backward()
+        return [x.grad, *(given[name].grad for name in names)], given
+
+    plain = copy.deepcopy(base)
+    expected, given_plain = step(plain)
+    model = copy.deepcopy(base)
+    if how == "recompute inside":
+        model[0].inside = True
+    else:
+        remat.mark(model, use_reentrant=how == "mark reentrant")
+    actual, given = step(model)
+    assert _equal(expected, actual)
+    assert all(p.grad is None for p in model.parameters())  # the module's own weights were not used
+    for name in ("3.running_mean", "3.running_var"):  # the statistics given were updated once
+        assert torch.equal(given[name], given_plain[name])
+    for a, b in zip(model.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the module's own tensors are back, as plainly
+
+
+# NOTE [forward-mode tangents of inputs]
+@pytest.mark.parametrize("policy", [None, remat.policies.save_matmuls], ids=["whole", "save_matmuls"])
+@pytest.mark.parametrize("backward_inside_the_level", [True, False])
+def test_dual_inputs_and_a_backward_through_the_same_block(policy: Any, backward_inside_the_level: bool) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, requires_grad=True)
+    x0, tangent0 = torch.randn(3, 4), torch.randn(3, 4)
+
+    def block(v: torch.Tensor) -> torch.Tensor:
+        return (v @ weight).sin().exp()
+
+    def run(call: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor | None]:
+        weight.grad = None
+        x = x0.clone().requires_grad_()
+        with forward_ad.dual_level():
+            primal, tangent = forward_ad.unpack_dual(call(forward_ad.make_dual(x, tangent0)))
+            if backward_inside_the_level:
+                primal.sum().backward()
+        if not backward_inside_the_level:
+            primal.sum().backward()
+        return [tangent, weight.grad, x.grad]
+
+    assert _equal(run(block), run(lambda v: remat.recompute(block, v, policy=policy)))
+
+
+def test_the_reentrant_mode_refuses_a_backward_that_creates_a_graph() -> None:
+    # its gradients would have no graph: a gradient penalty through them silently wrong
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    remat.mark(model[2], use_reentrant=True)
+    loss = model(torch.randn(3, 4)).pow(2).sum()
+    with pytest.raises(RematError, match=r"create_graph=True.*use_reentrant=False"):
+        loss.backward(create_graph=True)
+    for p in model.parameters():
+        p.grad = None
+    model(torch.randn(3, 4)).pow(2).sum().backward()  # a plain backward still works
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# NOTE [a layer's key/value cache]
+@pytest.mark.parametrize("use_reentrant", MODES)
+def test_hugging_face_layers_called_with_their_cache_recompute_without_it(use_reentrant: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    recompute_module = importlib.import_module("remat.manual.recompute")
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
+    assert config.use_cache
+    base = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 50, (2, 8))
+    plain = copy.deepcopy(base)
+    expected = plain(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    model = copy.deepcopy(base)
+    remat.apply(model, LlamaDecoderLayer, use_reentrant=use_reentrant)
+    recompute_module._LAYER_CACHE_WARNED[0] = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = model(input_ids=ids, labels=ids).loss  # use_cache=True, the config's
+        actual.backward()
+    assert torch.equal(expected, actual)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert sum("key/value cache" in str(w.message) for w in caught) == 1
+    with torch.no_grad():  # without grad nothing is recomputed: the cache is filled as usual
+        out = model(input_ids=ids, use_cache=True)
+    assert out.past_key_values is not None or getattr(out, "cache", None) is not None
