@@ -203,3 +203,25 @@ def test_hugging_face_layers_called_with_their_cache_recompute_without_it(use_re
     with torch.no_grad():  # without grad nothing is recomputed: the cache is filled as usual
         out = model(input_ids=ids, use_cache=True)
     assert out.past_key_values is not None or getattr(out, "cache", None) is not None
+
+
+@pytest.mark.parametrize("options", [{}, {"nested": True}], ids=["stages", "nested"])
+def test_functional_call_on_an_enabled_model_recomputes_with_the_tensors_it_was_given(options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)) for _ in range(5)])
+    given0 = {name: value.detach() * 2 + 0.1 for name, value in base.named_parameters()}
+    x0 = torch.randn(4, 8)
+
+    def step(model: nn.Module) -> list[torch.Tensor | None]:
+        given = {name: value.clone().requires_grad_() for name, value in given0.items()}
+        x = x0.clone().requires_grad_()
+        functional_call(model, given, (x,)).pow(2).sum().backward()
+        return [x.grad, *(given[name].grad for name in given0)]
+
+    expected = step(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    control = remat.enable(model, "min", **options)
+    for _ in range(2):
+        assert _equal(expected, step(model))
+    assert control.plan is not None and any(count > 1 for count in control.plan.forward_counts)
+    assert all(p.grad is None for p in model.parameters())

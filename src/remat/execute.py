@@ -1,19 +1,17 @@
 """Running a schedule inside autograd, within the model's own forward.
 
 The executor runs the very list of operations that the simulator checks
-(:func:`remat.plan.operations.operations`). It reads that list once into a
-:class:`_Level` per region (which stage calls the first forward stores, which start a
-region, which run inside one, and the body each region replays) and then intercepts the
-calls of the chain's stage modules in the model's unmodified forward:
+(:func:`remat.plan.operations.operations`). It reads it once into a :class:`_Level` per
+region (which stage calls the first forward stores, which start a region, which run inside
+one, the body each region replays), then intercepts the stage calls of the model's forward:
 
 * ``forward_store``: the stage runs as usual;
 * ``forward_offload`` (top level only): the stage runs as usual, and what it and its glue
   save is moved to host memory while the next stage runs forward, then brought back while
   the next stage runs backward (:class:`~remat.manual.offload.StageOffloads`, NOTE [offloaded stages] in
   :mod:`remat.plan.simulate`);
-* ``forward_checkpoint``: the stage opens a recording (a recompute frame) that keeps its
-  inputs; it and the ``forward_discard`` stages after it run with everything they save
-  replaced by handles; the region's last stage closes the recording;
+* ``forward_checkpoint``: the stage opens a recording (a recompute frame) that keeps its inputs; it and the
+  ``forward_discard`` stages after it save handles only; the region's last stage closes the recording;
 * when backward first needs one of those handles, the region's *body* is replayed from
   the kept inputs: its stored stages are run again with their saved tensors kept, and
   each nested region becomes a child frame that keeps only its own inputs, to be
@@ -408,6 +406,8 @@ class _Replay:
         self.run = run
         self.body = body
         self.__qualname__ = f"stages {body.steps[0].start}.."
+        # its stages' parameters are put back for its replays (NOTE [parameters swapped in for a call])
+        self.block_modules = run.executor.chain.modules[body.steps[0].start : body.steps[-1].stop]
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _room_for(1):

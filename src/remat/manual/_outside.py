@@ -176,12 +176,14 @@ class ModuleSlots:
     __slots__ = ("places",)
 
     def __init__(self, function: Any) -> None:
-        module = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
-        self.places = (
-            [(m, tuple(m._parameters.items()), tuple(m._buffers.items())) for m in module.modules()]
-            if isinstance(module, torch.nn.Module)
-            else []
-        )
+        # (a planned region's replay names the stage modules it runs)
+        tops = getattr(function, "block_modules", None)
+        if tops is None:
+            module = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+            tops = [module] if isinstance(module, torch.nn.Module) else []
+        self.places = [
+            (m, tuple(m._parameters.items()), tuple(m._buffers.items())) for top in tops for m in top.modules()
+        ]
 
     @contextlib.contextmanager
     def put_back(self) -> Iterator[None]:
