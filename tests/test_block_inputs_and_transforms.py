@@ -225,3 +225,38 @@ def test_functional_call_on_an_enabled_model_recomputes_with_the_tensors_it_was_
         assert _equal(expected, step(model))
     assert control.plan is not None and any(count > 1 for count in control.plan.forward_counts)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_optimizer_stepped_in_backward_is_not_refused(nested: bool) -> None:
+    # torch's recipe: one optimizer per parameter, stepped from its post-accumulate-grad
+    # hook. A replay that stops before the stages whose backward ran (and whose weights
+    # were stepped) does not read them: NOTE [parameters changed before the recompute]
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
+    model = copy.deepcopy(plain)
+    control = remat.enable(model, "min", nested=nested)
+    for net in (plain, model):
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in net.parameters()}
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, optimizers=optimizers: optimizers[p].step())
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        plain(x).square().mean().backward()
+        model(x).square().mean().backward()
+    assert control.plan is not None and max(control.plan.forward_counts) > 2
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_stepped_before_the_recompute_reads_it_is_still_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    remat.enable(model, "min")
+    x = torch.randn(4, 16)
+    model(x).square().mean().backward()  # measured and planned
+    loss = model(x).square().mean()
+    with torch.no_grad():
+        model[2][0].weight.add_(1.0)  # a GAN's step between the forward and the backward (a weight it saves)
+    with pytest.raises(RecomputeInputModified, match="between its forward and its backward"):
+        loss.backward()

@@ -174,7 +174,7 @@ class _Frame:
                 "without retain_graph=True"
             )
         root = self.root
-        root.parameters.check(self.name)
+        root.parameters.started()
         args, kwargs = self._materialise_inputs()
         self.cursor = self.start
         last_needed = root.last_needed(self) if mode == "fill" else None
@@ -363,6 +363,8 @@ def _pack(tensor: torch.Tensor) -> Any:
         if index < len(root.owners):
             root.owners[index] = frame
         return tensor.detach() if root.inner_backward else None
+    if root.parameters.changed:  # NOTE [parameters changed before the recompute]
+        root.parameters.read(tensor, frame.name)
     if root.stop is None and index >= len(root.handles):  # a fill past where the first forward has
         raise _StopRecompute  # got to (NOTE [backward inside a block]): nothing more is needed
     if frame.stop is not None and index >= frame.stop or index >= len(root.handles):

@@ -24,8 +24,10 @@ optimizer step between a forward and its backward (a GAN's discriminator stepped
 generator's forward and backward), an update of an exponential average in place. A recompute
 would silently run with the new values. So, while a block runs for the first time, the
 parameters among what it saves (or the parameters they view) are noted; when it ends, their
-versions; and a recompute first checks them, raising
-:class:`~remat.errors.RecomputeInputModified` for one changed since. A parameter the block
+versions; and a recompute that saves one changed since raises
+:class:`~remat.errors.RecomputeInputModified` (one it does not read again, as a replay stopping
+before a stage whose backward ran and whose parameters an optimizer in backward stepped, is not
+refused). A parameter the block
 changes in place itself (a clamp under ``no_grad``, an embedding's ``max_norm``) is noted
 after that change, and again after each recompute, which changes it again: the next
 recompute (of a nested block, or in a second backward of a retained graph) is not refused.
@@ -217,18 +219,17 @@ class ParametersRead:
     """The parameters a block's first forward saved, and their versions when it ended
     (NOTE [parameters changed before the recompute])."""
 
-    __slots__ = ("noted", "versions")
+    __slots__ = ("changed", "noted", "versions")
 
     def __init__(self) -> None:
         self.noted: dict[int, weakref.ref[torch.Tensor]] = {}
         self.versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self.changed: dict[int, tuple[torch.Tensor, int]] = {}  # while a recompute runs: id -> (it, version noted)
 
     def saw(self, tensor: torch.Tensor) -> None:
         """`tensor` is saved by the first forward: noted if it is (a view of) a parameter."""
-        base: torch.Tensor | None = tensor if tensor.is_leaf else tensor._base if tensor._is_view() else None
-        if base is None:
-            return  # an activation: the common case
-        if isinstance(base, torch.nn.Parameter) and id(base) not in self.noted:
+        base = _parameter_of(tensor)
+        if base is not None and id(base) not in self.noted:
             self.noted[id(base)] = weakref.ref(base)
 
     def ended(self) -> None:
@@ -236,26 +237,51 @@ class ParametersRead:
         refs, self.noted = list(self.noted.values()), {}
         self._note(refs)
 
+    def started(self) -> None:
+        """A recompute starts: the parameters changed in place since the versions noted.
+
+        Only those the recompute then saves again raise (:meth:`read`): a replay that stops
+        before a stage whose backward has run does not read that stage's parameters, which
+        an optimizer stepped from a gradient hook (an optimizer in backward) may have changed.
+        """
+        self.changed = {
+            id(parameter): (parameter, version)
+            for ref, version in self.versions
+            if (parameter := ref()) is not None and parameter._version != version
+        }
+
+    def read(self, tensor: torch.Tensor, name: str) -> None:
+        """The recompute saves `tensor` again.
+
+        Raises:
+            RecomputeInputModified: it is (a view of) a parameter changed before the recompute started.
+        """
+        base = _parameter_of(tensor)
+        if base is not None and id(base) in self.changed:
+            parameter, version = self.changed[id(base)]
+            raise RecomputeInputModified(
+                f"a parameter of shape {tuple(parameter.shape)} that the recomputed block {name!r} uses was "
+                f"modified in place between its forward and its backward (version {version} -> "
+                f"{parameter._version}), by an optimizer step or an update of your own; plain autograd "
+                "raises for this too. Step after the backward, or do not recompute this block"
+            )
+
     def ran(self) -> None:
         """A recompute of the block ran: what it changed itself (a clamp it makes again) is no
-        change of the user's; the versions it left are those the next one must find."""
-        self._note([ref for ref, _ in self.versions])
+        change of the user's; the versions it left are those the next one must find, but for
+        the parameters changed before it, which a later recompute may still read."""
+        changed, self.changed = self.changed, {}
+        self.versions = [
+            (ref, version if id(parameter) in changed else parameter._version)
+            for ref, version in self.versions
+            if (parameter := ref()) is not None
+        ]
 
     def _note(self, refs: list[weakref.ref[torch.Tensor]]) -> None:
         self.versions = [(ref, parameter._version) for ref in refs if (parameter := ref()) is not None]
 
-    def check(self, name: str) -> None:
-        """Raises if a parameter was changed in place since the first forward ended.
 
-        Raises:
-            RecomputeInputModified: one was.
-        """
-        for ref, version in self.versions:
-            parameter = ref()
-            if parameter is not None and parameter._version != version:
-                raise RecomputeInputModified(
-                    f"a parameter of shape {tuple(parameter.shape)} that the recomputed block {name!r} uses was "
-                    f"modified in place between its forward and its backward (version {version} -> "
-                    f"{parameter._version}), by an optimizer step or an update of your own; plain autograd "
-                    "raises for this too. Step after the backward, or do not recompute this block"
-                )
+def _parameter_of(tensor: torch.Tensor) -> torch.nn.Parameter | None:
+    """The parameter `tensor` is, or is a view of; None for an activation (the common case)."""
+    base: torch.Tensor | None = tensor if tensor.is_leaf else tensor._base if tensor._is_view() else None
+    return base if isinstance(base, torch.nn.Parameter) else None
