@@ -260,3 +260,31 @@ def test_a_parameter_stepped_before_the_recompute_reads_it_is_still_refused() ->
         model[2][0].weight.add_(1.0)  # a GAN's step between the forward and the backward (a weight it saves)
     with pytest.raises(RecomputeInputModified, match="between its forward and its backward"):
         loss.backward()
+
+
+class _FrozenBackbone(nn.Module):
+    """A feature extractor the forward runs under no_grad, then trainable blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.backbone(x)
+        return self.blocks(x)
+
+
+def test_stages_the_forward_runs_without_grad_are_replayed_without_grad() -> None:
+    torch.manual_seed(0)
+    plain = _FrozenBackbone()
+    model = copy.deepcopy(plain)
+    control = remat.enable(model, "min")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        plain(x).square().mean().backward()
+        model(x).square().mean().backward()
+    assert control.plan is not None and control.plan.forward_counts[0] > 1  # the backbone is replayed
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)

@@ -20,9 +20,8 @@ one, the body each region replays), then intercepts the stage calls of the model
   a residual addition, a scaling), runs inside the region and is recorded; a replay runs
   it again after the stage to build the next stage's input (NOTE [glue between stages]).
 
-Each stage of a region is replayed with the RNG state it saw in the forward, so random
-operations draw the same numbers even when the model's own code between stages draws
-some too; normalisation statistics are updated once (the recompute guard).
+Each stage of a region is replayed with the RNG state (and grad mode) it saw in the forward; normalisation
+statistics are updated once (the recompute guard).
 """
 
 from __future__ import annotations
@@ -194,12 +193,15 @@ class _Run:
         self.offloads = StageOffloads()
         self.earlier = EarlierInputs(executor.taken_again) if executor.taken_again else None
         self.elementwise = ElementwiseRecompute(scoped_stages=executor.elementwise)  # (none: nothing scoped)
+        self.without_grad: set[int] = set()  # stage calls the model made under no_grad, replayed so
 
     def call(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         executor = self.executor
         if index != self.next_stage:
             raise out_of_order(executor.chain, index, self.next_stage)
         self.next_stage += 1
+        if not torch.is_grad_enabled():
+            self.without_grad.add(index)
         self.offloads.before(index, (args, kwargs))
         self._end_glue(args, kwargs)
         if self.earlier is not None:  # NOTE [constants an earlier stage takes] in remat.discover.glue
@@ -220,10 +222,9 @@ class _Run:
         return out
 
     # NOTE [glue between stages]
-    # The model's own code between a recomputed stage and the next stage call (a residual
-    # ``x = x + block(x)``, a scaling, a concatenation) runs inside the stage's region: what
-    # it saves is discarded with the stage's tensors, and it is recorded (remat.discover.glue)
-    # so that the replay runs it again after the stage, giving the next stage its input.
+    # The model's own code between a recomputed stage and the next stage call (a residual ``x = x + block(x)``, a
+    # scaling, a concatenation) runs inside the stage's region: what it saves is discarded with the stage's
+    # tensors, and it is recorded (remat.discover.glue) so that the replay runs it again after the stage.
     def _call_in_region(
         self,
         index: int,
@@ -299,7 +300,6 @@ class _Run:
             finally:
                 discarding.__exit__(None, None, None)
 
-    # -- replay (runs during backward)
     def run_level(self, level: _Level, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replays a level from its first stage's inputs; returns the inputs of the stage after it."""
         with self.earlier.replay() if self.earlier is not None else contextlib.nullcontext():
@@ -322,11 +322,10 @@ class _Run:
         self, stage: int, holder: list[Any], option: str | None = None
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # NOTE [random state of replayed stages]
-        # The model's own code between stages may draw random numbers, so each stage of a
-        # model's forward is replayed from the state it started with, its glue after it. In
-        # an nn.Sequential nothing runs between stages: the region's frame replays from the
-        # region's start and the stages draw in order (a state restored around each stage
-        # would rewind it for the next one).
+        # The model's own code between stages may draw random numbers, so each stage of a model's forward is
+        # replayed from the state it started with, its glue after it (and without grad if it ran so). In an
+        # nn.Sequential nothing runs between stages: the region's frame replays from the region's start and the
+        # stages draw in order (a state restored around each stage would rewind it for the next one).
         state = self.states.get(stage)
         module = self.executor.chain.modules[stage]
         args, kwargs = holder.pop()
@@ -334,7 +333,10 @@ class _Run:
             self.earlier.replaying(stage, _tensors((args, kwargs)))
         if self.executor.gathering is not None:  # NOTE [FSDP2 units] in remat.sharded
             self.executor.gathering.before(stage)
-        with replay_forward_state(state) if state is not None else contextlib.nullcontext():
+        with (
+            replay_forward_state(state) if state is not None else contextlib.nullcontext(),
+            torch.no_grad() if stage in self.without_grad else contextlib.nullcontext(),
+        ):
             if option is not None:
                 out = recompute(call_stage, module, args, kwargs, **self.executor.option_arguments(option))
             else:
@@ -352,13 +354,11 @@ class _Run:
             return replayed
 
     # NOTE [glue released after its last replay]
-    # What a stage's glue keeps for its replays (the tensors it takes as they are: a block's
-    # input that its query and value projections, run as glue, take beside its key's stage)
-    # is needed until the schedule's last replay of that stage, which comes before the
-    # stage's backward. The plan counts it until then (remat.plan.lifetimes); kept to the
-    # end of the step, it outlived its count through the backward of every stage before
-    # (a CvT's nested plans went 5% over). A retained graph may be replayed again: then
-    # everything is kept.
+    # What a stage's glue keeps for its replays (the tensors it takes as they are: a block's input that its query
+    # and value projections, run as glue, take beside its key's stage) is needed until the schedule's last replay
+    # of that stage, before the stage's backward. The plan counts it until then (remat.plan.lifetimes); kept to the
+    # end of the step, it outlived its count through the backward of every stage before (a CvT's nested plans
+    # went 5% over). A retained graph may be replayed again: then everything is kept.
     def _glue_for_replay(self, stage: int) -> Glue:
         glue = self.glues.get(stage)
         if glue is None:
