@@ -288,3 +288,24 @@ def test_stages_the_forward_runs_without_grad_are_replayed_without_grad() -> Non
     assert control.plan is not None and control.plan.forward_counts[0] > 1  # the backbone is replayed
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+
+
+class _Reshaping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x.reshape(x.shape[0] * x.shape[1], -1))  # a copy when x is not contiguous
+
+
+def test_an_input_of_the_same_shape_with_other_strides_is_planned_for_itself() -> None:
+    torch.manual_seed(0)
+    model = _Reshaping()
+    control = remat.enable(model, "min", loss_fn=lambda out: out.square().mean(), output_kept=False)
+    for x in (torch.randn(8, 32, 16), torch.randn(32, 8, 16).transpose(0, 1), torch.randn(8, 32, 16)):
+        with remat.MemoryTracker() as tracker:
+            model(x).square().mean().backward()
+        assert control.plan is not None
+        assert tracker.peak_bytes <= control.plan.budget_bytes, x.is_contiguous()
+    assert control.measure_counts["timed"] == 2  # the transposed input was measured

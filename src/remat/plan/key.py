@@ -82,7 +82,9 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     ]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
+            # (a non-contiguous one's strides too: a transposed input of the same shape makes the model's reshape copy it)
+            layout = None if leaf.is_contiguous() else leaf.stride()
+            parts.append((tuple(leaf.shape), layout, leaf.dtype, str(leaf.device), leaf.requires_grad))
         else:
             parts.append(repr(leaf))
     return tuple(parts)
@@ -142,6 +144,13 @@ def shape_family(key: Hashable) -> Hashable:
         return key
     head, leaves = key[: len(_KEY_PARTS)], key[len(_KEY_PARTS) :]
     return head + tuple(
-        (len(leaf[0]), *leaf[1:]) if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple) else leaf
+        (len(leaf[0]), _stride_order(leaf[1]), *leaf[2:])
+        if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple)
+        else leaf
         for leaf in leaves
     )
+
+
+def _stride_order(layout: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """A non-contiguous layout as the order of its strides, whatever the sizes (None: contiguous)."""
+    return None if layout is None else tuple(sorted(range(len(layout)), key=lambda dim: -layout[dim]))
