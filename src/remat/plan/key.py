@@ -82,7 +82,7 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     ]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            # (a non-contiguous one's strides too: a transposed input of the same shape makes the model's reshape copy it)
+            # (a non-contiguous one's strides too: a transposed input of the same shape makes a reshape copy it)
             layout = None if leaf.is_contiguous() else leaf.stride()
             parts.append((tuple(leaf.shape), layout, leaf.dtype, str(leaf.device), leaf.requires_grad))
         else:
