@@ -12,6 +12,7 @@ called with its key/value cache).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import warnings
 from collections.abc import Callable
@@ -309,3 +310,40 @@ def test_an_input_of_the_same_shape_with_other_strides_is_planned_for_itself() -
         assert control.plan is not None
         assert tracker.peak_bytes <= control.plan.budget_bytes, x.is_contiguous()
     assert control.measure_counts["timed"] == 2  # the transposed input was measured
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    note: str = "plain dataclass"
+
+
+class _DataclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(self.blocks(x))
+
+
+@pytest.mark.parametrize("with_loss_fn", [False, True])
+def test_a_model_returning_a_plain_dataclass_is_measured_and_trained(with_loss_fn: bool) -> None:
+    # measuring used to see no tensor in it (no default loss), and to probe the loss on the
+    # very output of its run (autograd: "backward through the graph a second time")
+    torch.manual_seed(0)
+    plain = _DataclassModel()
+    model = copy.deepcopy(plain)
+    options = {"loss_fn": lambda out: out.logits.square().mean()} if with_loss_fn else {}
+    control = remat.enable(model, 0.5, **options)
+    x = torch.randn(32, 16)
+    for _ in range(2):
+        expected = plain(x).logits.square().mean()
+        expected.backward()
+        with remat.MemoryTracker() as tracker:
+            actual = model(x).logits.square().mean()
+            actual.backward()
+        assert torch.equal(expected, actual)
+        assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

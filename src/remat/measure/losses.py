@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.errors import RematError, UnsupportedModel
+from remat.manual._outside import tensors_inside
 from remat.measure.instrument import tensors_in
 from remat.memory import MemoryTracker
 
@@ -41,10 +43,15 @@ def output_loss(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of an output: its pytree's, and those inside a dataclass among its leaves."""
+    return [tensor for _, tensor in tensors_inside(output)] if dataclasses.is_dataclass(output) else tensors_in(output)
+
+
 def _default_loss(output: Any) -> torch.Tensor:
-    tensors = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+    tensors = [t for t in _output_tensors(output) if t.requires_grad and t.is_floating_point()]
     if not tensors:
-        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in tensors_in(output)})
+        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in _output_tensors(output)})
         what = "tensors of " + "; ".join(found) if found else f"no tensor ({type(output).__name__})"
         raise RematError(
             f"remat cannot form a default loss from the model's output: it holds {what}, and the "
@@ -114,7 +121,19 @@ def _check_no_cache(output: Any) -> None:
 def _shape_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _TensorShape(tuple(value.shape), value.dtype, value.requires_grad)
-    return value
+    return _fields_mapped(_shape_of, value)
+
+
+def _fields_mapped(function: Callable[[Any], Any], value: Any) -> Any:
+    """A dataclass output (a pytree leaf) copied with `function` mapped over its fields' pytrees;
+    any other value as it is."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    copied = copy.copy(value)
+    for field in dataclasses.fields(value):
+        if hasattr(value, field.name):
+            object.__setattr__(copied, field.name, tree_map(function, getattr(value, field.name)))
+    return copied
 
 
 def _loss_widening(outputs: list[torch.Tensor]) -> float:
@@ -137,7 +156,7 @@ def _loss_probe(run_loss: Callable[[list[Any]], None], output: Any, device: torc
     def zeros(value: Any) -> Any:
         if isinstance(value, _TensorShape):
             return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.requires_grad)
-        return value
+        return _fields_mapped(zeros, value)
 
     peaks = []
     for fake in (False, True):
