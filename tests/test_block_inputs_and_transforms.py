@@ -347,3 +347,49 @@ def test_a_model_returning_a_plain_dataclass_is_measured_and_trained(with_loss_f
         assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class _Logging(nn.Module):
+    """A block that keeps its hidden activation for a plot: held past the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 128), nn.Linear(128, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.a(x))
+        self.last = h.detach()
+        return x + self.b(h)
+
+
+def _legacy_spectral() -> nn.Module:
+    return nn.Sequential(
+        *[
+            nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(64, 64)), nn.Tanh())  # noqa: TID251
+            for _ in range(6)
+        ]
+    )
+
+
+# NOTE [tensors kept in attributes]
+@pytest.mark.parametrize("measure", ["sized", "estimated"])
+@pytest.mark.parametrize("budget", ["min", 0.8])
+@pytest.mark.parametrize("make", ["logging", "legacy spectral_norm"])
+def test_tensors_a_forward_keeps_in_attributes_are_planned_for(measure: str, budget: Any, make: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_Logging() for _ in range(6)]) if make == "logging" else _legacy_spectral()
+    model = copy.deepcopy(plain)
+    control = remat.enable(model, budget, measure=measure)
+    width = 16 if make == "logging" else 64
+    for _ in range(3):
+        x = torch.randn(64, width)
+        torch.manual_seed(1)
+        plain(x).square().mean().backward()
+        torch.manual_seed(1)
+        with remat.MemoryTracker() as tracker:
+            model(x).square().mean().backward()
+        assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(plain.buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b)

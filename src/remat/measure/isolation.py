@@ -21,6 +21,7 @@ value: BatchNorm's kernel writes its statistics without moving their version).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -35,21 +36,47 @@ from remat.manual._state import MASK_ELEMENTS, is_read_only_mask, is_state_attri
 from remat.measure.parameters import alias_parameters
 from remat.sharded import gathered_units
 
-__all__ = ["isolated_inputs", "preserved_model_state"]
+__all__ = ["KeptInAttributes", "isolated_inputs", "preserved_model_state"]
 
 
 @contextlib.contextmanager
-def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
+def preserved_model_state(model: nn.Module, devices: list[torch.device]) -> Iterator[KeptInAttributes]:
     """Runs the body as remat's own run: the model is left as it was.
 
     On exit, parameter gradients, every buffer (values and identity), every module's plain
     attributes (numbers, strings, tensors held outside buffers) and the RNG states are
     restored; meanwhile :func:`remat.is_recomputing` is True, so user code can tell these
     runs from training forwards. The units of a model sharded with FSDP2 are gathered for
-    the body and sharded again after it (NOTE [FSDP2 units] in :mod:`remat.sharded`).
+    the body and sharded again after it (NOTE [FSDP2 units] in :mod:`remat.sharded`). It
+    yields what the body's forwards left in modules' attributes, known on exit.
     """
-    with gathered_units(model), _preserved(model, devices):
-        yield
+    with gathered_units(model), _preserved(model, devices) as kept:
+        yield kept
+
+
+# NOTE [tensors kept in attributes]
+# A forward that leaves a tensor it made in a module's attribute (``self.last = h.detach()``
+# for a plot, the legacy ``torch.nn.utils.spectral_norm``'s computed weight) holds it past
+# the step, and its storage with it (a detached activation keeps the activation's memory),
+# where the plan would free or recompute it: steps went 15 to 45% over their budget. What
+# measuring's forwards leave so is counted as held through the whole step (as the loss's
+# extra bytes are: where it lives is not known), so the plan leaves room for it.
+@dataclasses.dataclass
+class KeptInAttributes:
+    """The bytes of the tensors a measuring run left in modules' attributes (NOTE [tensors kept in attributes])."""
+
+    before: list[tuple[nn.Module, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    bytes: int = 0
+
+    def note(self) -> None:
+        """Notes what the forwards so far left (the most any did; a fake run's before its tensors go)."""
+        storages: dict[int, int] = {}
+        for module, noted in self.before:
+            for name, value in module.__dict__.items():
+                if isinstance(value, torch.Tensor) and noted.get(name) is not value and _restored(name):
+                    storage = value.untyped_storage()
+                    storages[id(value._base if value._base is not None else value)] = storage.nbytes()
+        self.bytes = max(self.bytes, sum(storages.values()))
 
 
 def preserved_state_bytes(model: nn.Module) -> int:
@@ -105,7 +132,7 @@ def _put_back(buffers: list[_Buffer]) -> None:
 
 
 @contextlib.contextmanager
-def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
+def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[KeptInAttributes]:
     grads = [(p, p.grad) for p in model.parameters()]
     aliased = alias_parameters(model)
     buffers = [
@@ -113,12 +140,14 @@ def _preserved(model: nn.Module, devices: list[torch.device]) -> Iterator[None]:
     ]
     attributes = [(module, dict(module.__dict__)) for module in model.modules()]
     cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
+    kept = KeptInAttributes(attributes)
     try:
         with torch.random.fork_rng(devices=cuda), preserved_host_rng(), rehearsing():
             for p, _ in grads:
                 p.grad = None
-            yield
+            yield kept
     finally:
+        kept.note()
         for table, name, parameter in aliased:
             table[name] = parameter
         for module, before in attributes:

@@ -275,7 +275,7 @@ def _plain_measurement(
     """Bytes from a real step (plain, or with recomputed segments), times from another."""
     # Each run gets copies of the inputs: the caller's are never touched, and a model that
     # changes its input in place gets the original values in every run.
-    with preserved_model_state(model, devices):
+    with preserved_model_state(model, devices) as kept:
         _phase(1, "a step tracked byte for byte")
         spans = frugal_spans(model, chain, *isolated_inputs(args, kwargs)) if frugal else None
         probe = probe_for(device)  # NOTE [device workspaces]: the step's largest, for every stage
@@ -301,6 +301,7 @@ def _plain_measurement(
             model, chain, measurement.stages, measurement.groups, *isolated_inputs(args, kwargs), device,
             frozenset(), track_all=True,
         )  # fmt: skip
+    measurement = _with_fixed_bytes(measurement, kept.bytes)  # NOTE [tensors kept in attributes]
     return dataclasses.replace(measurement, input_held_until=held.input_held_until, held_outputs=held.held_outputs)
 
 
@@ -326,7 +327,7 @@ def _sized_measurement(
         return loss_fn(output)
 
     _phase(1, "a step sized on fake tensors (no device memory)")
-    with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
+    with preserved_model_state(model, devices) as kept, on_fake_tensors(model, device) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         versions = [
             t._version if isinstance(t, torch.Tensor) else None for t in tree_flatten((fake_args, fake_kwargs))[0]
@@ -335,6 +336,7 @@ def _sized_measurement(
             tracked = _tracked_step(
                 model, chain, fake_args, fake_kwargs, loss_fn=shaped_loss, device=device, spans=None
             )
+        kept.note()  # (before the fake tensors are taken back)
         # the inputs the model changes in place: the timing pass copies those alone
         changed = {
             position
@@ -346,13 +348,12 @@ def _sized_measurement(
     # the fake model keeps real copies of the counters it made fake constants of: dropped
     # now, not held through the timing pass
     del fake, fake_args, fake_kwargs
-    sized = assemble(chain, tracked)
+    sized = _with_fixed_bytes(assemble(chain, tracked), kept.bytes)  # NOTE [tensors kept in attributes]
     settle_scopes()  # NOTE [stages that make no recipe]
-    # The timing pass rehearsed on fake tensors: what each group will need, the suffix, and
-    # what the model's own code holds between stages (an input it keeps until its block
-    # returns). The budget must hold that, and the pass itself (its peak with no backward
-    # timed, and the copies it runs on): both are known before a budget is refused, so that
-    # the minimum named is the one planned within.
+    # The timing pass rehearsed on fake tensors: what each group will need, the suffix, and what the model's own
+    # code holds between stages (an input it keeps until its block returns). The budget must hold that, and the
+    # pass itself (its peak with no backward timed, and the copies it runs on): both are known before a budget is
+    # refused, so that the minimum named is the one planned within.
     rehearsal = _rehearsal(model, chain, sized, args, kwargs, device, devices, run_loss=run_loss, policies=policies)
     sized = dataclasses.replace(sized, input_held_until=rehearsal.input_held_until, held_outputs=rehearsal.held_outputs)
     times = known_times(sized) if known_times is not None else None
@@ -385,8 +386,7 @@ def _sized_measurement(
     # fake run is held through the whole step (the safe side: it may be transient).
     _phase(2, "the loss on real tensors")
     loss_extra = _loss_probe(run_loss, outputs[0], device) if outputs else 0
-    # A FakeTensorMode left in a reference cycle by the probe can hold real memory: freed
-    # now, not during the timing pass.
+    # A FakeTensorMode left in a reference cycle by the probe can hold real memory: freed now, not while timing.
     gc.collect()
     sized = _with_fixed_bytes(sized, loss_extra)
     if times is not None:
