@@ -47,6 +47,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 
 from remat.errors import RecomputeInputModified
 
@@ -171,7 +172,9 @@ def outputs_held_inside(leaves: list[Any]) -> list[tuple[int, str, torch.Tensor]
 # does the same). So a block that is a module (or a module's method) notes, when its first
 # forward starts, the tensor in each parameter and buffer place of its modules, and each of
 # its recomputes runs with those put back, and the places' contents restored after it. The
-# note costs a walk over the block's modules per call: 2 to 8 us on a CPU.
+# note costs a walk over the block's modules per call: 2 to 8 us on a CPU. A parameter's place
+# is noted only when it holds a tensor that is no ``nn.Parameter`` (what functional_call gives):
+# FSDP2 swaps its sharded and gathered parameters in and out of those places itself.
 class ModuleSlots:
     """The tensors in a block's parameter and buffer places when its first forward started."""
 
@@ -183,9 +186,17 @@ class ModuleSlots:
         if tops is None:
             module = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
             tops = [module] if isinstance(module, torch.nn.Module) else []
-        self.places = [
-            (m, tuple(m._parameters.items()), tuple(m._buffers.items())) for top in tops for m in top.modules()
-        ]
+        # A parameter's place is put back only when it held another tensor than a parameter: a
+        # framework that manages parameters (FSDP2's sharded and gathered ones) swaps nn.Parameters
+        places = []
+        for top in tops:
+            for m in top.modules():
+                parameters = tuple(
+                    (name, t) for name, t in m._parameters.items() if t is not None and not isinstance(t, Parameter)
+                )
+                if parameters or m._buffers:
+                    places.append((m, parameters, tuple(m._buffers.items())))
+        self.places = places
 
     @contextlib.contextmanager
     def put_back(self) -> Iterator[None]:
