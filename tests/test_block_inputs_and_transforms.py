@@ -393,3 +393,25 @@ def test_tensors_a_forward_keeps_in_attributes_are_planned_for(measure: str, bud
         assert torch.equal(a.grad, b.grad)
     for a, b in zip(plain.buffers(), model.buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_budget_of_one_fits_a_model_that_trains_its_head_only() -> None:
+    # linear probing: the frozen part saves nothing, and measuring's pass over it holds more
+    # than the plain step; a fraction is of the larger of the two, so 1.0 always fits
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)],
+        nn.Linear(64, 1),
+    )
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("4."))
+    plain = copy.deepcopy(model)
+    control = remat.enable(model, 1.0)
+    x = torch.randn(256, 64)
+    for _ in range(2):
+        plain(x).square().mean().backward()
+        with remat.MemoryTracker() as tracker:
+            model(x).square().mean().backward()
+        assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
+        assert max(control.plan.forward_counts) == 1
+    assert torch.equal(plain[4].weight.grad, model[4].weight.grad)

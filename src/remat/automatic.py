@@ -562,11 +562,11 @@ class Checkpointable(ModelStandIn):
         planning = plannings[0]
         if mem_limit == MINIMUM:
             return min(self._minima(key, plannings))
-        # A fraction is of the budget that stores everything, margin included, with what
-        # lives part of the step counted where it lives: 1.0 always plans no recompute.
-        store_all = planning.store_all()
+        # A fraction is of the budget that stores everything, margin included, with what lives part of the step
+        # counted where it lives, or of what measuring needs where that is more (a model that trains its head
+        # only saves less than a stage's forward holds): 1.0 always plans no recompute.
         device = planning.profile.metadata.get("device", "cpu")
-        reference = planning.total_holding(store_all)
+        reference = max(planning.total_holding(planning.store_all()), planning.floor_bytes)
         total = parse_budget(mem_limit, reference_bytes=reference, device=device)
         if mem_limit is None and str(device) == "cpu" and not self._default_budget_warned:
             self._default_budget_warned = True
