@@ -52,7 +52,9 @@ def measured_for_real(
         f"remat: the model cannot run on fake tensors ({error}), so its sizes could not be known "
         f"before it ran; it was measured with {step}, which took "
         f"{format_bytes(measurement.measured_peak_bytes)} whatever the budget (the steps after it "
-        "hold the budget)",
+        "hold the budget). The cause may be in the forward or in a hook it registers (a gradient hook "
+        "that logs a value with .item() runs in measuring's backward passes too: skip it while "
+        "remat.is_recomputing())",
         RuntimeWarning,
         stacklevel=4,
     )
