@@ -169,29 +169,20 @@ def test_the_reentrant_mode_refuses_a_backward_that_creates_a_graph() -> None:
 # NOTE [a layer's key/value cache]
 @pytest.mark.parametrize("use_reentrant", MODES)
 def test_hugging_face_layers_called_with_their_cache_recompute_without_it(use_reentrant: bool) -> None:
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    pytest.importorskip("transformers")
+    from remat.models import hugging_face_model
 
     recompute_module = importlib.import_module("remat.manual.recompute")
-
+    factory, kwargs = hugging_face_model("llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=50,
-        max_position_embeddings=16,
-    )
-    assert config.use_cache
-    base = transformers.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 50, (2, 8))
+    base = factory().train()
+    assert base.config.use_cache
+    ids = kwargs["input_ids"]
     plain = copy.deepcopy(base)
     expected = plain(input_ids=ids, labels=ids, use_cache=False).loss
     expected.backward()
     model = copy.deepcopy(base)
-    remat.apply(model, LlamaDecoderLayer, use_reentrant=use_reentrant)
+    remat.apply(model, type(base.model.layers[0]), use_reentrant=use_reentrant)
     recompute_module._LAYER_CACHE_WARNED[0] = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
