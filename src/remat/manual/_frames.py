@@ -163,6 +163,8 @@ class _Frame:
     # -- running
     def run(self, mode: str) -> Any:
         """Re-runs the block in `mode` ("fill" or "outputs")."""
+        if not self.tangents:
+            return self._run(mode)
         with dual_level_for(self.tangents):
             return self._run(mode)
 

@@ -187,20 +187,30 @@ class ModuleSlots:
             module = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
             tops = [module] if isinstance(module, torch.nn.Module) else []
         # A parameter's place is put back only when it held another tensor than a parameter: a
-        # framework that manages parameters (FSDP2's sharded and gathered ones) swaps nn.Parameters
+        # framework that manages parameters (FSDP2's sharded and gathered ones) swaps nn.Parameters.
+        # (A walk of its own: nn.Module.modules() builds every module's name, at each block call.)
         places = []
-        for top in tops:
-            for m in top.modules():
-                parameters = tuple(
-                    (name, t) for name, t in m._parameters.items() if t is not None and not isinstance(t, Parameter)
-                )
-                if parameters or m._buffers:
-                    places.append((m, parameters, tuple(m._buffers.items())))
+        stack = list(tops)
+        while stack:
+            m = stack.pop()
+            for t in m._parameters.values():
+                if t is not None and type(t) is not Parameter:  # (rare: the walk's cost is this loop's)
+                    given = tuple((n, v) for n, v in m._parameters.items() if _given(v))
+                    if given:
+                        places.append((m, given, ()))
+                    break
+            if m._buffers:
+                places.append((m, (), tuple(m._buffers.items())))
+            stack.extend(child for child in m._modules.values() if child is not None)
         self.places = places
 
+    def put_back(self) -> contextlib.AbstractContextManager[None]:
+        """A context that runs its body with the noted tensors in their places (NOTE [parameters
+        swapped in for a call]); nothing to do for a block whose modules hold no buffer nor given tensor."""
+        return self._put_back() if self.places else _NOTHING
+
     @contextlib.contextmanager
-    def put_back(self) -> Iterator[None]:
-        """Runs the body with the noted tensors in their places (NOTE [parameters swapped in for a call])."""
+    def _put_back(self) -> Iterator[None]:
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
             for module, parameters, buffers in self.places:
@@ -223,7 +233,13 @@ class ModuleSlots:
                     places[name] = now
 
 
+def _given(value: Any) -> bool:
+    """Whether a parameter's place holds a tensor that is no parameter (what functional_call gives)."""
+    return value is not None and not isinstance(value, Parameter)
+
+
 _ABSENT: Any = object()
+_NOTHING = contextlib.nullcontext()
 
 
 class ParametersRead:
