@@ -343,13 +343,19 @@ def test_a_model_returning_a_plain_dataclass_is_measured_and_trained(with_loss_f
 class _Logging(nn.Module):
     """A block that keeps its hidden activation for a plot: held past the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str = "public") -> None:
         super().__init__()
         self.a, self.b = nn.Linear(16, 128), nn.Linear(128, 16)
+        self.where = where
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.gelu(self.a(x))
-        self.last = h.detach()
+        if self.where == "public":
+            self.last = h.detach()
+        elif self.where == "private":
+            self._last = h.detach()
+        else:
+            self.stats = {"hidden": (h.detach(),)}
         return x + self.b(h)
 
 
@@ -365,13 +371,14 @@ def _legacy_spectral() -> nn.Module:
 # NOTE [tensors kept in attributes]
 @pytest.mark.parametrize("measure", ["sized", "estimated"])
 @pytest.mark.parametrize("budget", ["min", 0.8])
-@pytest.mark.parametrize("make", ["logging", "legacy spectral_norm"])
+@pytest.mark.parametrize("make", ["public", "private", "in a dict", "legacy spectral_norm"])
 def test_tensors_a_forward_keeps_in_attributes_are_planned_for(measure: str, budget: Any, make: str) -> None:
     torch.manual_seed(0)
-    plain = nn.Sequential(*[_Logging() for _ in range(6)]) if make == "logging" else _legacy_spectral()
+    logging = make != "legacy spectral_norm"
+    plain = nn.Sequential(*[_Logging(make) for _ in range(6)]) if logging else _legacy_spectral()
     model = copy.deepcopy(plain)
     control = remat.enable(model, budget, measure=measure)
-    width = 16 if make == "logging" else 64
+    width = 16 if logging else 64
     for _ in range(3):
         x = torch.randn(64, width)
         torch.manual_seed(1)
@@ -406,3 +413,100 @@ def test_a_budget_of_one_fits_a_model_that_trains_its_head_only() -> None:
         assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
         assert max(control.plan.forward_counts) == 1
     assert torch.equal(plain[4].weight.grad, model[4].weight.grad)
+
+
+class _Sequential(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute_sequential(self.layers, 2, x)
+
+
+def test_functional_call_reaches_the_segments_of_recompute_sequential() -> None:
+    torch.manual_seed(0)
+    model = _Sequential()
+    given = {name: (value.detach() * 2 + 0.3).requires_grad_() for name, value in model.named_parameters()}
+    x0 = torch.randn(3, 4)
+    expected_x = x0.clone().requires_grad_()
+    functional_call(model.layers, given_plain := {k[len("layers.") :]: v for k, v in given.items()}, (expected_x,))
+    plain_given = {k: v.detach().clone().requires_grad_() for k, v in given_plain.items()}
+    xp = x0.clone().requires_grad_()
+    functional_call(model.layers, plain_given, (xp,)).pow(3).sum().backward()
+    x = x0.clone().requires_grad_()
+    functional_call(model, given, (x,)).pow(3).sum().backward()
+    assert torch.equal(x.grad, xp.grad)
+    for name, value in given.items():
+        assert torch.equal(value.grad, plain_given[name[len("layers.") :]].grad), name
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("use_reentrant", MODES)
+@pytest.mark.parametrize("training", [True, False])
+def test_a_gpt2_block_gets_its_cache_by_position_and_runs_without_it(use_reentrant: bool, training: bool) -> None:
+    # GPT-2's model passes the cache second, by position; in eval mode with grad on remat
+    # recomputes too, where Hugging Face never checkpoints
+    pytest.importorskip("transformers")
+    from remat.models import hugging_face_model
+
+    factory, kwargs = hugging_face_model("gpt2")
+    torch.manual_seed(0)
+    base = factory().train(training)
+    ids = kwargs["input_ids"]
+    plain = copy.deepcopy(base)
+    torch.manual_seed(1)
+    expected = plain(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    model = copy.deepcopy(base)
+    remat.apply(model, type(base.transformer.h[0]), use_reentrant=use_reentrant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(1)
+        actual = model(input_ids=ids, labels=ids).loss  # the config's use_cache=True
+        actual.backward()
+    assert torch.equal(expected, actual)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+class _InferenceBackbone(_FrozenBackbone):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            x = self.backbone(x)
+        return self.blocks(x.clone())
+
+
+def test_a_stage_run_under_inference_mode_is_refused_with_what_to_do() -> None:
+    model = _InferenceBackbone()
+    remat.enable(model, "min")
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(remat.UnsupportedModel, match=r"inference_mode.*torch.no_grad\(\)"):
+        model(torch.randn(8, 16))
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("budget", ["min", 0.5])
+def test_a_dataclass_inside_a_tuple_is_sized_with_its_tensors(budget: Any) -> None:
+    # the loss allowance and the default loss used to see only the tensors beside it
+    class Model(_DataclassModel):
+        def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+            out = super().forward(x)
+            return (out, out.logits.sum(-1))
+
+    torch.manual_seed(0)
+    plain = Model()
+    model = copy.deepcopy(plain)
+    control = remat.enable(model, budget)
+    x = torch.randn(64, 16)
+    for _ in range(2):
+        out, aux = plain(x)
+        (out.logits.pow(2).mean() + aux.mean()).backward()
+        with remat.MemoryTracker() as tracker:
+            out, aux = model(x)
+            (out.logits.pow(2).mean() + aux.mean()).backward()
+            del out, aux
+        assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

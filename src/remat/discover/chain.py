@@ -162,13 +162,13 @@ class _Provenance(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = _tensor_leaves((args, kwargs))
-        versions = [t._version for t in inputs]
+        versions = [None if t.is_inference() else t._version for t in inputs]  # (inference tensors have none)
         out = func(*args, **kwargs)
         mask = self.mask_of(inputs)
         if mask:
             self.mark(_tensor_leaves(out), mask)
             # a call that changes a tensor in place makes it derive from its other inputs too
-            self.mark([t for t, v in zip(inputs, versions, strict=True) if t._version != v], mask)
+            self.mark([t for t, v in zip(inputs, versions, strict=True) if v is not None and t._version != v], mask)
         return out
 
 
@@ -582,4 +582,10 @@ class StageLinks:
     def returned(self, index: int, output: Any) -> None:
         """Notes the output of stage `index` (the chain's output is not followed)."""
         leaves = _tensor_leaves(output) if index + 1 < self.n_stages else []
+        if any(t.is_inference() for t in leaves):
+            raise UnsupportedModel(
+                f"stage {index} returned a tensor made under torch.inference_mode(): its versions are not "
+                "followed, and the automatic mode follows what the model's code changes in place. Run that "
+                "part under torch.no_grad() instead (it is replayed under no_grad as well)"
+            )
         self._returned = [(weakref.ref(t), t._version) for t in leaves]

@@ -35,6 +35,18 @@ _RECOMPUTE_OPTIONS = {
 Where = Callable[[str, nn.Module], bool] | type | tuple[type, ...]
 
 
+class _InstanceForward:
+    """A module's instance-level forward (one accelerate installs), with the module it belongs to."""
+
+    def __init__(self, forward: Any, module: nn.Module) -> None:
+        self.forward = forward
+        self.block_modules = (module,)
+        self.__qualname__ = getattr(forward, "__qualname__", None) or f"{type(module).__name__}.forward"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+
 class _RecomputedForward:
     """Stands in an instance's ``forward``; picklable and deep-copyable with the module."""
 
@@ -44,9 +56,11 @@ class _RecomputedForward:
         self.original = original  # an instance-level forward the module had before, if any
         # the class's forward bound here, not in each call: Dynamo (torch 2.11) cannot trace `__get__`
         self.bound = type(module).forward.__get__(module)
+        # an instance-level forward, with its module (NOTE [parameters swapped in for a call])
+        self.instance = None if original is None else _InstanceForward(original, module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.original if self.original is not None else self.bound
+        forward = self.instance if self.instance is not None else self.bound
         if self.options.get("offload"):
             return offload(forward, *args, **kwargs)
         return recompute(forward, *args, **self.options, **kwargs)

@@ -172,8 +172,8 @@ def recompute(
             "output_recompute=True needs the hook-based implementation; "
             "call recompute(..., use_reentrant=False, output_recompute=True)"
         )
-    if kwargs and torch.is_grad_enabled():
-        kwargs = _without_layer_cache(function, kwargs)
+    if (kwargs or len(args) > 1) and torch.is_grad_enabled():
+        args, kwargs = _without_layer_cache(function, args, kwargs)
     if compiling():
         # torch.compile traces this call: the compiler's own recompute (NOTE [recompute
         # under torch.compile] in _compiled.py)
@@ -190,37 +190,46 @@ def recompute(
 # causal LMs) appends its keys and values to it; recomputed, it appends them again, and attends
 # over them twice (the reentrant implementation gave silently wrong gradients, the default one
 # a cache of twice the length). Hugging Face's own gradient checkpointing calls such a layer
-# without its cache while training, and so does remat: a recomputed block called with grad
-# enabled (a module, in training mode) gets None for the cache and use_cache=False, said once.
-# A layer that only reads its cache says so (``_can_checkpoint_with_cache``) and keeps it; a
-# ``cache`` argument is taken for one only when it is a Hugging Face object.
+# without its cache while training, and so does remat, wherever it recomputes (grad on, in
+# training mode or not): the block gets None for the cache, by name or where it is passed by
+# position (GPT-2's blocks take it second), and use_cache=False, said once. A layer that only
+# reads its cache says so (``_can_checkpoint_with_cache``) and keeps it; a ``cache`` argument is
+# taken for one only when it is a Hugging Face cache object.
 _LAYER_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
 _LAYER_CACHE_WARNED = [False]
 
 
-def _without_layer_cache(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _without_layer_cache(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     names = [name for name in _LAYER_CACHES if kwargs.get(name) is not None]
-    if names[:1] == ["cache"] and not type(kwargs["cache"]).__module__.startswith("transformers."):
+    if names[:1] == ["cache"] and not _is_cache(kwargs["cache"]):
         names = names[1:]
-    if not names and kwargs.get("use_cache") is not True:
-        return kwargs
+    positions = [i for i, value in enumerate(args) if _is_cache(value)]  # (GPT-2's blocks take it second)
+    if not names and not positions and kwargs.get("use_cache") is not True:
+        return args, kwargs
     module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
-    if isinstance(module, nn.Module) and not module.training:
-        return kwargs
     if getattr(module, "_can_checkpoint_with_cache", False) is True:
-        names = []
+        names, positions = [], []
     if not _LAYER_CACHE_WARNED[0]:
         _LAYER_CACHE_WARNED[0] = True
         warnings.warn(
             "remat: a recomputed block was called with a key/value cache (use_cache=True or "
-            f"{', '.join(names) or 'past_key_values'}); its recompute would fill the cache again, so "
-            "recomputed blocks run without it while training, as Hugging Face's gradient checkpointing "
-            "does. Build or call the model with use_cache=False to silence this",
+            f"{', '.join(names) or 'a Cache'}); its recompute would fill the cache again, so recomputed "
+            "blocks run without it when grad is on, as Hugging Face's gradient checkpointing does in "
+            "training. Build or call the model with use_cache=False to silence this",
             UserWarning,
             stacklevel=4,
         )
+    args = tuple(None if i in positions else value for i, value in enumerate(args))
     kwargs = {**kwargs, **dict.fromkeys(names)}
-    return {**kwargs, "use_cache": False} if "use_cache" in kwargs else kwargs
+    return args, ({**kwargs, "use_cache": False} if "use_cache" in kwargs else kwargs)
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether `value` is a Hugging Face key/value cache object."""
+    kind = type(value)
+    return kind.__module__.startswith("transformers.") and kind.__name__.endswith("Cache")
 
 
 def recompute_sequential(
@@ -255,7 +264,7 @@ def recompute_sequential(
     Raises:
         RematError: ``segments`` is not a positive int, or `modules` is empty.
     """
-    functions = list(modules)
+    functions: list[Callable[..., Any]] = list(modules)
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise RematError(f"segments must be a positive int, got {segments!r}")
     if not functions:
@@ -271,11 +280,20 @@ def recompute_sequential(
             starts.append(start)
     output = input
     for start, stop in zip(starts, [*starts[1:], len(functions)], strict=True):
-        output = recompute(_run_in_order, functions[start:stop], output, use_reentrant=use_reentrant, **options)
+        output = recompute(_InOrder(functions[start:stop]), output, use_reentrant=use_reentrant, **options)
     return output
 
 
-def _run_in_order(functions: list[Callable[..., Any]], value: Any) -> Any:
-    for function in functions:
-        value = function(value)
-    return value
+class _InOrder:
+    """A segment of :func:`recompute_sequential`: its functions one after another."""
+
+    def __init__(self, functions: list[Callable[..., Any]]) -> None:
+        self.functions = functions
+        # its modules' places are put back for its recomputes (NOTE [parameters swapped in for a call])
+        self.block_modules = [f for f in functions if isinstance(f, nn.Module)]
+        self.__qualname__ = "recompute_sequential segment"
+
+    def __call__(self, value: Any) -> Any:
+        for function in self.functions:
+            value = function(value)
+        return value

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.errors import RematError
+from remat.manual._outside import tensors_inside
 from remat.manual._rng import preserved_host_rng
 from remat.manual._state import MASK_ELEMENTS, is_read_only_mask, is_state_attribute, learning_copy_bytes, rehearsing
 from remat.measure.parameters import alias_parameters
@@ -67,16 +68,32 @@ class KeptInAttributes:
 
     before: list[tuple[nn.Module, dict[str, Any]]] = dataclasses.field(default_factory=list)
     bytes: int = 0
+    known: set[int] = dataclasses.field(default_factory=set)  # the tensors in attributes before the run
+
+    def __post_init__(self) -> None:
+        self.known = {id(t) for module, _ in self.before for t in _attribute_tensors(module)}
 
     def note(self) -> None:
         """Notes what the forwards so far left (the most any did; a fake run's before its tensors go)."""
         storages: dict[int, int] = {}
-        for module, noted in self.before:
-            for name, value in module.__dict__.items():
-                if isinstance(value, torch.Tensor) and noted.get(name) is not value and _restored(name):
-                    storage = value.untyped_storage()
-                    storages[id(value._base if value._base is not None else value)] = storage.nbytes()
+        for module, _ in self.before:
+            for tensor in _attribute_tensors(module):
+                if id(tensor) not in self.known and not isinstance(tensor, nn.Parameter):
+                    base = tensor._base if tensor._base is not None else tensor
+                    storages[id(base)] = tensor.untyped_storage().nbytes()
         self.bytes = max(self.bytes, sum(storages.values()))
+
+
+#: nn.Module's own entries of a module's ``__dict__`` (its parameters, buffers, hooks): not its attributes
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+def _attribute_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors a module holds in its own attributes, private ones and those in containers included."""
+    for name, value in module.__dict__.items():
+        if name not in _MODULE_OWN and not isinstance(value, nn.Module):
+            for _, tensor in tensors_inside(value, depth=2):
+                yield tensor
 
 
 def preserved_state_bytes(model: nn.Module) -> int:

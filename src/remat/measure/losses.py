@@ -10,14 +10,13 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._outside import tensors_inside
-from remat.measure.instrument import tensors_in
 from remat.memory import MemoryTracker
 
-__all__ = ["output_loss"]
+__all__ = ["output_loss", "output_tensors"]
 
 
 class _DefaultLoss:
@@ -43,15 +42,22 @@ def output_loss(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of an output: its pytree's, and those inside a dataclass among its leaves."""
-    return [tensor for _, tensor in tensors_inside(output)] if dataclasses.is_dataclass(output) else tensors_in(output)
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output: its pytree's, and those inside the dataclasses among its
+    leaves (not pytree nodes)."""
+    found = []
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(tensor for _, tensor in tensors_inside(leaf))
+    return found
 
 
 def _default_loss(output: Any) -> torch.Tensor:
-    tensors = [t for t in _output_tensors(output) if t.requires_grad and t.is_floating_point()]
+    tensors = [t for t in output_tensors(output) if t.requires_grad and t.is_floating_point()]
     if not tensors:
-        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in _output_tensors(output)})
+        found = sorted({f"{t.dtype}, requires_grad={t.requires_grad}" for t in output_tensors(output)})
         what = "tensors of " + "; ".join(found) if found else f"no tensor ({type(output).__name__})"
         raise RematError(
             f"remat cannot form a default loss from the model's output: it holds {what}, and the "

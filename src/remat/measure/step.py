@@ -54,6 +54,7 @@ from remat.measure.losses import (
     _loss_probe,
     _loss_widening,
     _shape_of,
+    output_tensors,
 )
 from remat.measure.spans import frugal_spans
 from remat.measure.timing import TimingPass, time_groups
@@ -510,8 +511,8 @@ def _tracked_step(
         _check_no_cache(output)
         # Sizes now: some of these storages die with the output, before the assembly.
         alive_after_forward = tracker.live_allocations()
-        output_storages = tracker.allocations_of(tensors_in(output))
-        widening = _loss_widening(tensors_in(output))
+        output_storages = tracker.allocations_of(output_tensors(output))
+        widening = _loss_widening(output_tensors(output))
         state = [
             value
             for module in model.modules()
