@@ -346,8 +346,7 @@ def _sized_measurement(
             )
             if isinstance(leaf, torch.Tensor) and leaf._version != version
         }
-    # the fake model keeps real copies of the counters it made fake constants of: dropped
-    # now, not held through the timing pass
+    # the fake model keeps real copies of the counters it made fake constants of: dropped now, not while timing
     del fake, fake_args, fake_kwargs
     sized = _with_fixed_bytes(assemble(chain, tracked), kept.bytes)  # NOTE [tensors kept in attributes]
     settle_scopes()  # NOTE [stages that make no recipe]
