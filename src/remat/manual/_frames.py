@@ -165,7 +165,7 @@ class _Frame:
         """Re-runs the block in `mode` ("fill" or "outputs")."""
         if not self.tangents:
             return self._run(mode)
-        with dual_level_for(self.tangents):
+        with dual_level_for():  # NOTE [forward-mode tangents of inputs]
             return self._run(mode)
 
     def _run(self, mode: str) -> Any:

@@ -87,9 +87,9 @@ def ended_first_forward(inputs: list[Any], versions: list[Any], name: str) -> li
 
 
 @contextlib.contextmanager
-def dual_level_for(tangents: bool) -> Iterator[None]:
+def dual_level_for() -> Iterator[None]:
     """A dual level for a recompute whose inputs have tangents, when none is open."""
-    if tangents and forward_ad._current_level < 0:
+    if forward_ad._current_level < 0:
         with forward_ad.dual_level():
             yield
     else:

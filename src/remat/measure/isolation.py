@@ -68,7 +68,7 @@ class KeptInAttributes:
 
     before: list[tuple[nn.Module, dict[str, Any]]] = dataclasses.field(default_factory=list)
     bytes: int = 0
-    known: set[int] = dataclasses.field(default_factory=set)  # the tensors in attributes before the run
+    known: set[int] = dataclasses.field(init=False)  # the tensors in attributes before the run
 
     def __post_init__(self) -> None:
         self.known = {id(t) for module, _ in self.before for t in _attribute_tensors(module)}
