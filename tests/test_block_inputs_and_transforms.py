@@ -510,3 +510,48 @@ def test_a_dataclass_inside_a_tuple_is_sized_with_its_tensors(budget: Any) -> No
         assert control.plan is not None and tracker.peak_bytes <= control.plan.budget_bytes
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class _ClippedBlock(nn.Module):
+    """A block whose forward hooks an activation's gradient (clipping it, counting calls)."""
+
+    calls = 0
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.up(x)))
+        h.register_hook(self._clipped)
+        return x + h
+
+    @classmethod
+    def _clipped(cls, grad: torch.Tensor) -> torch.Tensor:
+        cls.calls += 1
+        return grad.clamp(-1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_a_forward_that_hooks_an_activations_gradient_is_measured_and_trains_exactly(budget: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_ClippedBlock(32) for _ in range(5)), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    enabled = remat.enable(model, budget)
+    x = torch.randn(16, 8, 32)
+    for _ in range(2):
+        with enabled.check_step() as check:
+            model(x).square().mean().backward()
+        assert check.within_budget, check
+        _ClippedBlock.calls = 0
+        reference(x).square().mean().backward()
+        assert _ClippedBlock.calls == 5
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert p.grad is not None and torch.equal(p.grad, q.grad), name
+        model.zero_grad(), reference.zero_grad()
+    _ClippedBlock.calls = 0
+    model(x).square().mean().backward()  # planned: each hook runs once, on the first forward's activation
+    assert _ClippedBlock.calls == 5
+    assert torch.Tensor.register_hook is torch._tensor.Tensor.register_hook
+    with torch.no_grad(), pytest.raises(RuntimeError, match="doesn't require gradient"):
+        torch.ones(1).register_hook(lambda g: g)  # torch's own behaviour is back

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 import remat
+import remat.plan.key
 from remat.discover import discover_chain
 from remat.measure import measure_chain
 from remat.measure.assemble import ChainMeasurement, with_times
 from remat.measure.scale import SCALING_RANGE, ShapeTimings, scaled_times, work_ratio
 from remat.models import CATALOGUE
-from remat.plan.key import _modules_and_parameters, shape_family, signature
+from remat.plan.key import Setups, _modules_and_parameters, shape_family, signature, what_changed
 
 pytestmark = pytest.mark.usefixtures("clean_remat_state")
 
@@ -163,3 +164,65 @@ def test_twenty_sequence_lengths_are_timed_at_most_three_times_and_each_step_fit
     assert counts["timed"] <= 3 and counts["timed"] + counts["scaled"] == len(lengths), counts
     assert sum(record.message.startswith("remat measured") for record in caplog.records) == len(lengths)
     assert sum("checked the scaled times" in record.message for record in caplog.records) == counts["scaled"]
+
+
+class _Scaled(nn.Module):
+    """Blocks that take a Python number from the model's call (a temperature, a scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *, flag: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * scale + x
+        return -x if flag else x
+
+
+def test_python_numbers_are_values_in_a_family_and_flags_are_not() -> None:
+    model = _Scaled()
+    x = torch.randn(2, 32)
+    a, b = signature(model, (x, 1.0), {}), signature(model, (x, 2.5), {})
+    assert a != b and shape_family(a) == shape_family(b)
+    assert "a Python number argument" in what_changed(a, b)
+    assert shape_family(signature(model, (x, 1.0), {"flag": True})) != shape_family(
+        signature(model, (x, 1.0), {"flag": False})
+    )
+    assert shape_family(signature(model, (x, 1), {})) == shape_family(a)  # an int is a number too
+    assert what_changed(a, signature(model, (torch.randn(3, 32), 2.5), {})).endswith("shapes, dtypes or devices")
+
+
+def test_setups_keep_the_most_recently_used() -> None:
+    setups = Setups(limit=2)
+    assert setups.entered("a", (), {}) == [] and setups.entered("b", (), {}) == []
+    assert setups.entered("a", (), {}) == []  # used again: now the most recent
+    assert setups.entered("c", (), {}) == ["b"]
+    assert setups.entered("b", (), {}) == ["a"]
+
+
+def test_a_python_number_that_changes_each_step_is_said_once_scaled_and_kept_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(remat.plan.key, "MAX_SETUPS", 3)
+    torch.manual_seed(0)
+    model = _Scaled()
+    reference = _Scaled()
+    reference.load_state_dict(model.state_dict())
+    wrapped = remat.Checkpointable(model, 0.6)
+    x = torch.randn(64, 32)
+    scales = [1.0, 1.1, 1.2, 1.3, 1.4, 1.0]
+    with pytest.warns(UserWarning, match=r"each new value of the argument scale, a Python number \(3 values") as said:
+        for scale in scales:
+            with wrapped.check_step() as check:
+                wrapped(x, scale=scale).square().sum().backward()
+            assert check.within_budget, check
+            reference(x, scale=scale).square().sum().backward()
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert p.grad is not None and torch.equal(p.grad, q.grad), name
+            model.zero_grad(), reference.zero_grad()
+    assert sum("Python number" in str(w.message) for w in said) == 1
+    assert [w.filename for w in said if "Python number" in str(w.message)] == [__file__]  # the user's line
+    # one value timed, the others scaled from it; 1.0 came back after it was forgotten
+    assert wrapped.measure_counts == {"timed": 1, "scaled": 5, "estimated": 0}
+    assert len(wrapped._measurements) == len(wrapped._chains) == 3
+    assert len({key for key, _ in wrapped._plans}) <= 3 and len(wrapped._setups._recent) == 3

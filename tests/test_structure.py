@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "remat.memory",
         "remat.ranks",
         "remat._inherited",
+        "remat._no_grad",
     ),
     ("remat.manual",),
     ("remat.discover",),

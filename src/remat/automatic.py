@@ -34,7 +34,7 @@ from remat.measure.scale import ShapeTimings, as_scaled_from
 from remat.measure.step import measure_mode, measure_on_device, step_device
 from remat.plan.check import StepCheck, checked_step
 from remat.plan.elementwise import elementwise_stages, marked, planned_elementwise, refuse_other_plan
-from remat.plan.key import PlanOptions, forget, signature, what_changed
+from remat.plan.key import PlanOptions, Setups, forget, signature, what_changed
 from remat.plan.share import LOSS_ALLOWANCE_OUTPUTS, Planning, fastest, offload_option, prepared, taken_again
 from remat.plan.solvers import OffloadingSolver, Solver, default_slots, get_solver
 from remat.plan.step import Plan
@@ -210,6 +210,7 @@ class Checkpointable(ModelStandIn):
         self._forced_plan: Plan | None = Plan.pinned(plan)
         self._minimums: dict[tuple[Hashable, PlanOptions], list[int]] = {}
         self._last_key: Hashable | None = None
+        self._setups = Setups()  # NOTE [setups kept]
         if margin is not None and not 0.0 <= margin < 0.5:
             raise ValueError(f"margin is a fraction of the budget in [0, 0.5), got {margin}")
         self._margin_option = margin
@@ -263,6 +264,8 @@ class Checkpointable(ModelStandIn):
         if training:
             refuse_meta_training(self.model)  # (before its timing pass fails on the meta device)
         key = signature(self.model, sample_inputs, sample_kwargs)
+        for old in self._setups.entered(key, sample_inputs, sample_kwargs):  # NOTE [setups kept]
+            self._forget(old, times=False)
         logger.info("remat is measuring the model (%s); its first step takes longer", what_changed(self._last_key, key))
         started = time.perf_counter()
         chain = self._chain_for(key, sample_inputs, sample_kwargs)
@@ -316,24 +319,16 @@ class Checkpointable(ModelStandIn):
             how = f"sized; times scaled from a timed shape, x{scaled[0]:.2f} its work"
         elif estimated:
             how = "sized; times estimated, timed at the next training step"
-        logger.info(
-            "remat measured %s (%s): %d stages (%d planned) in %.2f s, plain peak %s",
-            what_changed(self._last_key, key),
-            how,
-            len(chain),
-            measurement.profile.n_stages,
-            time.perf_counter() - started,
-            format_bytes(measurement.measured_peak_bytes),
-        )
+        logger.info("remat measured %s (%s): %d stages (%d planned) in %.2f s, plain peak %s",
+                    what_changed(self._last_key, key), how, len(chain), measurement.profile.n_stages,
+                    time.perf_counter() - started, format_bytes(measurement.measured_peak_bytes))  # fmt: skip
         measurement = self._measurements[key] = marked(measurement, planning())
         if is_partial(measurement) and not self._coverage_warned:
             self._coverage_warned = True
             warnings.warn(partial_coverage(chain, measurement), UserWarning, stacklevel=4)
         # plans from an earlier measurement of this key (a shape timed again) are replaced;
         # the check before timing solved on the sizes alone, the measurement may add to them
-        self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
-        self._executors = {k: v for k, v in self._executors.items() if k[0] != key}
-        self._minimums = {k: v for k, v in self._minimums.items() if k[0] != key}
+        forget(key, self._plans, self._executors, self._minimums)
         self._last_key = key
         gc.collect(1)  # measuring leaves reference cycles holding tensors: gone before the next step
         return measurement
@@ -431,8 +426,10 @@ class Checkpointable(ModelStandIn):
             return self.model(*args, **kwargs)
         kwargs = self._training_kwargs(kwargs)
         key = signature(self.model, args, kwargs)
+        for old in self._setups.entered(key, args, kwargs):  # NOTE [setups kept]
+            self._forget(old, times=False)
         if (chain := self._chains.get(key)) is not None and not chain.still_in(self.model):  # a stage replaced
-            forget(key, self._chains, self._measurements, self._plans, self._executors, self._minimums)
+            self._forget(key, times=True)
         if self._selective is not None:
             return self._selective.run(key, lambda: self._chain_for(key, args, kwargs), self.model, args, kwargs)
         must_measure = key not in self._measurements or self._shapes.must_retime(key)
@@ -477,6 +474,11 @@ class Checkpointable(ModelStandIn):
     def _options(self, mem_limit: Budget) -> PlanOptions:
         form = type(mem_limit).__name__
         return PlanOptions(mem_limit, form, self.solver_name, self.slots, self._margin_option, self.output_kept)
+
+    def _forget(self, key: Hashable, *, times: bool) -> None:
+        runners, rounds = self._selective.runners if self._selective else {}, self._ranks.rounds if self._ranks else {}
+        forget(key, self._chains, self._measurements, self._plans, self._executors, self._minimums, runners, rounds)
+        self._shapes.forget(key, times=times)
 
     def _measured_key(self) -> Hashable:
         if self._last_key is None:
@@ -530,9 +532,6 @@ class Checkpointable(ModelStandIn):
                 elementwise=elementwise_stages(plan.schedule.profile, len(chain)),
             )  # fmt: skip
         return executor
-
-    def _prepared(self, key: Hashable) -> Planning:
-        return self._prepare(key, self._measurements[key])
 
     def _plannings(self, key: Hashable, measurement: ChainMeasurement) -> list[Planning]:
         """Glue constants kept, or taken from replays (NOTE [constants an earlier stage takes])."""

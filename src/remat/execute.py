@@ -588,13 +588,13 @@ class SelectiveRuns:
             as_policy(policy)  # fail now on a value that is not a policy
         self.policy = policy
         self.preserve_rng_state = preserve_rng_state
-        self._runners: dict[Any, PolicyRunner] = {}
+        self.runners: dict[Any, PolicyRunner] = {}  # by input signature
 
     def run(self, key: Any, chain: Callable[[], Chain], model: nn.Module, args: Any, kwargs: Any) -> Any:
         """Runs a training call; `chain` gives the model's chain for `key` (discovered once)."""
-        runner = self._runners.get(key)
+        runner = self.runners.get(key)
         if runner is None:
             found = chain()
             policies = stage_policies(self.policy, found)
-            runner = self._runners[key] = PolicyRunner(found, policies, preserve_rng_state=self.preserve_rng_state)
+            runner = self.runners[key] = PolicyRunner(found, policies, preserve_rng_state=self.preserve_rng_state)
         return runner(model, args, kwargs)

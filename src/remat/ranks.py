@@ -174,7 +174,7 @@ class RankAgreement:
     """The rounds of plans of one automatic-mode model (NOTE [one plan for all ranks])."""
 
     def __init__(self) -> None:
-        self._rounds: dict[Any, int] = {}
+        self.rounds: dict[Any, int] = {}  # the round of the plan held, by input signature
         #: whether the ranks are measuring together right now (NOTE [measuring together])
         self.measuring_together = False
 
@@ -199,7 +199,7 @@ class RankAgreement:
             together: the stages run collectives: when any rank measures, all do, on one input
                 signature (NOTE [measuring together]).
         """
-        round_held = self._rounds.get(key, -1) if held is not None else -1
+        round_held = self.rounds.get(key, -1) if held is not None else -1
         needs, highest, negated_lowest = _all_reduce_max([int(must_measure or held is None), round_held, -round_held])
         if not needs and highest == -negated_lowest:
             return held  # every rank holds a plan of the same round
@@ -219,7 +219,7 @@ class RankAgreement:
         else:
             self.measured_everywhere(measure if must_measure else None)
         plan = replan()
-        self._rounds[key] = highest + 1
+        self.rounds[key] = highest + 1
         return plan
 
     @staticmethod

@@ -181,7 +181,7 @@ def _not_traceable(controller: Checkpointable) -> str | None:
 def _one_stage_plan(controller: Checkpointable, key: Hashable) -> tuple[Plan | None, str | None]:
     """The fastest plan whose regions are single stages, within the controller's budget."""
     measurement = controller._measurements[key]
-    planning = controller._prepared(key)
+    planning = controller._prepare(key, measurement)
     n = planning.profile.n_stages
     planning = planning._replace(profile=dataclasses.replace(planning.profile, region_breaks=tuple(range(1, n))))
     total = controller._total_bytes(key, controller._plannings(key, measurement), controller.mem_limit)

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat._no_grad import forward_without_grad
 from remat.errors import RematError, UnsupportedModel
 from remat.manual._state import in_manual_block
 from remat.manual.marking import is_marked
@@ -255,7 +256,7 @@ def discover_chain(
         for module in {id(m): m for m in model.modules()}.values():
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
-        with torch.no_grad(), provenance:
+        with forward_without_grad(), provenance:  # NOTE [tensor hooks in runs without grad]
             keep_alive.append(model(*args, **kwargs))
             loss_from = _loss_from(provenance, keep_alive[0], loss_fn)
     finally:

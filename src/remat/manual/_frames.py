@@ -79,8 +79,7 @@ class _Handle:
     __slots__ = ("root", "index", "value", "filler", "__weakref__")
 
     def __init__(self, root: _Root, index: int) -> None:
-        self.root = root
-        self.index = index
+        self.root, self.index = root, index
         self.value: torch.Tensor | None = None
         self.filler: _Frame | None = None  # the frame whose recompute gave `value`
 
@@ -301,13 +300,12 @@ def _owner(root: _Root, index: int) -> _Frame | None:
 
 
 class _Context:
-    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks")
+    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks", "stop_at_next", "previous_may_be_filled")
 
     def __init__(self, mode: str, frame: _Frame, last_needed: int | None = None) -> None:
-        self.mode = mode  # "discard", "fill" or "skip"
-        self.frame = frame
-        self.last_needed = last_needed
+        self.mode, self.frame, self.last_needed = mode, frame, last_needed  # mode: "discard", "fill" or "skip"
         self.children_met = 0  # nested blocks met so far by this fill
+        self.stop_at_next = self.previous_may_be_filled = False  # NOTE [an early stop waits for the next save]
 
 
 class _Stack:
@@ -339,6 +337,22 @@ class _Stack:
 _STACK = _Stack()
 
 
+def _discarded(root: _Root, tensor: torch.Tensor) -> _Handle:
+    """A tensor saved by a first forward: a handle that the recompute fills."""
+    if root.observer is not None:
+        root.observer.on_discarded(tensor)
+    if root.cache is not None:  # NOTE [keeping only what the recompute reads]
+        root.cache.saved(tensor)
+    if (explaining := _selective.explain_observer()) is not None:
+        explaining.on_saved(tensor, discarded=True)
+    root.parameters.saw(tensor)
+    handle = _Handle(root, len(root.handles))
+    root.handles.append(weakref.ref(handle))
+    root.metas.append(TensorMeta.of(tensor))
+    root.owners.append(_ROOT_OWNER)
+    return handle
+
+
 @_selective.as_internal
 def _pack(tensor: torch.Tensor) -> Any:
     context = _STACK.top()
@@ -346,19 +360,9 @@ def _pack(tensor: torch.Tensor) -> Any:
         return tensor
     frame, root = context.frame, context.frame.root
     if context.mode == "discard":
-        if root.observer is not None:
-            root.observer.on_discarded(tensor)
-        if root.cache is not None:  # NOTE [keeping only what the recompute reads]
-            root.cache.saved(tensor)
-        explaining = _selective.explain_observer()
-        if explaining is not None:
-            explaining.on_saved(tensor, discarded=True)
-        root.parameters.saw(tensor)
-        handle = _Handle(root, len(root.handles))
-        root.handles.append(weakref.ref(handle))
-        root.metas.append(TensorMeta.of(tensor))
-        root.owners.append(_ROOT_OWNER)
-        return handle
+        return _discarded(root, tensor)
+    if context.stop_at_next:  # (a fill's: NOTE [an early stop waits for the next save])
+        raise _StopRecompute
     index = frame.cursor
     frame.cursor += 1
     if context.mode == "skip":
@@ -392,10 +396,19 @@ def _pack(tensor: torch.Tensor) -> Any:
         filled.value = value if (planned := filling()) is None else planned.hold(tensor, value)
         filled.filler = frame
         root.owners[index] = None
+    may_be_filled = not tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter)
     if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
-        # Everything this frame must provide is there (children met on the way own the
-        # rest): the remainder of the block need not run.
-        raise _StopRecompute
+        # NOTE [an early stop waits for the next save]
+        # All this frame must provide is there (children met own the rest). But an operation
+        # saves its inputs before it runs, and may then fill one (F.rrelu's noise, with no
+        # version bump): stopping now would hand backward it unfilled (torch's checkpoint does:
+        # wrong rrelu gradients). No operation writes so to a tensor requiring grad or to a
+        # parameter: if this tensor and the one saved before are such, stop now; else at the
+        # next tensor saved (by a later operation) or the block's end.
+        if not (may_be_filled or context.previous_may_be_filled):
+            raise _StopRecompute
+        context.stop_at_next = True
+    context.previous_may_be_filled = may_be_filled
     return tensor.detach() if root.inner_backward else None
 
 

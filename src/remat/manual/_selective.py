@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from remat._inherited import InheritedStack
 from remat.errors import NondeterministicRecompute
 from remat.manual._kept import OpCache, _Kept, strided_storage_keys
+from remat.manual._op_kinds import _fills_self, _kind, _written, unnumbered
 from remat.manual._tensors import storage_key
 from remat.manual.policies import Decision, OpCall, Policy, _normalised, is_collective
 
@@ -188,62 +189,6 @@ def blocks_unnumbered() -> Iterator[None]:
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
-
-# op -> "unnumbered" (views, in-place, out=), "random" or "plain"
-_KINDS: dict[Any, str] = {}
-# op -> the positions and names of the arguments it writes to
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors `op` changes in place (its ``Tensor(a!)`` arguments)."""
-    writes = _WRITES.get(op)
-    if writes is None:
-        schema = getattr(op, "_schema", None)
-        arguments = schema.arguments if schema is not None else []
-        writes = tuple(
-            (position, a.name)
-            for position, a in enumerate(arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        _WRITES[op] = writes
-    found = []
-    for position, name in writes:
-        value = args[position] if position < len(args) else kwargs.get(name)
-        found += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return found
-
-
-def _fills_self(op: Any, args: Any, written: list[torch.Tensor]) -> bool:
-    """Whether `op` is an in-place operation on its first argument alone, returning it, that
-    changes its values only (not its shape or strides)."""
-    if len(written) != 1 or not args or written[0] is not args[0] or torch.Tag.inplace_view in op.tags:
-        return False
-    schema = getattr(op, "_schema", None)
-    if schema is None or not schema.arguments or len(schema.returns) != 1:
-        return False
-    first, returned = schema.arguments[0].alias_info, schema.returns[0].alias_info
-    return first is not None and first.is_write and returned is not None and returned.before_set == first.before_set
-
-
-def _kind(op: Any) -> str:
-    kind = _KINDS.get(op)
-    if kind is None:
-        schema = getattr(op, "_schema", None)
-        returns = schema.returns if schema is not None else []
-        if not any("Tensor" in str(r.type) for r in returns) or any(r.alias_info is not None for r in returns):
-            kind = "unnumbered"
-        elif torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-            kind = "random"
-        else:
-            kind = "plain"
-        _KINDS[op] = kind
-    return kind
-
-
-def unnumbered(op: Any) -> bool:
-    """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
-    return _kind(op) == "unnumbered"
 
 
 def _rng_state(out: Any) -> dict[str, Any]:
@@ -459,11 +404,42 @@ def _recording(cache: OpCache, block: int) -> bool:
     return any(s.policy is not None and s.cache is cache and s.block == block for s in _SCOPES)
 
 
+# NOTE [reads outside the dispatcher]
+# ``Tensor.tolist()``, ``.numpy()``, ``np.asarray(t)`` and ``.data_ptr()`` (a Triton kernel's
+# launch) read a tensor's data with no ATen operation: the selective mode never sees them.
+# A kept output read only so (MoE split sizes from ``bincount(...).tolist()``) would count
+# as read by nothing, be let go, and the recompute would read an uninitialised placeholder
+# (NOTE [keeping only what the recompute reads]). A first forward under a policy runs
+# under a torch-function mode too, which counts these calls as reads.
+_RAW_READS = frozenset(
+    {
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__array__,
+        torch.Tensor.data_ptr,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.storage,
+    }
+)
+
+
 class _Functions(TorchFunctionMode):
-    """Tells the policies which torch function (``F.gelu``, ``Tensor.softmax``) is running."""
+    """Tells the policies which torch function (``F.gelu``, ``Tensor.softmax``) is running
+    (`named`: the policy names some), and counts reads outside the dispatcher as reads (NOTE
+    [reads outside the dispatcher])."""
+
+    def __init__(self, named: bool) -> None:
+        super().__init__()
+        self.named = named
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _LOCAL.function is not None:
+        if func in _RAW_READS and not _LOCAL.internal:
+            with internal():
+                for recording in _SCOPES:
+                    cache = recording.cache
+                    if recording.policy is not None and cache is not None and cache.storages is not None:
+                        cache.read(args, kwargs or {})
+        if not self.named or _LOCAL.function is not None:
             return func(*args, **(kwargs or {}))
         _LOCAL.function = _normalised(getattr(func, "__name__", ""))
         try:
@@ -473,15 +449,16 @@ class _Functions(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _scope(scope: _Scope, functions: bool) -> Iterator[_Scope]:
+def _scope(scope: _Scope, functions: bool | None) -> Iterator[_Scope]:
+    """`functions`: None, no torch-function mode; else whether the policy names torch functions."""
     stack = contextlib.ExitStack()
     with stack:
         mode_active = _SCOPES.flag()
         if scope.block is not None and not mode_active:
             stack.enter_context(_Mode())
             mode_active = True
-        if functions:
-            stack.enter_context(_Functions())
+        if functions is not None:
+            stack.enter_context(_Functions(named=functions))
         _SCOPES.push(scope, mode_active)
         try:
             yield scope
@@ -496,7 +473,8 @@ def _scope(scope: _Scope, functions: bool) -> Iterator[_Scope]:
 def recording(cache: OpCache, block: int | None, policy: Policy) -> contextlib.AbstractContextManager[_Scope]:
     """The first forward of policy block `block` (None: a nested block that keeps nothing)."""
     active = block is not None and not policy.recomputes_everything
-    return _scope(_Scope(cache, block, policy if block is not None else None, True), active and bool(policy.functions))
+    functions = bool(policy.functions) if active else None
+    return _scope(_Scope(cache, block, policy if block is not None else None, True), functions)
 
 
 def replaying(
@@ -507,7 +485,7 @@ def replaying(
     With `consume`, the block will not run again: each kept output is let go as soon as
     it is handed over, and lives on only where the recompute's graph holds it.
     """
-    return _scope(_Scope(cache, block, None, replay_rng, consume), False)
+    return _scope(_Scope(cache, block, None, replay_rng, consume), None)
 
 
 def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
+from remat._no_grad import forward_without_grad
 from remat.discover.chain import Chain
 from remat.discover.intercept import call_original, intercept_stages, missing_stages
 from remat.errors import RematError
@@ -273,7 +274,7 @@ def store_options(
     with preserved_model_state(model, devices), on_fake_tensors(model, device) as fake:
         fake_args, fake_kwargs = fake.inputs(args, kwargs)
         probe = _OptionPass(chain, measurement.stages, policies)
-        with fake.mode, torch.no_grad(), intercept_stages(chain, probe):
+        with fake.mode, forward_without_grad(), intercept_stages(chain, probe):
             model(*fake_args, **fake_kwargs)
     if len(probe.calls) != len(chain):
         raise missing_stages(chain, len(probe.calls), " while sizing options")

@@ -123,7 +123,8 @@ class ShapeTimings:
             return None
         timed = self.timed.get(shape_family(key), {})
         names = [stage.name for stage in sized.stages]
-        candidates = [m for k, m in timed.items() if k != key and [s.name for s in m.stages] == names]
+        # (the shape itself, if it was timed before its setup was forgotten: NOTE [setups kept])
+        candidates = [m for m in timed.values() if [s.name for s in m.stages] == names]
         if not candidates or any(m.held_outputs for m in candidates):
             # what the model holds across stages is in bytes of the timed shape: timed again
             return None
@@ -164,6 +165,16 @@ class ShapeTimings:
             "; the shape is timed at its next step" if retime else "",
         )
         return out
+
+    def forget(self, key: Hashable, *, times: bool) -> None:
+        """Drops what is known of the shape `key`, whose setup is no longer kept; with `times`, the
+        timed shapes of its family too (a stage was replaced). Timed shapes are kept otherwise: they
+        are what others are scaled from (at most `limit` a family)."""
+        if times:
+            self.timed.pop(shape_family(key), None)
+        self._estimated.discard(key)
+        self._retime.discard(key)
+        self._unverified.pop(key, None)
 
     def was_estimated(self, key: Hashable) -> bool:
         """Whether the shape `key` was planned on estimated times before (it is timed now)."""

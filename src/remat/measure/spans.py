@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat.discover.chain import Chain
 from remat.discover.intercept import intercept_stages
 from remat.errors import UnsupportedModel
-from remat.manual._selective import _written
+from remat.manual._op_kinds import _written
 from remat.manual._tensors import storage_key
 from remat.measure.instrument import InPlaceProbe
 

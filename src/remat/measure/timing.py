@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat._no_grad import forward_without_grad
 from remat.discover.chain import Chain
 from remat.discover.intercept import call_original, intercept_stages, missing_stages, out_of_order
 from remat.manual._planned_scope import stage_call
@@ -209,7 +210,7 @@ class _GroupTimer:
             samples = [forward_s]
             # nothing kept: only the repeat's outputs, freed at once (in the elementwise
             # mode where the stage runs in it: its cost per operation is the stage's too)
-            with torch.no_grad(), stage_call(index):
+            with forward_without_grad(), stage_call(index):
                 for _ in range(FORWARD_REPEATS):
                     started = self._now()
                     call_original(module, args, kwargs)
@@ -457,7 +458,7 @@ def time_groups(
     # what each group saves, to tell a tensor the model holds from one its stage keeps anyway
     saving = timer.everything.saved_tensors_hooks() if timer.everything is not None else contextlib.nullcontext()
     probing = workspace if workspace is not None else contextlib.nullcontext()
-    with probing, everything, saving, torch.no_grad():
+    with probing, everything, saving, forward_without_grad():  # NOTE [tensor hooks in runs without grad]
         try:
             with intercept_stages(chain, timer):
                 holder = [model(*args, **kwargs)]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
 from remat.budget import Budget
 
-__all__ = ["PlanOptions", "forget", "shape_family", "signature", "what_changed"]
+__all__ = ["MAX_SETUPS", "PlanOptions", "Setups", "forget", "shape_family", "signature", "what_changed"]
 
 
 class PlanOptions(NamedTuple):
@@ -55,7 +59,9 @@ def what_changed(previous: Hashable | None, key: Hashable) -> str:
     if not isinstance(previous, tuple) or not isinstance(key, tuple):
         return "the first input"
     changed = [name for name, a, b in zip(_KEY_PARTS, previous, key, strict=False) if a != b]
-    if previous[len(_KEY_PARTS) :] != key[len(_KEY_PARTS) :]:
+    if _numbers_changed(previous, key):
+        changed.append("a Python number argument")
+    elif previous[len(_KEY_PARTS) :] != key[len(_KEY_PARTS) :]:
         changed.append("the input shapes, dtypes or devices")
     return "a change in " + ", ".join(changed) if changed else "the same input again"
 
@@ -85,6 +91,8 @@ def signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             # (a non-contiguous one's strides too: a transposed input of the same shape makes a reshape copy it)
             layout = None if leaf.is_contiguous() else leaf.stride()
             parts.append((tuple(leaf.shape), layout, leaf.dtype, str(leaf.device), leaf.requires_grad))
+        elif _is_number(leaf):
+            parts.append((_NUMBER, repr(leaf)))  # a value: its family leaves it out (shape_family)
         else:
             parts.append(repr(leaf))
     return tuple(parts)
@@ -138,7 +146,9 @@ def shape_family(key: Hashable) -> Hashable:
     """The key with the input tensors' sizes left out (their number of dimensions kept).
 
     Two steps of one family differ only in their inputs' sizes (a batch, a sequence
-    length): one can be planned from the other's times, scaled (:mod:`remat.measure.scale`).
+    length) and in the values of their Python numbers (a temperature, a count): one can
+    be planned from the other's times, scaled (:mod:`remat.measure.scale`; a number that
+    changes the stages themselves gives another chain, which is timed).
     """
     if not isinstance(key, tuple):
         return key
@@ -146,6 +156,8 @@ def shape_family(key: Hashable) -> Hashable:
     return head + tuple(
         (len(leaf[0]), _stride_order(leaf[1]), *leaf[2:])
         if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple)
+        else (_NUMBER,)
+        if _is_number_part(leaf)
         else leaf
         for leaf in leaves
     )
@@ -154,3 +166,112 @@ def shape_family(key: Hashable) -> Hashable:
 def _stride_order(layout: tuple[int, ...] | None) -> tuple[int, ...] | None:
     """A non-contiguous layout as the order of its strides, whatever the sizes (None: contiguous)."""
     return None if layout is None else tuple(sorted(range(len(layout)), key=lambda dim: -layout[dim]))
+
+
+_NUMBER = "a Python number"
+
+
+def _is_number(leaf: Any) -> bool:
+    return isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+
+
+def _is_number_part(part: Any) -> bool:
+    return isinstance(part, tuple) and len(part) == 2 and part[0] == _NUMBER
+
+
+def _numbers_changed(previous: tuple[Any, ...], key: tuple[Any, ...]) -> list[int]:
+    """The leaf positions whose Python numbers differ between two keys alike in all else ([] otherwise)."""
+    if len(previous) != len(key) or previous[: len(_KEY_PARTS) + 1] != key[: len(_KEY_PARTS) + 1]:
+        return []  # (the part after the head is the input structure)
+    changed = []
+    for position, (a, b) in enumerate(zip(previous[len(_KEY_PARTS) :], key[len(_KEY_PARTS) :], strict=True)):
+        if a != b:
+            if not (_is_number_part(a) and _is_number_part(b)):
+                return []
+            changed.append(position)
+    return changed
+
+
+#: The most setups (plan keys) an automatic-mode model keeps measurements and plans for;
+#: the least recently used beyond it are forgotten, and measured again if they come back.
+MAX_SETUPS = 256
+#: A Python number argument that takes this many values, each measured, is said once.
+NUMBER_VALUES_SAID = 3
+
+
+class Setups:
+    """The setups an automatic-mode model was called at, the most recently used last.
+
+    NOTE [setups kept]
+    Each setup holds its chain, measurement, plans and executors. A model called at ever
+    new setups (a Python number that changes at each step is one: a temperature, a step
+    count) would hold them without end: at most `limit` are kept, the least recently used
+    forgotten (measured again if they come back). A number taking new values is said once,
+    at its third, with the argument named: pass it as a tensor, whose value is no part of
+    the setup. Its new values are planned from the timed values' times, scaled
+    (:func:`shape_family`), not timed again.
+
+    Args:
+        limit: the most setups kept (None: ``MAX_SETUPS``).
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = MAX_SETUPS if limit is None else limit
+        self._recent: OrderedDict[Hashable, None] = OrderedDict()
+        self._values: dict[tuple[Hashable, int], set[str]] | None = {}  # None once said
+
+    def entered(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Hashable]:
+        """Notes a call at `key` (`args`, `kwargs`: its inputs); returns the setups to forget."""
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return []
+        if self._values is not None and isinstance(key, tuple):
+            self._note_numbers(key, args, kwargs)
+        self._recent[key] = None
+        forgotten = []
+        while len(self._recent) > self.limit:
+            forgotten.append(self._recent.popitem(last=False)[0])
+        return forgotten
+
+    def _note_numbers(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        assert self._values is not None
+        alike = next((k for k in reversed(self._recent) if isinstance(k, tuple) and _numbers_changed(k, key)), None)
+        if alike is None:
+            return
+        for position in _numbers_changed(alike, key):
+            values = self._values.setdefault((_without_numbers(key), position), {alike[len(_KEY_PARTS) + position][1]})
+            values.add(key[len(_KEY_PARTS) + position][1])
+            if len(values) >= NUMBER_VALUES_SAID:
+                self._values = None
+                _warn_at_caller(_numbers_message(args, kwargs, position, len(values), self.limit))
+                return
+
+
+def _without_numbers(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((_NUMBER,) if _is_number_part(part) else part for part in key)
+
+
+def _numbers_message(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, count: int, limit: int) -> str:
+    path, value = tree_flatten_with_path((args, kwargs))[0][position]
+    where, *rest = path[1:]
+    if isinstance(path[0], SequenceKey) and path[0].idx == 1 and isinstance(where, MappingKey):
+        name = f"the argument {where.key}{keystr(tuple(rest))}"
+    else:
+        name = f"the positional argument {where.idx if isinstance(where, SequenceKey) else where}{keystr(tuple(rest))}"
+    return (
+        f"remat measured and planned the model again for each new value of {name}, a Python number "
+        f"({count} values so far, now {value!r}): a number is part of a plan's setup, as it can change "
+        "what the model runs. Pass it as a tensor (torch.tensor(value)), whose value is not, or keep it "
+        f"out of the model's call; remat keeps the {limit} setups used last (NOTE [setups kept])"
+    )
+
+
+_LIBRARIES = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def _warn_at_caller(message: str) -> None:
+    """Warns at the first frame outside remat and torch: the user's call of the model."""
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
