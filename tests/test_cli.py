@@ -546,9 +546,11 @@ def test_plan_takes_min_and_debug_after_the_subcommand(tiny_catalogue: str, caps
     document = json.loads(out)
     assert document["requested_budget"] == "min"
     assert document["predicted_peak_bytes"] <= document["budget_bytes"]
-    # --debug lets the error through with its traceback, wherever it stands on the line
-    with pytest.raises(Exception, match="minimum feasible budget"):
-        cli.main(["plan", tiny_catalogue, "--budget", "1kB", "--debug"])
+    # --debug shows the error's traceback, wherever it stands on the line, and keeps its exit code
+    code, _, err = run(["plan", tiny_catalogue, "--budget", "1kB", "--debug"], capsys)
+    assert code == cli.EXIT_BUDGET_TOO_SMALL
+    assert "Traceback (most recent call last)" in err and "BudgetTooSmall" in err
+    assert err.rstrip().splitlines()[-1].startswith("remat: ")
 
 
 def test_python_dash_m_runs_the_command() -> None:

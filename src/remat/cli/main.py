@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -553,35 +554,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warnings.showwarning = _show_warning
             return _COMMANDS[args.command](args, output)
     except CliError as error:
-        if debug:
-            raise
-        _error_line(error.message)
+        _error_line(debug, error.message)
         return error.code
     except KeyboardInterrupt:
-        _error_line("interrupted")
+        _error_line(False, "interrupted")
         return EXIT_INTERRUPTED
     except BudgetTooSmall as error:
-        if debug:
-            raise
         _error_line(
+            debug,
             f"the budget {bytes_and_mib(error.budget_bytes)} is below the minimum feasible budget "
-            f"{bytes_and_mib(error.minimum_bytes)}"
+            f"{bytes_and_mib(error.minimum_bytes)}",
         )
         return EXIT_BUDGET_TOO_SMALL
     except InvalidBudget as error:
-        if debug:
-            raise
-        _error_line(str(error))
+        _error_line(debug, str(error))
         return EXIT_BAD_BUDGET
     except RematError as error:
-        if debug:
-            raise
-        _error_line(f"{type(error).__name__}: {error}")
+        _error_line(debug, f"{type(error).__name__}: {error}")
         return EXIT_UNSUPPORTED_MODEL
     except (MemoryError, RuntimeError) as error:
-        if debug or not is_out_of_memory(error):
+        if not is_out_of_memory(error):
             raise
-        _error_line(f"out of memory: {first_line(error)}; try a smaller --batch or another --device")
+        _error_line(debug, f"out of memory: {first_line(error)}; try a smaller --batch or another --device")
         return EXIT_OUT_OF_MEMORY
 
 
@@ -591,7 +585,10 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: object, *
     print(text if text.startswith("remat: ") else f"warning: {text}", file=sys.stderr)
 
 
-def _error_line(message: str) -> None:
+def _error_line(debug: bool, message: str) -> None:
+    """The error's one line (with --debug, after the traceback of the error being handled)."""
+    if debug:
+        traceback.print_exc()
     sys.stderr.write(f"remat: error: {' '.join(message.split())}\n")
     sys.stderr.flush()
 
