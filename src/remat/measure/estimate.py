@@ -167,8 +167,8 @@ def calibrated_cost_model(
         raise ValueError("a cost model is measured on a real device (cpu, cuda), not on meta")
     cuda = target.type == "cuda"
     room = float("inf") if max_bytes is None else max_bytes / (3 * torch.empty((), dtype=dtype).element_size())
-    side = _power_of_two_at_most(room**0.5, 16, 4096 if cuda else 512)
-    elements = _power_of_two_at_most(room, 1024, (64 if cuda else 8) * 2**20)
+    side = _power_of_two_at_most(room**0.5, 8, 4096 if cuda else 512)
+    elements = _power_of_two_at_most(room, 64, (64 if cuda else 8) * 2**20)
     return _calibrate(str(target), dtype, torch.get_num_threads(), side, elements)
 
 

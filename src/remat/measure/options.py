@@ -278,9 +278,11 @@ def store_options(
             model(*fake_args, **fake_kwargs)
     if len(probe.calls) != len(chain):
         raise missing_stages(chain, len(probe.calls), " while sizing options")
+    # the cost model's tensors hold no more than a stage saves (the timing pass held as much): a
+    # first step planned at the least budget keeps it (NOTE [calibrating within the budget])
     held = max((sum(nbytes for nbytes, _ in s.saved_storages.values()) for s in measurement.stages), default=0)
     cost = (
-        calibrated_cost_model(device, dominant_dtype(list(model.parameters())), max_bytes=max(held, 2**16))
+        calibrated_cost_model(device, dominant_dtype(list(model.parameters())), max_bytes=held)
         if device.type != "meta"
         else None
     )
