@@ -12,6 +12,8 @@ recompute: the same local computations and the same allreduce, bit for bit.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,33 @@ def test_no_sync_under_static_graph_fails_in_ddp_itself_and_the_same_with_remat(
         )
         assert plain is not None and "expect_autograd_hooks_" in plain
         assert checkpointable == plain
+
+
+_STATIC_GRAPH_AROUND = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import remat
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
+ddp = DistributedDataParallel(model, static_graph=True)
+remat.enable(ddp, 0.5)
+try:
+    ddp(torch.randn(8, 16)).sum().backward()
+except remat.UnsupportedModel as error:
+    print("refused:", error)
+dist.destroy_process_group()
+"""
+
+
+def test_enabling_a_static_graph_ddp_itself_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    # its reducer records the static graph from measuring's forwards and then averages nothing
+    script = tmp_path / "static.py"
+    script.write_text(_STATIC_GRAPH_AROUND)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused:" in result.stdout and "static_graph=True" in result.stdout
+    assert "before DDP(model, static_graph=True)" in result.stdout

@@ -49,7 +49,7 @@ from remat.wrapper import (
     is_partial,
     model_own_call,
     partial_coverage,
-    refuse_own_checkpointing,
+    refuse_unmeasurable,
     stand_for_model,
     without_cache,
 )
@@ -251,7 +251,7 @@ class Checkpointable(ModelStandIn):
         return kwargs
 
     def _measure(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, training: bool) -> ChainMeasurement:
-        refuse_own_checkpointing(self.model)
+        refuse_unmeasurable(self.model)
         with planned(self.elementwise):  # NOTE [elementwise saves in planned stages]
             try:
                 return self._measure_now(inputs, kwargs, training=training)

@@ -100,10 +100,20 @@ def model_own_call(model: nn.Module) -> Iterator[None]:
             model.__dict__[COMPILED_SLOT] = compiled
 
 
-def refuse_own_checkpointing(model: nn.Module) -> None:
-    """Refuses a model whose own activation checkpointing is on (Hugging Face's
-    ``gradient_checkpointing_enable()``): its blocks would run again in its backward, outside
-    remat's plan, and measuring would size a step that is not the model's plain one."""
+def refuse_unmeasurable(model: nn.Module) -> None:
+    """Refuses a model remat cannot measure: one whose own activation checkpointing is on
+    (Hugging Face's ``gradient_checkpointing_enable()``), whose blocks would run again in its
+    backward, outside remat's plan, so that measuring would size a step that is not the model's
+    plain one; and a ``DistributedDataParallel(static_graph=True)`` itself, whose reducer
+    records its first iterations' graph from the forwards measuring runs, and then stops
+    averaging gradients (silently)."""
+    if getattr(model, "static_graph", False) is True and hasattr(model, "reducer"):
+        raise UnsupportedModel(
+            f"remat cannot measure the {type(model).__name__} with static_graph=True it was given: DDP records "
+            "its static graph from the forwards remat's measuring runs, and would then stop averaging gradients. "
+            "Enable the model inside it instead (remat.enable(model, ...) before DDP(model, static_graph=True)), "
+            "or pass static_graph=False"
+        )
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", None) is True:
             where = f" ({name!r})" if name else ""

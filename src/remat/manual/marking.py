@@ -83,8 +83,8 @@ def mark(
         output_recompute: do not keep the module's output either (see :func:`remat.recompute`).
         **recompute_options: ``policy``, ``use_reentrant``, ``preserve_rng_state``,
             ``determinism_check``, ``early_stop``, ``context_fn``, ``debug`` and ``comm`` (a
-            recomputed block's collectives), as for :func:`remat.recompute`. With a policy, only the operations it does not keep
-            are recomputed (``policy=remat.policies.recompute_ops("gelu")`` on a block
+            recomputed block's collectives), as for :func:`remat.recompute`. With a policy, only
+            the operations it does not keep are recomputed (``policy=remat.policies.recompute_ops("gelu")`` on a block
             recomputes its activations and keeps the rest).
         offload: instead of recomputing, keep what the module saves for backward in host
             memory until the backward needs it (:func:`remat.offload`); takes no other option.
