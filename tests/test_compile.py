@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -430,6 +431,42 @@ def test_plans_in_the_graph_for_two_input_shapes_live_side_by_side() -> None:
     assert frames[4:] == [frames[4]] * 4, frames
 
 
+def test_unfreezing_layers_of_a_compiled_model_plans_again_for_the_graph() -> None:
+    # the plan in the graph was looked up by input shapes alone: after unfreezing, the
+    # compiled calls kept the frozen model's plan (1.5 times the budget on inductor)
+    model, reference = _blocks(), _blocks()
+    for module in (model, reference):
+        module[:3].requires_grad_(False)
+    control = remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(32, 16)
+
+    def steps(count: int) -> None:
+        for step in range(count):
+            for module in (model, reference):
+                module.zero_grad(set_to_none=True)
+            torch.manual_seed(step)  # (the blocks' dropout)
+            reference(x).pow(2).mean().backward()
+            torch.manual_seed(step)
+            compiled(x).pow(2).mean().backward()
+            for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+                if expected.requires_grad:
+                    _assert_same("aot_eager", expected.grad, actual.grad, f"gradient of {name}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steps(3)
+        frozen = {plan.shapes for plan in control._traced.plans.values()}
+        for module in (model, reference):
+            module[:3].requires_grad_(True)
+        steps(3)
+    setups = {plan.shapes for plan in control._traced.plans.values()}
+    assert len(frozen) == 1 and len(setups) == 2 and frozen < setups
+    (unfrozen,) = [plan for plan in control._traced.plans.values() if plan.shapes not in frozen]
+    assert unfrozen.plan.schedule.profile.n_stages == control.plan.schedule.profile.n_stages
+    assert unfrozen.plan.predicted_peak_bytes <= unfrozen.plan.budget_bytes
+
+
 def test_ranks_that_agree_on_one_plan_keep_it_eager_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     # a plan for compiled calls would be one rank's own (NOTE [one plan for all ranks]); the
     # agreement itself is not run here: only whether a group is active is asked
@@ -636,6 +673,68 @@ def test_a_model_compiled_in_place_after_enabling_runs_its_plan_in_the_graph() -
     _compiled_steps(model, model, reference, range(1, 3), "aot_eager")
     assert remat.controller(model)._traced.plans
     assert model._compiled_call_impl is not None  # put back after each call
+
+
+def test_a_model_compiled_in_place_after_enabling_trains_plainly_once_disabled() -> None:
+    # torch keeps the compiled call it made of the stand-in: after disable, that call runs
+    # the model's own (it used to run into itself without end)
+    model, reference = _blocks(), _blocks()
+    control = remat.enable(model, 0.5, loss_fn=lambda out: out.pow(2).mean())
+    model.compile(backend="aot_eager")
+    with pytest.warns(UserWarning, match="run a plan in the graph"):
+        _compiled_steps(model, model, reference, range(2), "aot_eager")
+    remat.disable(model)
+    assert not remat.is_enabled(model)
+    calls = control._in_flight
+    control._in_flight = None  # the controller must not be reached again
+    _compiled_steps(model, model, reference, range(2, 4), "aot_eager")
+    control._in_flight = calls
+    with pytest.raises(remat.RematError, match="compiled in place"):
+        remat.enable(model, 0.5)  # its compiled call is the old stand-in's: compile the model again after
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_training_step_of_an_enabled_model_replays_its_stages_eagerly(backend: str) -> None:
+    # loss.backward() inside the compiled step runs remat's replays from a compiled frame:
+    # compiled themselves, they saved other tensors than the eager forward (and raised)
+    model, reference = _blocks(), _blocks()
+    remat.enable(model, 0.6, loss_fn=lambda out: out.pow(2).mean())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+
+    def train_step(module: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = module(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    compiled = torch.compile(train_step, backend=backend)
+    x = torch.randn(32, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the graph's own notes on the plan it traced)
+        for step in range(3):
+            torch.manual_seed(step)
+            expected = train_step(reference, optimizers[1], x)
+            torch.manual_seed(step)
+            _assert_same(backend, expected, compiled(model, optimizers[0], x), f"step {step}: loss")
+            for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+                _assert_same(backend, p, q, f"step {step}: {name}")
+    assert remat.controller(model).plan is not None and max(remat.controller(model).plan.forward_counts) > 1
+
+
+_OFFLOADING = remat.policies.offload_ops("aten.addmm")  # (built outside the traced code)
+
+
+def test_an_offloading_policy_under_compile_is_refused_with_what_to_do() -> None:
+    block = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return remat.recompute(block, x, policy=_OFFLOADING).pow(2).mean()
+
+    with pytest.raises(
+        Exception, match=r"offloads the output of aten.addmm.default .* does not build under torch.compile"
+    ):
+        torch.compile(forward, backend="aot_eager", fullgraph=True)(torch.randn(4, 8)).backward()
 
 
 def test_a_model_compiled_in_place_before_enabling_is_refused() -> None:

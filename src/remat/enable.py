@@ -93,8 +93,9 @@ def disable(model: nn.Module) -> None:
     """Undoes :func:`enable`: the model's call is its own again (nothing to do if not enabled)."""
     model = _compiled_from(model)
     if is_enabled(model):
-        remove_traced_plans(model.__dict__[_SLOT].controller)  # NOTE [a plan in the compiled graph]
-        del model.__dict__[_SLOT]
+        enabled = model.__dict__.pop(_SLOT)
+        remove_traced_plans(enabled.controller)  # NOTE [a plan in the compiled graph]
+        enabled.disabled = True  # (a compiled call made of it may outlive it: model.compile())
 
 
 def is_enabled(model: nn.Module) -> bool:
@@ -120,8 +121,14 @@ class _EnabledCall:
     def __init__(self, controller: Checkpointable, options: dict[str, Any]) -> None:
         self.controller = controller
         self.options = options
+        self.disabled = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.disabled:
+            # model.compile() after enable compiled this stand-in: after disable, its compiled
+            # call (which torch keeps) runs the model's own call, compiled again
+            model = self.controller.model
+            return type(model)._call_impl(model, *args, **kwargs)
         return self.controller(*args, **kwargs)  # which puts this stand-in aside meanwhile
 
     # A copy of the model is enabled with the same options; its plans are made again.

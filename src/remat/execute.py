@@ -403,12 +403,12 @@ class _Replay:
     """Replays a region body: the function behind a recompute frame."""
 
     def __init__(self, run: _Run, body: _Level) -> None:
-        self.run = run
-        self.body = body
+        self.run, self.body = run, body
         self.__qualname__ = f"stages {body.steps[0].start}.."
         # its stages' parameters are put back for its replays (NOTE [parameters swapped in for a call])
         self.block_modules = run.executor.chain.modules[body.steps[0].start : body.steps[-1].stop]
 
+    @torch._dynamo.disable  # (a backward in a compiled step: compiled, it saved other tensors than the forward)
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _room_for(1):
             return self.run.run_level(self.body, args, kwargs)

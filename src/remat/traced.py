@@ -9,7 +9,7 @@ every boundary of the chain: each stage is then stored, or recomputed alone from
 input, the form torch's checkpoint operation has. That plan is the fastest of that form
 within the same budget, and its prediction is exact for eager execution like any other.
 Each stage it recomputes gets a stand-in ``forward``. From the next call on, with the same
-input shapes, budget and training mode, Dynamo traces the model's own forward with that
+input shapes, budget, training modes and parameters requiring grad, Dynamo traces the model's own forward with that
 plan marked as the one being traced: each stand-in of a stage it recomputes runs the
 stage through :func:`remat.recompute`, which hands it to the compiler as torch's checkpoint
 operation (remat.manual._compiled), and any other stand-in, like every stand-in run
@@ -54,14 +54,14 @@ from remat.units import format_bytes
 if TYPE_CHECKING:
     from remat.automatic import Checkpointable
 
-__all__ = ["TracedCalls", "TracedPlan", "input_shapes", "remove_traced_plans", "traced_plan_for"]
+__all__ = ["TracedCalls", "TracedPlan", "input_setup", "remove_traced_plans", "traced_plan_for"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TracedPlan:
-    """A plan for compiled calls: the input and budget it was made for, and the stages it recomputes."""
+    """A plan for compiled calls: the input setup and budget it was made for, and the stages it recomputes."""
 
-    shapes: tuple[Any, ...]
+    shapes: tuple[Any, ...]  # (input_setup)
     mem_limit: Any
     plan: Plan
     names: frozenset[str]
@@ -79,7 +79,9 @@ class TracedCalls:
     tried: set[Any] = dataclasses.field(default_factory=set)
     told: bool = False
 
-    def plan_of(self, mem_limit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedPlan | None:
+    def plan_of(
+        self, model: nn.Module, mem_limit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> TracedPlan | None:
         """The plan a compiled training call with these inputs runs in the graph, if any.
 
         Traced, the answer holds until ``version`` changes: Dynamo guards on that integer
@@ -87,7 +89,7 @@ class TracedCalls:
         taken off, make the next call trace again."""
         if self.version == 0:
             return None
-        return self.plans.get((input_shapes(args, kwargs), mem_limit))
+        return self.plans.get((input_setup(model, args, kwargs), mem_limit))
 
     def run(self, plan: TracedPlan, call: Any) -> Any:
         """`call()` traced with `plan`'s stages recomputed by their stand-ins."""
@@ -97,10 +99,17 @@ class TracedCalls:
         return out
 
 
-def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What a traced call compares with the plans' inputs: each tensor's shape and dtype."""
+def input_setup(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a traced call compares with the plans' setups: each input tensor's shape and dtype,
+    which parameters require grad and the modules' training modes (the parts of the eager plan's
+    key, NOTE [what a plan depends on], that change while a compiled model trains: unfreezing
+    layers after a warm-up, a submodule put in eval mode)."""
     leaves = tree_flatten((args, kwargs))[0]
-    return tuple((tuple(leaf.shape), leaf.dtype) for leaf in leaves if isinstance(leaf, torch.Tensor))
+    return (
+        tuple((tuple(leaf.shape), leaf.dtype) for leaf in leaves if isinstance(leaf, torch.Tensor)),
+        tuple(parameter.requires_grad for parameter in model.parameters()),
+        tuple(module.training for module in model.modules()),
+    )
 
 
 def remove_traced_plans(controller: Checkpointable) -> None:
@@ -118,7 +127,7 @@ def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: d
     """After an eager training call under torch.compile: makes the plan for the next compiled
     calls of that input and budget and installs its stand-ins, or says once why there is
     none (see the NOTE)."""
-    calls, key, shapes = controller._traced, controller._last_key, input_shapes(args, kwargs)
+    calls, key, shapes = controller._traced, controller._last_key, input_setup(controller.model, args, kwargs)
     attempt = (key, shapes, controller.mem_limit)
     if attempt in calls.tried:
         return  # planned for these calls already, or said why not

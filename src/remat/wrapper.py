@@ -276,7 +276,7 @@ def eager_under_compile(forward: Callable[..., Any]) -> Callable[..., Any]:
             # the model's own call, compiled; the class's, past the stand-in an enabled model
             # has on the instance (Dynamo, torch 2.11, cannot trace putting it aside)
             return nn.Module._call_impl(self.model, *args, **kwargs)
-        plan = self._traced.plan_of(self.mem_limit, args, kwargs) if traced else None
+        plan = self._traced.plan_of(self.model, self.mem_limit, args, kwargs) if traced else None
         if plan is not None:  # NOTE [a plan in the compiled graph]: the stages' stand-ins recompute
             training_kwargs = self._training_kwargs(kwargs)
             return self._traced.run(plan, lambda: nn.Module._call_impl(self.model, *args, **training_kwargs))

@@ -161,4 +161,11 @@ def _check_compilable(policy: Policy) -> None:
 
 def _decide(policy: Policy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """A remat policy's decision as torch's selective checkpointing asks for one."""
-    return _POLICIES[Decision.of(policy(op, *args, **kwargs), policy)]
+    decision = Decision.of(policy(op, *args, **kwargs), policy)
+    if decision.offloads:
+        raise NotImplementedError(
+            f"the policy {policy!r} offloads the output of {op} to host memory, which remat does not build under "
+            "torch.compile; there keep it (remat.policies.save_ops) or recompute it, or run the block outside the "
+            "compiled code (torch.compiler.disable)"
+        )
+    return _POLICIES[decision]
