@@ -396,15 +396,16 @@ def _pack(tensor: torch.Tensor) -> Any:
         filled.value = value if (planned := filling()) is None else planned.hold(tensor, value)
         filled.filler = frame
         root.owners[index] = None
-    may_be_filled = not tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter)
+    may_be_filled = not (tensor.requires_grad or tensor._version or isinstance(tensor, torch.nn.Parameter))
+    may_be_filled = may_be_filled and tensor.is_floating_point()
     if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
         # NOTE [an early stop waits for the next save]
         # All this frame must provide is there (children met own the rest). But an operation
         # saves its inputs before it runs, and may then fill one (F.rrelu's noise, with no
         # version bump): stopping now would hand backward it unfilled (torch's checkpoint does:
-        # wrong rrelu gradients). No operation writes so to a tensor requiring grad or to a
-        # parameter: if this tensor and the one saved before are such, stop now; else at the
-        # next tensor saved (by a later operation) or the block's end.
+        # wrong rrelu gradients). Such a tensor is a float one without grad never changed (the
+        # CPU's dropout mask was): if neither this one nor the one saved before is such, stop
+        # now; else at the next tensor saved (a later operation's) or the block's end.
         if not (may_be_filled or context.previous_may_be_filled):
             raise _StopRecompute
         context.stop_at_next = True
