@@ -300,12 +300,13 @@ def _owner(root: _Root, index: int) -> _Frame | None:
 
 
 class _Context:
-    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks", "stop_at_next", "previous_may_be_filled")
+    __slots__ = ("mode", "frame", "last_needed", "children_met", "hooks", "stop_at_next", "previous_fillable")
+    previous_fillable: tuple[torch.Size, torch.dtype] | None
 
     def __init__(self, mode: str, frame: _Frame, last_needed: int | None = None) -> None:
         self.mode, self.frame, self.last_needed = mode, frame, last_needed  # mode: "discard", "fill" or "skip"
         self.children_met = 0  # nested blocks met so far by this fill
-        self.stop_at_next = self.previous_may_be_filled = False  # NOTE [an early stop waits for the next save]
+        self.stop_at_next, self.previous_fillable = False, None  # NOTE [an early stop waits for the next save]
 
 
 class _Stack:
@@ -396,20 +397,19 @@ def _pack(tensor: torch.Tensor) -> Any:
         filled.value = value if (planned := filling()) is None else planned.hold(tensor, value)
         filled.filler = frame
         root.owners[index] = None
-    may_be_filled = not (tensor.requires_grad or tensor._version or isinstance(tensor, torch.nn.Parameter))
-    may_be_filled = may_be_filled and tensor.is_floating_point()
+    fresh = not (tensor.requires_grad or tensor._version or isinstance(tensor, torch.nn.Parameter))
+    fillable = (tensor.shape, tensor.dtype) if fresh and tensor.is_floating_point() else None
     if context.last_needed is not None and index >= context.last_needed and frame.options.early_stop:
         # NOTE [an early stop waits for the next save]
-        # All this frame must provide is there (children met own the rest). But an operation
-        # saves its inputs before it runs, and may then fill one (F.rrelu's noise, with no
-        # version bump): stopping now would hand backward it unfilled (torch's checkpoint does:
-        # wrong rrelu gradients). Such a tensor is a float one without grad never changed (the
-        # CPU's dropout mask was): if neither this one nor the one saved before is such, stop
-        # now; else at the next tensor saved (a later operation's) or the block's end.
-        if not (may_be_filled or context.previous_may_be_filled):
+        # All this frame must provide is there (children met own the rest). But an operation saves its
+        # inputs before it runs, and may then fill one (F.rrelu's noise, with no version bump): stopping
+        # now would hand backward it unfilled (torch's checkpoint does: wrong rrelu gradients). rrelu saves
+        # its noise, float, without grad, never changed, then its input, of that shape and type, requiring
+        # grad: after such a pair the stop waits for the next tensor saved (a later operation's) or the end.
+        if not (tensor.requires_grad and context.previous_fillable == (tensor.shape, tensor.dtype)):
             raise _StopRecompute
         context.stop_at_next = True
-    context.previous_may_be_filled = may_be_filled
+    context.previous_fillable = fillable
     return tensor.detach() if root.inner_backward else None
 
 
