@@ -21,7 +21,7 @@ from remat import policies
 from remat.discover.chain import discover_chain
 from remat.errors import RematError
 from remat.execute import ChainExecutor
-from remat.plan import Region, Store
+from remat.plan import Region, Schedule, Store
 
 
 class Block(nn.Module):
@@ -358,3 +358,24 @@ def test_the_first_step_of_a_small_model_keeps_the_least_budget_with_store_optio
         (reference(x) - y).pow(2).mean().backward()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_the_report_counts_the_second_run_of_a_stage_stored_under_a_policy() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_TinyResidual(64) for _ in range(4)), nn.Linear(64, 8))
+    control = remat.enable(model, 1.0, policy=[policies.save_matmuls])
+    x = torch.randn(128, 64)
+    model(x).square().mean().backward()
+    base = control.plan
+    assert base is not None
+    profile = base.schedule.profile
+    items = tuple(Store(i, option="save_matmuls") if i in (1, 2) else Store(i) for i in range(profile.n_stages))
+    schedule = Schedule.from_plan(profile, items, budget_bytes=base.schedule.budget_bytes)
+    plan = dataclasses.replace(base, schedule=schedule)
+    calls = dict.fromkeys(range(5), 0)
+    for index, module in enumerate(model):
+        module.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    with control.executing(plan):
+        model(x).square().mean().backward()
+    assert [row.forward_runs for row in plan.report().rows] == [calls[i] for i in range(5)] == [1, 2, 2, 1, 1]
+    assert "0 of 5 stages (and 2 stored under a policy, run again in part), 2 extra forwards" in str(plan)

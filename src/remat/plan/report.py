@@ -34,7 +34,8 @@ class StageRow:
         output_bytes: bytes of the stage output.
         saved_bytes: bytes the stage keeps for its backward when stored (inputs excluded).
         kept: whether the first forward keeps what the backward needs (never recomputed).
-        forward_runs: how many times the forward runs (1 + recomputations).
+        forward_runs: how many times the forward runs (1 + recomputations; a stage stored
+            under a policy runs once more, in part: what the policy does not keep).
         offloaded: whether what it keeps waits in host memory for its backward.
         option: the store option the first forward runs it under (NOTE [stored under a
             policy]); ``saved_bytes`` is then what it keeps under the option.
@@ -98,7 +99,8 @@ class PlanReport:
                 if index not in options
                 else int(profile.store_option(options[index]).saved_bytes[index] or 0),
                 kept=index in kept,
-                forward_runs=schedule.forward_counts[index],
+                # (stored under a policy, it runs again in its backward: what the policy does not keep)
+                forward_runs=schedule.forward_counts[index] + (index in options),
                 offloaded=index in offloaded,
                 option=options.get(index),
             )
@@ -155,6 +157,10 @@ class PlanReport:
             ],
         }
 
+    def _under_policies(self) -> str:
+        stored = sum(1 for row in self.rows if row.option is not None)
+        return f" (and {stored} stored under a policy, run again in part)" if stored else ""
+
     def __str__(self) -> str:
         schedule = self.schedule
         n_stages = schedule.profile.n_stages
@@ -166,7 +172,7 @@ class PlanReport:
             f"  step time:       {format_seconds(schedule.predicted_time_s)}"
             f"  (storing everything: {format_seconds(self.baseline.time_s)},"
             f" overhead +{_percent(self.overhead_fraction)})",
-            f"  recomputed:      {recomputed} of {n_stages} stages,"
+            f"  recomputed:      {recomputed} of {n_stages} stages{self._under_policies()},"
             f" {extra_forwards} extra forward{'s' if extra_forwards != 1 else ''}",
         ]
         if "times" in schedule.profile.metadata:
