@@ -515,3 +515,38 @@ def test_a_model_that_checkpoints_itself_is_refused_with_the_reason() -> None:
     wrapped = remat.Checkpointable(_CheckpointsItsBlocks(), "min", nested=True, loss_fn=lambda out: out.sum())
     with pytest.raises(remat.UnsupportedModel, match="during the backward.*gradient_checkpointing_disable"):
         wrapped(torch.randn(8, 16)).sum().backward()
+
+
+class _PreNormMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x)), approximate="tanh"))
+
+
+@pytest.mark.parametrize("budget", ["min", 0.4])
+def test_a_pinned_nested_plan_takes_residuals_from_replays_as_its_controller_did(budget: float | str) -> None:
+    # the pairs whose glue takes a value from a replay came from the measurement alone: a
+    # pinned plan (from JSON or the object) kept those values through the step, 25% over
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_PreNormMLP(64) for _ in range(6)), nn.Linear(64, 8))
+    own, pinned, reference = model, copy.deepcopy(model), copy.deepcopy(model)
+    control = remat.enable(own, budget, nested=True)
+    x, y = torch.randn(128, 64), torch.randint(0, 8, (128,))
+    F.cross_entropy(own(x), y).backward()
+    plan = control.plan
+    assert plan is not None and plan.taken_again_pairs
+    read = remat.plan.Plan.from_json(plan.to_json())
+    assert read.taken_again_pairs == plan.taken_again_pairs
+    remat.enable(pinned, plan=read, nested=True)
+    with remat.MemoryTracker() as own_step:
+        F.cross_entropy(own(x), y).backward()
+    with remat.MemoryTracker() as pinned_step:
+        F.cross_entropy(pinned(x), y).backward()
+    assert pinned_step.peak_bytes == own_step.peak_bytes <= plan.budget_bytes
+    F.cross_entropy(reference(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()  # (own ran two steps)
+    for p, q in zip(pinned.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and torch.equal(2 * p.grad, q.grad)

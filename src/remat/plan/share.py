@@ -328,14 +328,18 @@ def prepared(
 
 
 def taken_again(plan: Plan, measurement: ChainMeasurement | None) -> frozenset[tuple[int, int]]:
-    """The ``(stage, glue's stage)`` stage calls of `measurement` whose glue takes an earlier
-    stage's input, or what its glue made, from its replay under `plan` (NOTE [constants an earlier stage takes] in
-    remat.discover.glue): those its profile's glue spans cover."""
+    """The ``(stage, glue's stage)`` stage calls of `measurement` (None: those `plan` was made
+    with) whose glue takes an earlier stage's input, or what its glue made, from its replay under
+    `plan` (NOTE [constants an earlier stage takes] in remat.discover.glue): those its profile's
+    glue spans cover."""
     spans = set(plan.schedule.profile.glue_spans)
-    if not spans or measurement is None:
+    if not spans:
         return frozenset()
     group_of = [g for g, (first, stop) in enumerate(plan.groups) for _ in range(first, stop)]
-    pairs = (pair for taken in measurement.taken_again for pair in taken.pairs)
+    if measurement is None:  # a pinned plan: the pairs it was made with
+        pairs: Any = plan.taken_again_pairs
+    else:
+        pairs = (pair for taken in measurement.taken_again for pair in taken.pairs)
     return frozenset((s, k) for s, k in pairs if (group_of[s], group_of[k]) in spans)
 
 

@@ -173,6 +173,7 @@ class Plan:
         measured_peak_bytes: the peak of the measured step (every activation stored).
         measurement: what the plan was made from (a ``remat.measure.ChainMeasurement``);
             None for a plan read back from JSON.
+        read_taken_again: :attr:`taken_again_pairs` as read back from JSON.
     """
 
     schedule: Schedule
@@ -180,6 +181,16 @@ class Plan:
     groups: tuple[tuple[int, int], ...]
     measured_peak_bytes: int = 0
     measurement: Any = field(default=None, repr=False)
+    read_taken_again: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+
+    @property
+    def taken_again_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The ``(stage, glue's stage)`` stage calls whose glue can take an earlier value from a
+        replay (NOTE [constants an earlier stage takes] in remat.discover.glue): a pinned plan
+        (read from JSON, or made for another controller) runs its glue spans with them."""
+        if self.measurement is None:
+            return self.read_taken_again
+        return tuple(sorted({pair for taken in self.measurement.taken_again for pair in taken.pairs}))
 
     # ------------------------------------------------------------------ figures
     @property
@@ -258,6 +269,7 @@ class Plan:
                 "fixed_bytes": self.held_outside_bytes,
                 "stage_calls": self.stage_calls,
                 "groups": [list(group) for group in self.groups],
+                "taken_again": [list(pair) for pair in self.taken_again_pairs],
             },
             "profile": self.schedule.profile.to_dict(),
         }
@@ -290,7 +302,8 @@ class Plan:
             )
             measured = data["measured"]
             groups = tuple((int(first), int(stop)) for first, stop in measured["groups"])
-            plan = cls(schedule, budget, groups, int(measured["peak_bytes"]))
+            taken = tuple((int(stage), int(glue)) for stage, glue in measured.get("taken_again", ()))
+            plan = cls(schedule, budget, groups, int(measured["peak_bytes"]), read_taken_again=taken)
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidPlan(f"the plan document is incomplete or malformed: {error!r}") from None
         if plan.predicted_peak_bytes != data.get("predicted_peak_bytes"):
