@@ -22,9 +22,9 @@ import torch
 
 __all__ = ["forward_without_grad"]
 
-_REGISTER_HOOK = torch.Tensor.register_hook
 _LOCK = threading.Lock()
 _DEPTH = [0]
+_OWN: list[Any] = [None]  # Tensor.register_hook as it was when the outermost run began
 
 
 class _NotRegistered:
@@ -43,7 +43,7 @@ class _NotRegistered:
 def _register_hook(self: torch.Tensor, hook: Any) -> Any:
     if not torch.is_grad_enabled() and not self.requires_grad:
         return _NotRegistered()
-    return _REGISTER_HOOK(self, hook)
+    return _OWN[0](self, hook)
 
 
 @contextlib.contextmanager
@@ -51,6 +51,7 @@ def forward_without_grad() -> Iterator[None]:
     """``torch.no_grad()`` for a forward of remat's own (NOTE [tensor hooks in runs without grad])."""
     with _LOCK:
         if _DEPTH[0] == 0:
+            _OWN[0] = torch.Tensor.register_hook
             torch.Tensor.register_hook = _register_hook  # type: ignore[method-assign]
         _DEPTH[0] += 1
     try:
@@ -60,4 +61,4 @@ def forward_without_grad() -> Iterator[None]:
         with _LOCK:
             _DEPTH[0] -= 1
             if _DEPTH[0] == 0:
-                torch.Tensor.register_hook = _REGISTER_HOOK  # type: ignore[method-assign]
+                torch.Tensor.register_hook = _OWN[0]  # type: ignore[method-assign]
