@@ -190,6 +190,9 @@ def test_python_numbers_are_values_in_a_family_and_flags_are_not() -> None:
     )
     assert shape_family(signature(model, (x, 1), {})) == shape_family(a)  # an int is a number too
     assert what_changed(a, signature(model, (torch.randn(3, 32), 2.5), {})).endswith("shapes, dtypes or devices")
+    # the first leaf too (a number passed first: the key's head ends before it)
+    first = [signature(model, (value, x), {}) for value in (1.0, 2.0)]
+    assert "a Python number argument" in what_changed(*first)
 
 
 def test_setups_keep_the_most_recently_used() -> None:

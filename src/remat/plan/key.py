@@ -181,8 +181,8 @@ def _is_number_part(part: Any) -> bool:
 
 def _numbers_changed(previous: tuple[Any, ...], key: tuple[Any, ...]) -> list[int]:
     """The leaf positions whose Python numbers differ between two keys alike in all else ([] otherwise)."""
-    if len(previous) != len(key) or previous[: len(_KEY_PARTS) + 1] != key[: len(_KEY_PARTS) + 1]:
-        return []  # (the part after the head is the input structure)
+    if len(previous) != len(key) or previous[: len(_KEY_PARTS)] != key[: len(_KEY_PARTS)]:
+        return []  # (the head holds the input structure: the leaves line up)
     changed = []
     for position, (a, b) in enumerate(zip(previous[len(_KEY_PARTS) :], key[len(_KEY_PARTS) :], strict=True)):
         if a != b:
@@ -235,10 +235,12 @@ class Setups:
 
     def _note_numbers(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self._values is not None
-        alike = next((k for k in reversed(self._recent) if isinstance(k, tuple) and _numbers_changed(k, key)), None)
-        if alike is None:
+        for alike in reversed(self._recent):
+            if isinstance(alike, tuple) and (positions := _numbers_changed(alike, key)):
+                break
+        else:
             return
-        for position in _numbers_changed(alike, key):
+        for position in positions:
             values = self._values.setdefault((_without_numbers(key), position), {alike[len(_KEY_PARTS) + position][1]})
             values.add(key[len(_KEY_PARTS) + position][1])
             if len(values) >= NUMBER_VALUES_SAID:
