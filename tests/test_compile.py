@@ -456,13 +456,13 @@ def test_unfreezing_layers_of_a_compiled_model_plans_again_for_the_graph() -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         steps(3)
-        frozen = {plan.shapes for plan in control._traced.plans.values()}
+        frozen = {plan.setup for plan in control._traced.plans.values()}
         for module in (model, reference):
             module[:3].requires_grad_(True)
         steps(3)
-    setups = {plan.shapes for plan in control._traced.plans.values()}
+    setups = {plan.setup for plan in control._traced.plans.values()}
     assert len(frozen) == 1 and len(setups) == 2 and frozen < setups
-    (unfrozen,) = [plan for plan in control._traced.plans.values() if plan.shapes not in frozen]
+    (unfrozen,) = [plan for plan in control._traced.plans.values() if plan.setup not in frozen]
     assert unfrozen.plan.schedule.profile.n_stages == control.plan.schedule.profile.n_stages
     assert unfrozen.plan.predicted_peak_bytes <= unfrozen.plan.budget_bytes
 

@@ -9,19 +9,19 @@ every boundary of the chain: each stage is then stored, or recomputed alone from
 input, the form torch's checkpoint operation has. That plan is the fastest of that form
 within the same budget, and its prediction is exact for eager execution like any other.
 Each stage it recomputes gets a stand-in ``forward``. From the next call on, with the same
-input shapes, budget, training modes and parameters requiring grad, Dynamo traces the model's own forward with that
-plan marked as the one being traced: each stand-in of a stage it recomputes runs the
-stage through :func:`remat.recompute`, which hands it to the compiler as torch's checkpoint
-operation (remat.manual._compiled), and any other stand-in, like every stand-in run
-eagerly, is the stage itself. No graph break (``fullgraph=True`` works), the partitioner
-recomputes the planned stages, and the other stages and the model's code between them
-are compiled as they are. The first compiled call recompiles once because of it, and
-remat says so. Plans for several input shapes (or budgets) live side by side: a batch of
-another size does not undo the first size's plan. Traced calls guard on a version of the
-plans (TracedCalls.version), so each new plan makes the next call of every shape trace
-once more. The plan is made on eager figures, which the
-exact tracker cannot check inside compiled code: inductor may keep less (it fuses), and
-the planner benchmark measures compiled steps with the CPU allocator.
+input shapes, budget, training modes and parameters requiring grad, Dynamo traces the
+model's own forward with that plan marked as the one being traced: each stand-in of a
+stage it recomputes runs the stage through :func:`remat.recompute`, which hands it to the
+compiler as torch's checkpoint operation (remat.manual._compiled), and any other stand-in,
+like every stand-in run eagerly, is the stage itself. No graph break (``fullgraph=True``
+works), the partitioner recomputes the planned stages, and the other stages and the
+model's code between them are compiled as they are. The first compiled call recompiles
+once because of it, and remat says so. Plans for several input shapes (or budgets) live
+side by side: a batch of another size does not undo the first size's plan. Traced calls
+guard on a version of the plans (TracedCalls.version), so each new plan makes the next
+call of every shape trace once more. The plan is made on eager figures, which the exact
+tracker cannot check inside compiled code: inductor may keep less (it fuses), and the
+planner benchmark measures compiled steps with the CPU allocator.
 
 It is not used, and compiled calls keep running the eager plan at a graph break, said
 once, when: the budget is below the least a plan of that form needs (its minimum is
@@ -61,7 +61,7 @@ __all__ = ["TracedCalls", "TracedPlan", "input_setup", "remove_traced_plans", "t
 class TracedPlan:
     """A plan for compiled calls: the input setup and budget it was made for, and the stages it recomputes."""
 
-    shapes: tuple[Any, ...]  # (input_setup)
+    setup: tuple[Any, ...]  # (input_setup)
     mem_limit: Any
     plan: Plan
     names: frozenset[str]
@@ -69,7 +69,7 @@ class TracedPlan:
 
 @dataclasses.dataclass
 class TracedCalls:
-    """A controller's plans for compiled calls, by input shapes and budget; the one being
+    """A controller's plans for compiled calls, by input setup and budget; the one being
     traced (whose stages the stand-ins recompute); the stand-ins; what was tried and said."""
 
     plans: dict[tuple[Any, Any], TracedPlan] = dataclasses.field(default_factory=dict)
@@ -127,8 +127,8 @@ def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: d
     """After an eager training call under torch.compile: makes the plan for the next compiled
     calls of that input and budget and installs its stand-ins, or says once why there is
     none (see the NOTE)."""
-    calls, key, shapes = controller._traced, controller._last_key, input_setup(controller.model, args, kwargs)
-    attempt = (key, shapes, controller.mem_limit)
+    calls, key, setup = controller._traced, controller._last_key, input_setup(controller.model, args, kwargs)
+    attempt = (key, setup, controller.mem_limit)
     if attempt in calls.tried:
         return  # planned for these calls already, or said why not
     calls.tried.add(attempt)
@@ -150,7 +150,7 @@ def traced_plan_for(controller: Checkpointable, args: tuple[Any, ...], kwargs: d
                     module.__dict__["forward"] = traced_stage(module, calls, name)
                     calls.stand_ins[name] = module
             budget = controller.mem_limit
-            calls.plans[(shapes, budget)] = TracedPlan(shapes, budget, plan, frozenset(names))
+            calls.plans[(setup, budget)] = TracedPlan(setup, budget, plan, frozenset(names))
             calls.version += 1
             warnings.warn(
                 f"remat: compiled training calls of this input run a plan in the graph from the next call on "

@@ -15,8 +15,8 @@ _KINDS: dict[Any, str] = {}
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors `op` changes in place (its ``Tensor(a!)`` arguments)."""
+def _writes(op: Any) -> tuple[tuple[int, str], ...]:
+    """The positions and names of the arguments `op` writes to (its ``Tensor(a!)`` ones)."""
     writes = _WRITES.get(op)
     if writes is None:
         schema = getattr(op, "_schema", None)
@@ -27,8 +27,13 @@ def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
             if a.alias_info is not None and a.alias_info.is_write
         )
         _WRITES[op] = writes
+    return writes
+
+
+def _written(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors `op` changes in place (its ``Tensor(a!)`` arguments)."""
     found = []
-    for position, name in writes:
+    for position, name in _writes(op):
         value = args[position] if position < len(args) else kwargs.get(name)
         found += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
     return found
@@ -51,13 +56,12 @@ def _kind(op: Any) -> str:
     if kind is None:
         schema = getattr(op, "_schema", None)
         returns = schema.returns if schema is not None else []
-        arguments = schema.arguments if schema is not None else []
         if (
             not any("Tensor" in str(r.type) for r in returns)
             or any(r.alias_info is not None for r in returns)
             # it fills an argument it was given (rrelu's noise, which its backward reads): a kept
             # output would leave the recompute's argument unfilled, so it runs again
-            or any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+            or _writes(op)
         ):
             kind = "unnumbered"
         elif torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
@@ -69,5 +73,6 @@ def _kind(op: Any) -> str:
 
 
 def unnumbered(op: Any) -> bool:
-    """Whether `op` is never kept (a view, an in-place or ``out=`` operation)."""
+    """Whether `op` is never kept (a view, an in-place or ``out=`` operation, or one that fills
+    an argument it was given)."""
     return _kind(op) == "unnumbered"

@@ -250,10 +250,7 @@ class _Mode(TorchDispatchMode):
             if not getattr(func, "is_view", False):
                 if scope is not None and scope.placeholders:
                     scope.check_reads(func, args, kwargs)
-                for recording in _SCOPES:
-                    cache = recording.cache
-                    if recording.policy is not None and cache is not None and cache.storages is not None:
-                        cache.read(args, kwargs)
+                _read_by_recordings(args, kwargs)
             out = self._run(func, args, kwargs, None, None)
             if scope is not None and scope.policy is not None and scope.cache is not None:
                 scope.cache.sharing(out)
@@ -399,6 +396,15 @@ class _Mode(TorchDispatchMode):
 # operations the first forward never ran.
 
 
+def _read_by_recordings(args: Any, kwargs: Any) -> None:
+    """Notes, in every policy block recording, that an operation run again in the recompute reads
+    these arguments (NOTE [keeping only what the recompute reads])."""
+    for recording in _SCOPES:
+        cache = recording.cache
+        if recording.policy is not None and cache is not None and cache.storages is not None:
+            cache.read(args, kwargs)
+
+
 def _recording(cache: OpCache, block: int) -> bool:
     """Whether the first forward of policy block `block` of `cache` is still running."""
     return any(s.policy is not None and s.cache is cache and s.block == block for s in _SCOPES)
@@ -435,10 +441,7 @@ class _Functions(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _RAW_READS and not _LOCAL.internal:
             with internal():
-                for recording in _SCOPES:
-                    cache = recording.cache
-                    if recording.policy is not None and cache is not None and cache.storages is not None:
-                        cache.read(args, kwargs or {})
+                _read_by_recordings(args, kwargs or {})
         if not self.named or _LOCAL.function is not None:
             return func(*args, **(kwargs or {}))
         _LOCAL.function = _normalised(getattr(func, "__name__", ""))
